@@ -1,0 +1,210 @@
+"""Typed configuration: dataclasses loaded from YAML, with unknown keys rejected.
+
+Every experiment config is a tree of dataclasses. ``load_config(Cls, path)`` reads a
+YAML file and builds ``Cls``; a key that the dataclass does not declare, or a value
+of the wrong type, raises :class:`ConfigError` naming the file and the dotted key
+(``configs/aida/tiny.yaml: train.lr_warmup: unknown key; expected one of ...``).
+Help strings live in ``field(metadata={"help": ...})`` so ``describe(Cls)`` can
+print them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, Literal, Mapping, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or dict does not match its dataclass."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check (and minimally coerce) ``value`` against the annotation ``tp``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: value {value!r} matches none of {', '.join(_type_name(a) for a in args)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return _build(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads "1e-5" (no dot) as a string; accept numeric strings for floats.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        prefix = f"{where}." if where and not where.endswith(":") else where
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key for {cls.__name__}; expected one of {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        sub = f"{where}.{name}" if where and not where.endswith(":") else f"{where}{name}"
+        kwargs[name] = _coerce(value, hints[name], sub)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except (ValueError, AssertionError) as e:
+            raise ConfigError(f"{where or cls.__name__}: {e}") from None
+    return obj
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, source: str = "") -> T:
+    """Build dataclass ``cls`` from a plain mapping, rejecting unknown keys.
+
+    ``source`` (a file name) prefixes every error message.
+    """
+    where = f"{source}: " if source else ""
+    return _build(cls, data or {}, where)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = data
+    for k in keys[:-1]:
+        cur = cur.setdefault(k, {})
+        if not isinstance(cur, dict):
+            raise ConfigError(f"override {dotted}: {k} is not a mapping")
+    cur[keys[-1]] = value
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["train.lr=2e-5", "negatives.mode=hard"]`` -> nested dict (values parsed as YAML)."""
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(out, key.strip(), yaml.safe_load(raw))
+    return out
+
+
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(cls: type[T], path: str | os.PathLike, overrides: list[str] | None = None) -> T:
+    """Read YAML ``path`` into dataclass ``cls``; ``overrides`` are ``key.path=value`` strings."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: config file not found")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = _deep_merge(dict(data), parse_overrides(overrides))
+    return from_dict(cls, data, source=path)
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree -> plain dict (YAML/JSON-serialisable)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def describe(cls: type, indent: str = "") -> str:
+    """One line per field with its type, default and help string."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        help_ = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{indent}{f.name}:  # {help_}".rstrip(" #"))
+            lines.append(describe(tp, indent + "  "))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else "<required>")
+            lines.append(f"{indent}{f.name}: {default!r}  # {_type_name(tp)}. {help_}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""The one place for this project's process-level workarounds (DESIGN section 7a).
+
+Nothing here runs at import time: jobs, actors and tests call these functions
+explicitly at their start.
+
+* threads: 2-core machines slow down 10-50x when processes oversubscribe cores;
+* faiss: faiss skips BLAS for query batches below ``distance_compute_blas_threshold``
+  (default 128000), which makes flat search ~8x slower for training-size batches;
+* Ray: bind to loopback unless configured otherwise, no usage-stats network call;
+* DeepSpeed: a single process outside a launcher needs the torch.distributed env vars.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from typing import Any
+
+FAISS_BLAS_THRESHOLD = 20
+
+# Environment for Ray processes started by this project (driver, `ray start`, workers).
+RAY_LOCAL_ENV = {
+    # Without this Ray binds to the machine's routable address; keep local runs on loopback.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def configure_threads(n: int | None = 1) -> None:
+    """Pin intra-op threads for this process (torch, OpenMP, MKL, faiss)."""
+    if n is None:
+        return
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+    except ImportError:  # pragma: no cover - faiss is a hard dependency
+        pass
+
+
+def configure_faiss(blas_threshold: int = FAISS_BLAS_THRESHOLD) -> None:
+    """Make faiss use BLAS for small query batches (see module docstring)."""
+    import faiss
+
+    faiss.cvar.distance_compute_blas_threshold = blas_threshold
+
+
+def configure_process(threads: int | None = 1) -> None:
+    """Everything a worker, actor or job process applies at its start."""
+    configure_threads(threads)
+    configure_faiss()
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def faiss_has_gpu() -> bool:
+    import faiss
+
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``os.environ`` with the local-Ray settings applied."""
+    env = dict(os.environ)
+    for k, v in RAY_LOCAL_ENV.items():
+        env.setdefault(k, v)
+    env.update(extra or {})
+    return env
+
+
+def ray_runtime_env_vars() -> dict[str, str]:
+    """Env vars every Ray worker process of ours gets (threads, loopback)."""
+    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **RAY_LOCAL_ENV,
+            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: Any):
+    """Connect to ``address`` (or RAY_ADDRESS) or start a loopback-only local Ray.
+
+    Under ``ray job submit`` RAY_ADDRESS is set and we join that cluster.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    for k, v in RAY_LOCAL_ENV.items():
+        os.environ.setdefault(k, v)
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = kwargs.pop("runtime_env", {}) or {}
+    env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}
+    runtime_env = {**runtime_env, "env_vars": env_vars}
+    if address:
+        return ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    return ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=kwargs.pop("include_dashboard", False),
+        runtime_env=runtime_env,
+        **kwargs,
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_dist_env(port: int | None = None) -> dict[str, str]:
+    """torch.distributed env for one process outside a launcher (DeepSpeed needs it)."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port or free_port()),
+    }
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))

@@ -1,0 +1,37 @@
+"""dist-nce: distributed hard-negative NCE training for entity-linking retrievers."""
+from setuptools import find_packages, setup
+
+setup(
+    name="dist-nce",
+    version="0.1.0",
+    description=(
+        "Distributed trainer for entity-linking retrievers with hard-negative NCE "
+        "(Zhang & Stratos, NAACL 2021) over knowledge bases of millions of entities."
+    ),
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dist_nce", "dist_nce.*", "kb", "kb.*"]),
+    install_requires=[
+        # torch is pinned by the Makefile on CPU machines (see TORCH_SPEC there);
+        # this is only the compatibility floor.
+        "torch>=2.3",
+        "deepspeed>=0.16",
+        "transformers>=4.45",
+        "ray[default,train]>=2.40",
+        "faiss-cpu>=1.8",
+        "numpy>=1.24",
+        "pyarrow>=15",
+        "tqdm>=4.66",
+        "pyyaml>=6.0",
+        "tensorboard>=2.15",
+        "matplotlib>=3.7",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        # faiss-gpu replaces faiss-cpu: install with `pip install -e .[gpu]` after
+        # `pip uninstall faiss-cpu` (both provide the `faiss` module).
+        "gpu": ["faiss-gpu>=1.8"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+)
