@@ -100,29 +100,31 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def _join(where: str, key: str) -> str:
+    # ``where`` is "file: dotted.path" or "file: " at the top level.
+    return f"{where}{key}" if where.endswith(" ") or not where else f"{where}.{key}"
+
+
 def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        prefix = f"{where}." if where and not where.endswith(":") else where
         raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown key for {cls.__name__}; expected one of {sorted(fields)}"
+            f"{_join(where, str(unknown[0]))}: unknown key for {cls.__name__}; expected one of {sorted(fields)}"
         )
-    kwargs = {}
-    for name, value in data.items():
-        sub = f"{where}.{name}" if where and not where.endswith(":") else f"{where}{name}"
-        kwargs[name] = _coerce(value, hints[name], sub)
+    kwargs = {name: _coerce(value, hints[name], _join(where, name)) for name, value in data.items()}
+    label = where.strip() or cls.__name__
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
-        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+        raise ConfigError(f"{label}: {e}") from None
     validate = getattr(obj, "validate", None)
     if callable(validate):
         try:
             validate()
         except (ValueError, AssertionError) as e:
-            raise ConfigError(f"{where or cls.__name__}: {e}") from None
+            raise ConfigError(f"{label}: {e}") from None
     return obj
 
 

@@ -1,0 +1,1 @@
+"""Metrics, KILT prediction files and scores, Zeshel evaluation."""

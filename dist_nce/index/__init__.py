@@ -1,0 +1,1 @@
+"""Entity index: pure search functions, the EntityShard actor, the NegativeService."""

@@ -1,0 +1,1 @@
+"""Score functions, encoders, the retriever, the reranker and BLINK import."""

@@ -1,0 +1,1 @@
+"""Ray Train + DeepSpeed training loop, batch assembly, refresh schedule, checkpoints."""

