@@ -1,0 +1,286 @@
+"""The joint cross-encoder reranker (paper, section 5: "BERT joint reranker").
+
+One transformer reads a mention and a candidate together,
+``[CLS] mention [SEP] entity [SEP]`` with token types 0 and 1, and a linear layer on
+the first position gives the score. It is trained with the same NCE loss as the
+retrievers (gold at index 0 of K candidates, eq. 7), over each retriever's top-64.
+
+Pairs are built from the token ids the prepared KB already stores, so the reranker
+never re-tokenizes text:
+
+* mention ids ``[CLS] left [unused0] m [unused1] right [SEP]`` -> the content between
+  CLS and SEP, cut to a window of at most ``(L-3)//2`` tokens that keeps the marked
+  mention and gives the left context half of the remaining quota (the rule BLINK and
+  ``dist_nce.text`` use when tokenizing);
+* entity ids ``[CLS] title [unused2] description [SEP]`` -> the content between CLS and
+  SEP, cut to whatever the mention part left of ``L-3``. The paper's code caps the
+  entity at ``(L-3) - (L-3)//2`` even when the mention context is short; giving the
+  entity the unused mention budget only adds description tokens.
+
+Score head (``RerankerConfig.head``): ``"pooler"`` (default) follows the paper's code:
+BERT pooler (dense + tanh on [CLS]) -> dropout 0.1 -> Linear(d, 1), the linear layer
+initialised N(0, initializer_range) with zero bias. ``"cls"`` puts the same dropout +
+linear layer directly on the [CLS] hidden state (the pooler is then frozen).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from dist_nce.modeling.encoder import load_transformer, trim_padding
+
+SCHEMA_VERSION = 1
+MANIFEST_KIND = "reranker"
+
+
+@dataclass
+class RerankerConfig:
+    model: str | None = field(
+        default=None, metadata={"help": "Hugging Face model directory; None = dist_nce.testing.default_model_dir()"}
+    )
+    max_len: int = field(default=256, metadata={"help": "pair length L; the mention part gets at most (L-3)//2"})
+    head: Literal["pooler", "cls"] = field(
+        default="pooler",
+        metadata={"help": "'pooler': pooler->dropout->linear (paper's code); 'cls': dropout->linear on [CLS]"},
+    )
+    dropout: float = field(default=0.1, metadata={"help": "dropout before the score layer"})
+    trim_padding: bool = field(
+        default=True, metadata={"help": "drop all-padding columns of a batch before the transformer"}
+    )
+
+    def validate(self) -> None:
+        if self.max_len < 5:
+            raise ValueError(f"max_len must be >= 5 ([CLS] m [SEP] e [SEP]), got {self.max_len}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class PairTokens(NamedTuple):
+    """The special token ids pair construction needs."""
+
+    cls: int
+    sep: int
+    pad: int
+    mention_start: int
+    mention_end: int
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any) -> "PairTokens":
+        start, end = tok.convert_tokens_to_ids(["[unused0]", "[unused1]"])
+        return cls(tok.cls_token_id, tok.sep_token_id, tok.pad_token_id, start, end)
+
+
+class Pairs(NamedTuple):
+    """``ids``, ``token_type_ids``, ``mask``: [B, K, L] (mask bool)."""
+
+    ids: torch.Tensor
+    token_type_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def _content_lengths(ids: torch.Tensor, tokens: PairTokens, what: str) -> torch.Tensor:
+    """Real length of right-padded ``[CLS] ... [SEP]`` rows [..., T] -> [...], checking the frame."""
+    lengths = (ids != tokens.pad).sum(-1)
+    flat_ids, flat_len = ids.reshape(-1, ids.shape[-1]), lengths.reshape(-1)
+    last = flat_ids.gather(1, (flat_len - 1).clamp(min=0)[:, None])[:, 0]
+    bad = (flat_len < 2) | (flat_ids[:, 0] != tokens.cls) | (last != tokens.sep)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{what} row {row} (flattened) is not a right-padded [CLS] ... [SEP] sequence: "
+            f"{flat_ids[row, : int(flat_len[row]) + 1].tolist()}"
+        )
+    return lengths
+
+
+def mention_window(
+    ids: torch.Tensor, tokens: PairTokens, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window of at most ``budget`` content tokens around the marked mention.
+
+    ids: [B, T] ``[CLS] left [unused0] m [unused1] right [SEP] pad...``
+    -> (start [B], length [B]) in positions of ``ids`` (start >= 1, the window excludes CLS/SEP).
+    The marked span ``[unused0] m [unused1]`` is kept whole when it fits (else its first
+    ``budget`` tokens); the left context gets half of the leftover quota, or more when
+    the right context is shorter than its half, and the right context the rest.
+    """
+    n = _content_lengths(ids, tokens, "mention") - 2
+    has_start, has_end = (ids == tokens.mention_start).any(1), (ids == tokens.mention_end).any(1)
+    if not bool((has_start & has_end).all()):
+        row = int((~(has_start & has_end)).nonzero()[0])
+        raise ValueError(
+            f"mention row {row} lacks the [unused0]/[unused1] markers (ids {tokens.mention_start}/"
+            f"{tokens.mention_end}); was it tokenized with dist_nce.text.encode_mention?"
+        )
+    # Content coordinates: position p of ids is content index p - 1.
+    u0 = (ids == tokens.mention_start).int().argmax(1) - 1
+    u1 = (ids == tokens.mention_end).int().argmax(1) - 1
+    span = u1 - u0 + 1
+    left_len, right_len = u0, n - 1 - u1
+    leftover = (budget - span).clamp(min=0)
+    left = torch.minimum(left_len, torch.maximum(leftover // 2, leftover - right_len))
+    right = torch.minimum(right_len, leftover - left)
+    length = torch.minimum(span, torch.full_like(span, budget)) + left + right
+    return u0 - left + 1, length
+
+
+def build_pairs(
+    mention_ids: torch.Tensor, entity_ids: torch.Tensor, tokens: PairTokens, max_len: int
+) -> Pairs:
+    """``[CLS] mention-window [SEP] entity [SEP] pad...`` for every (mention, candidate).
+
+    mention_ids: [B, Tm], entity_ids: [B, K, Te] (BLINK-format rows as stored in the
+    prepared KB, right-padded) -> Pairs of [B, K, max_len]. Token type 0 covers
+    ``[CLS] mention [SEP]``, 1 covers ``entity [SEP]``; padding has type 0 and mask False.
+    Vectorised: one gather over index arithmetic, no per-row Python.
+    """
+    if mention_ids.dim() != 2 or entity_ids.dim() != 3 or entity_ids.shape[0] != mention_ids.shape[0]:
+        raise ValueError(
+            f"expected mention_ids [B, Tm] and entity_ids [B, K, Te], got {tuple(mention_ids.shape)} "
+            f"and {tuple(entity_ids.shape)}"
+        )
+    mention_ids, entity_ids = mention_ids.long(), entity_ids.long()
+    b, k, te = entity_ids.shape
+    m_start, m_len = mention_window(mention_ids, tokens, (max_len - 3) // 2)
+    e_len = torch.minimum(_content_lengths(entity_ids, tokens, "entity") - 2, (max_len - 3 - m_len)[:, None])
+
+    j = torch.arange(max_len)[None, None, :]  # output position
+    lm, le = m_len[:, None, None], e_len[:, :, None]
+    in_mention = (j >= 1) & (j <= lm)
+    in_entity = (j >= lm + 2) & (j < lm + 2 + le)
+    m_src = (m_start[:, None, None] + j - 1).clamp(0, mention_ids.shape[1] - 1).expand(b, k, max_len)
+    e_src = (j - lm - 1).clamp(0, te - 1).expand(b, k, max_len)
+    from_mention = mention_ids[:, None, :].expand(b, k, -1).gather(2, m_src)
+    from_entity = entity_ids.gather(2, e_src)
+
+    ids = torch.full((b, k, max_len), tokens.pad, dtype=torch.long)
+    ids = torch.where(in_mention, from_mention, ids)
+    ids = torch.where(in_entity, from_entity, ids)
+    sep = (j == lm + 1) | (j == lm + 2 + le)
+    ids = torch.where(sep, torch.full_like(ids, tokens.sep), ids)
+    ids[..., 0] = tokens.cls
+    mask = j <= lm + 2 + le
+    token_type = ((j >= lm + 2) & mask).long()
+    return Pairs(ids, token_type, mask.expand(b, k, max_len))
+
+
+class Reranker(nn.Module):
+    """Cross-encoder: forward(Pairs [B, K, L]) -> scores [B, K]."""
+
+    def __init__(self, config: RerankerConfig, model: nn.Module, tokenizer: Any = None):
+        super().__init__()
+        config.validate()
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos is not None and config.max_len > max_pos:
+            raise ValueError(f"max_len {config.max_len} exceeds the model's max_position_embeddings {max_pos}")
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        pooler = getattr(model, "pooler", None)
+        if config.head == "pooler" and pooler is None:
+            raise ValueError(f"head='pooler' needs a model with a pooler; {type(model).__name__} has none")
+        if config.head == "cls" and pooler is not None:
+            pooler.requires_grad_(False)  # unused: keep it out of the trainable set
+        d = int(model.config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.score_layer = nn.Linear(d, 1)
+        # As the paper's code (BERT's own initialisation for a new linear layer).
+        nn.init.normal_(self.score_layer.weight, mean=0.0, std=float(getattr(model.config, "initializer_range", 0.02)))
+        nn.init.zeros_(self.score_layer.bias)
+
+    @classmethod
+    def build(cls, config: RerankerConfig) -> "Reranker":
+        from dist_nce.testing import default_model_dir
+        from dist_nce.text import load_tokenizer
+
+        model_dir = config.model or default_model_dir()
+        return cls(config, load_transformer(model_dir), load_tokenizer(model_dir))
+
+    @property
+    def pair_tokens(self) -> PairTokens:
+        if self.tokenizer is None:
+            raise ValueError("this Reranker has no tokenizer; pass one or build with Reranker.build/from_pretrained")
+        return PairTokens.from_tokenizer(self.tokenizer)
+
+    def forward(self, pairs: Pairs) -> torch.Tensor:
+        ids, types, mask = pairs
+        if not ids.shape == types.shape == mask.shape or ids.dim() != 3:
+            raise ValueError(
+                f"expected ids, token_type_ids, mask all [B, K, L], got {tuple(ids.shape)}, "
+                f"{tuple(types.shape)}, {tuple(mask.shape)}"
+            )
+        b, k, length = ids.shape
+        if self.config.trim_padding:
+            keep = trim_padding(ids, mask)[0].shape[-1]
+            ids, types, mask = ids[..., :keep], types[..., :keep], mask[..., :keep]
+        out = self.model(
+            input_ids=ids.reshape(b * k, -1),
+            attention_mask=mask.reshape(b * k, -1).long(),
+            token_type_ids=types.reshape(b * k, -1),
+        )
+        first = out.pooler_output if self.config.head == "pooler" else out.last_hidden_state[:, 0]
+        return self.score_layer(self.dropout(first)).reshape(b, k)
+
+    def score(self, mention_ids: torch.Tensor, entity_ids: torch.Tensor) -> torch.Tensor:
+        """mention_ids [B, Tm], entity_ids [B, K, Te] (prepared-KB rows) -> scores [B, K]."""
+        return self(build_pairs(mention_ids, entity_ids, self.pair_tokens, self.config.max_len))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """``encoder/`` (Hugging Face format), ``head.safetensors``, ``tokenizer/``, ``manifest.json``."""
+        from safetensors.torch import save_file
+
+        from dist_nce.artifacts import atomic_path, write_manifest
+        from dist_nce.config import to_dict
+
+        with atomic_path(directory) as tmp:
+            tmp.mkdir()
+            self.model.save_pretrained(tmp / "encoder")
+            head = {k: v.detach().cpu().contiguous() for k, v in self.score_layer.state_dict().items()}
+            save_file(head, str(tmp / "head.safetensors"))
+            fields: dict[str, Any] = {}
+            if self.tokenizer is not None:
+                from dist_nce.text import tokenizer_fingerprint
+
+                self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+                fields["tokenizer"] = tokenizer_fingerprint(self.tokenizer)
+            write_manifest(
+                tmp, MANIFEST_KIND, SCHEMA_VERSION,
+                config=to_dict(self.config), hidden_size=int(self.model.config.hidden_size),
+                model_type=self.model.config.model_type, **fields,
+            )
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, expect: dict[str, Any] | None = None) -> "Reranker":
+        """Load a directory written by :meth:`save_pretrained`; a manifest of another kind,
+        schema version, or differing from ``expect`` raises ``ArtifactMismatch``."""
+        from safetensors.torch import load_file
+
+        from dist_nce.artifacts import MANIFEST, ArtifactMismatch, read_manifest
+        from dist_nce.config import from_dict
+
+        directory = Path(directory)
+        manifest = read_manifest(directory, MANIFEST_KIND, SCHEMA_VERSION, expect)
+        config = from_dict(RerankerConfig, manifest["config"], source=f"{directory / MANIFEST}: config")
+        model = load_transformer(directory / "encoder")
+        if int(model.config.hidden_size) != manifest["hidden_size"]:
+            raise ArtifactMismatch(
+                f"{directory / 'encoder'}: hidden size {model.config.hidden_size}, manifest says {manifest['hidden_size']}"
+            )
+        tokenizer = None
+        if (directory / "tokenizer").is_dir():
+            from dist_nce.text import load_tokenizer
+
+            tokenizer = load_tokenizer(str(directory / "tokenizer"))
+        reranker = cls(config, model, tokenizer)
+        head = load_file(str(directory / "head.safetensors"))
+        want = {k: tuple(v.shape) for k, v in reranker.score_layer.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in head.items()}
+        if got != want:
+            raise ArtifactMismatch(f"{directory / 'head.safetensors'}: tensors {got}, expected {want}")
+        reranker.score_layer.load_state_dict(head)
+        return reranker
