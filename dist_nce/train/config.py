@@ -1,0 +1,187 @@
+"""The training job's typed configuration (one YAML file per experiment).
+
+``load_config(TrainJobConfig, "configs/aida/tiny_cpu.yaml", overrides=["optim.lr=2e-5"])``
+builds it; unknown keys are an error naming the file and the dotted key. Every field
+has a help string: ``python -c "from dist_nce.config import describe; from
+dist_nce.train.config import TrainJobConfig; print(describe(TrainJobConfig))"``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+def _help(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class DataConfig:
+    prepared_dir: str = _help("Prepared KB directory (kb.prepare output); prepared on first run if missing.",
+                              default="data/prepared/aida")
+    kilt_knowledge_source: Optional[str] = _help(
+        "kilt_knowledgesource.json to prepare from when prepared_dir does not exist.", default=None)
+    aida_dir: Optional[str] = _help("Directory with aidayago2-{train,dev,test_without_answers}-kilt.jsonl.",
+                                    default=None)
+    zeshel_root: Optional[str] = _help("Zeshel root (documents/, mentions/) to prepare from.", default=None)
+    synthetic_entities: int = _help(
+        "If > 0 and no source is given, generate a synthetic KILT KB + AIDA files of this size first.", default=0)
+    synthetic_train: int = _help("Synthetic AIDA train mentions.", default=1000)
+    synthetic_dev: int = _help("Synthetic AIDA dev mentions.", default=200)
+    synthetic_test: int = _help("Synthetic AIDA test mentions.", default=200)
+    synthetic_dir: str = _help("Where synthetic source files are written.", default="data/synthetic/aida")
+    train_split: str = _help("Mention split to train on.", default="train")
+    dev_split: str = _help("Mention split for periodic evaluation.", default="dev")
+    mention_max_len: int = _help("Mention tokens (32 in BLINK, 128 in the paper).", default=32)
+    entity_max_len: int = _help("Entity tokens ([CLS] title [unused2] description [SEP]).", default=128)
+    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", default=0)
+    max_dev_mentions: int = _help("Use only the first N dev mentions (0 = all).", default=0)
+    prepare_workers: int = _help("Processes for preparing the KB.", default=2)
+
+
+@dataclass
+class ModelConfig:
+    model_dir: Optional[str] = _help("Hugging Face model directory for both encoders (default: MiniLM).",
+                                     default=None)
+    entity_model_dir: Optional[str] = _help("Separate entity-encoder directory (default: model_dir).",
+                                            default=None)
+    blink_checkpoint: Optional[str] = _help(
+        "BLINK biencoder_wiki_large.bin to initialise from (needs model_dir = bert-large-uncased config).",
+        default=None)
+    init_from: Optional[str] = _help("A dist-nce retriever directory (save_pretrained) to start from.",
+                                     default=None)
+    preset: Literal["dual", "multi", "poly", "som", "genpoly"] = _help("Score function (DESIGN section 4).",
+                                                                       default="dual")
+    m: int = _help("Vectors/codes for multi-m, poly-m, genpoly-m.", default=1)
+    freeze_entity_encoder: bool = _help(
+        "ELQ-style: keep the entity encoder frozen; the KB is encoded once and never refreshed.", default=False)
+    storage_dtype: Literal["float32", "float16", "bfloat16"] = _help("Dtype of stored entity vectors.",
+                                                                     default="float32")
+
+
+@dataclass
+class NegativesConfig:
+    mode: Literal["random", "hard", "mixed"] = _help("Negative distribution (paper section 3).", default="hard")
+    p: float = _help("mixed-p: percent of the K-1 negatives that are hard (rounded half up).", default=50.0)
+    num_candidates: int = _help("K: gold + K-1 negatives per mention (64 in the paper).", default=64)
+    schedule: Literal["pipelined", "per_epoch"] = _help(
+        "pipelined: mine each batch P batches ahead with the current mention encoder; per_epoch: the paper's "
+        "mode, mine all training mentions at each epoch start.", default="pipelined")
+    prefetch: int = _help("P: mining requests kept in flight ahead of the current batch.", default=2)
+    adjusted_loss: bool = _help("Use the score-adjusted loss (eq. 6) instead of plain hard NCE (eq. 7).",
+                                default=False)
+    temperature: float = _help("Softmax temperature of the NCE loss (1 in the paper).", default=1.0)
+
+    def validate(self) -> None:
+        if self.num_candidates < 2:
+            raise ValueError(f"negatives.num_candidates must be >= 2, got {self.num_candidates}")
+        if not 0 <= self.p <= 100:
+            raise ValueError(f"negatives.p must be in [0, 100], got {self.p}")
+        if self.prefetch < 0:
+            raise ValueError("negatives.prefetch must be >= 0")
+
+
+@dataclass
+class ServiceConfig:
+    num_shards: int = _help("EntityShard actors the KB is split into.", default=2)
+    backend: Literal["exact", "flat", "ivf", "hnsw"] = _help(
+        "exact: brute-force torch scores (exact Gumbel sample); flat/ivf/hnsw: faiss top-N then Gumbel within.",
+        default="exact")
+    top_n: int = _help("ANN backends: candidates fetched per query before Gumbel sampling.", default=1024)
+    num_cpus: float = _help("CPUs per shard actor (fractional allowed).", default=0.5)
+    num_gpus: float = _help("GPUs per shard actor (fractional shares a GPU with trainers).", default=0.0)
+    encode_batch_size: int = _help("Entities per encoder forward when a shard re-encodes.", default=64)
+    max_restarts: int = _help("Ray restarts of a dead shard actor.", default=3)
+    shard_dir: Optional[str] = _help("Where shards persist embedding versions (default: <run dir>/shards).",
+                                     default=None)
+
+
+@dataclass
+class RefreshConfig:
+    mode: Literal["async", "sync", "never"] = _help(
+        "async: train on the old index while shards re-encode (ANCE-style); sync: wait (paper-exact with "
+        "every_steps=0 and at_epoch_start); never: encode once (frozen entity encoder).", default="async")
+    every_steps: int = _help("Publish entity-encoder weights every N optimizer steps (0 = off).", default=0)
+    at_epoch_start: bool = _help("Refresh at the start of every epoch after the first.", default=True)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _help("Peak learning rate (paper: chosen from {5e-5, 2e-5, 1e-5}).", default=2e-5)
+    epochs: int = _help("Training epochs (paper: up to 4).", default=1)
+    max_steps: int = _help("Stop after this many optimizer steps (0 = run all epochs).", default=0)
+    batch_size: int = _help("Mentions per optimizer step over all workers (paper: 4).", default=4)
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    warmup_proportion: float = _help("Linear warm-up fraction of total steps (BLINK: 0.1).", default=0.1)
+    grad_clip: float = _help("Gradient norm clipping (BLINK: 1.0).", default=1.0)
+    seed: int = _help("Seed for data order, negatives and initialisation.", default=0)
+
+
+@dataclass
+class DeepSpeedConfig:
+    config: str = _help("DeepSpeed JSON (configs/deepspeed/).", default="configs/deepspeed/zero0_fp32.json")
+    zero_stage: Optional[int] = _help("Override zero_optimization.stage of the JSON.", default=None)
+    bf16: Optional[bool] = _help("Override bf16.enabled of the JSON.", default=None)
+
+
+@dataclass
+class RunConfig:
+    name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
+                      default="aida_tiny")
+    storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
+                              default="runs/ray_results")
+    output_dir: str = _help("Exports: Hugging Face model, BLINK layout, KB snapshot, eval JSON.",
+                            default="runs/aida_tiny")
+    num_workers: int = _help("Ray Train (DeepSpeed) workers.", default=1)
+    use_gpu: Optional[bool] = _help("Train on GPUs (default: auto-detect).", default=None)
+    cpus_per_worker: float = _help("CPUs per training worker.", default=1.0)
+    gpus_per_worker: float = _help("GPUs per training worker (fractional shares GPUs with shards).",
+                                   default=1.0)
+    max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
+                              default=2)
+    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)
+    num_to_keep: int = _help("Checkpoints kept by Ray Train.", default=2)
+    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", default=1)
+    eval_every_steps: int = _help("Dev recall/accuracy every N steps (0 = only at the end).", default=0)
+    eval_k: list[int] = _help("Recall@k cut-offs for dev evaluation.", default_factory=lambda: [1, 10, 64])
+    export: bool = _help("Export model (HF + BLINK layout) and KB snapshot at the end.", default=True)
+    evaluate_before: bool = _help("Evaluate the untrained model on dev first (before vs after).", default=True)
+
+
+@dataclass
+class TrainJobConfig:
+    data: DataConfig = _help("Knowledge base and mention data.", default_factory=DataConfig)
+    model: ModelConfig = _help("Retriever architecture and initialisation.", default_factory=ModelConfig)
+    negatives: NegativesConfig = _help("Negative sampling.", default_factory=NegativesConfig)
+    service: ServiceConfig = _help("The sharded negative service.", default_factory=ServiceConfig)
+    refresh: RefreshConfig = _help("When the KB is re-encoded.", default_factory=RefreshConfig)
+    optim: OptimConfig = _help("Optimisation.", default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = _help("DeepSpeed engine.", default_factory=DeepSpeedConfig)
+    run: RunConfig = _help("Ray Train run, checkpoints, logging, exports.", default_factory=RunConfig)
+
+    def validate(self) -> None:
+        if self.optim.batch_size % self.run.num_workers:
+            raise ValueError(
+                f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
+                f"{self.run.num_workers}")
+        if self.model.freeze_entity_encoder and self.refresh.mode != "never":
+            raise ValueError("model.freeze_entity_encoder needs refresh.mode: never (the KB is encoded once)")
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.optim.batch_size // self.run.num_workers
+
+
+def split_negatives(num_candidates: int, mode: str, p: float) -> tuple[int, int]:
+    """(n_hard, n_random) for K candidates (gold + K-1 negatives).
+
+    mixed-p rounds the hard count half up: p=50, K=64 -> 32 hard + 31 random.
+    """
+    n = num_candidates - 1
+    if mode == "random":
+        return 0, n
+    if mode == "hard":
+        return n, 0
+    n_hard = min(n, int(math.floor(p / 100.0 * n + 0.5)))
+    return n_hard, n - n_hard
