@@ -1,0 +1,278 @@
+"""Search one shard of the KB: exact top-k and exact Gumbel-top-k, faiss or torch.
+
+A shard owns the entity rows [row_start, row_start + n). Its answers use GLOBAL row
+ids, exclude the gold (a gold outside the shard is simply absent) and merge across
+shards with :func:`dist_nce.index.topk.merge_results` into the global answer.
+
+Backends (``IndexConfig.backend``):
+
+* ``torch``: any score preset (dual, poly-m, multi-m, SOM, genpoly-m) through
+  ``scoring.score_all`` in chunks of rows, on CPU or GPU, fp32/bf16/fp16 compute.
+* ``flat``: faiss exact maximum inner product, fp32 or fp16 storage, faiss-gpu when a
+  GPU is present and ``faiss_gpu`` allows (dual and multi-m; the spec must be an inner
+  product).
+* ``ivf`` / ``hnsw``: faiss approximate maximum inner product.
+
+Gumbel-top-k (hard negatives, DESIGN section 5), ``IndexConfig.gumbel``:
+
+* ``exact``: brute force over every row (torch, chunked): keys s + G with the
+  counter-based noise of ``negatives.gumbel_noise``; ``log_z`` is exact. Sharded and
+  flat searches return the same sample bit for bit.
+* ``candidates``: the backend's top N (``candidates``) by score, then Gumbel-top-k
+  within them; ``log_z`` covers those N and ``tail_log_z`` ESTIMATES the gold-excluded
+  mass of the other rows from a uniform sample of ``tail_sample`` rows scored exactly:
+  sum_{y outside} e^s ~= (n / R) sum_{sampled y outside} e^s, unbiased for the sum (exact
+  when R >= n). ``ShardResult.truncation()`` turns it into the softmax mass outside.
+* ``auto``: exact for torch/flat, candidates for ivf/hnsw.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from dist_nce.index import faiss_backend
+from dist_nce.index.topk import ShardResult, isin_rows, merge_results
+from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
+    score_candidates
+from dist_nce.negatives import gumbel_noise, gumbel_topk_dense
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_TAIL_SALT = 0x7A11_5A3D
+
+
+def _help(text: str, default):
+    return dataclasses.field(default=default, metadata={"help": text})
+
+
+@dataclasses.dataclass
+class IndexConfig:
+    """How a shard searches its entities."""
+
+    backend: Literal["torch", "flat", "ivf", "hnsw"] = _help(
+        "torch: exact, any preset; flat: faiss exact MIPS; ivf/hnsw: faiss approximate MIPS", "flat")
+    storage: Literal["fp32", "fp16", "bf16"] = _help(
+        "dtype the entity vectors are kept in (faiss: fp32 or fp16 only)", "fp32")
+    compute: Literal["fp32", "fp16", "bf16"] = _help(
+        "torch matmul dtype of the exact path (bf16/fp16 are for GPUs; bf16 is also fast on recent CPUs)", "fp32")
+    device: str = _help("torch device of the exact path: auto (cuda if available), cpu, cuda, cuda:1", "auto")
+    faiss_gpu: Literal["auto", "on", "off"] = _help(
+        "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
+    gumbel: Literal["auto", "exact", "candidates"] = _help(
+        "Gumbel-top-k: exact brute force over all rows, or within the backend's top `candidates`", "auto")
+    candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024)
+    tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024)
+    chunk_rows: int = _help("entities scored per chunk on the exact path", 32768)
+    nlist: int = _help("IVF lists", 1024)
+    nprobe: int = _help("IVF lists probed per query", 32)
+    ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0)
+    hnsw_m: int = _help("HNSW graph degree", 32)
+    ef_construction: int = _help("HNSW build beam", 200)
+    ef_search: int = _help("HNSW search beam (raised to the fetch size when smaller)", 128)
+    seed: int = _help("seed of index construction (IVF training sample)", 0)
+
+    def validate(self) -> None:
+        for name in ("candidates", "tail_sample", "chunk_rows", "nlist", "nprobe", "hnsw_m",
+                     "ef_construction", "ef_search"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"index.{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend != "torch" and self.storage == "bf16":
+            raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
+
+    def gumbel_mode(self) -> str:
+        if self.gumbel != "auto":
+            return self.gumbel
+        return "candidates" if self.backend in ("ivf", "hnsw") else "exact"
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def _check_batch(what: str, x: Tensor | None, batch: int, dims: tuple[int, ...]) -> None:
+    if x is None:
+        return
+    if x.dtype != torch.int64 or x.dim() not in dims or x.shape[0] != batch:
+        shapes = " or ".join(["[B]", "[B, e]"][d - 1] for d in dims)
+        raise ValueError(f"{what} must be int64 {shapes} with B={batch}, got {x.dtype} {list(x.shape)}")
+
+
+def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
+                 chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
+                 query_keys: Tensor | None = None, version: int = 0) -> ShardResult:
+    """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
+
+    queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
+    makes them); gold: [B] or [B, e] int64 global rows (-1 = none). Scores are computed in
+    ``compute`` and returned as float32; ``log_z`` is exact.
+    """
+    q = Reps(queries.vecs.to(compute), queries.mask)
+    n = entities.vecs.shape[0]
+    result = None
+    for c0 in range(0, max(n, 1), chunk_rows):
+        c1 = min(n, c0 + chunk_rows)
+        chunk = Reps(entities.vecs[c0:c1].to(compute), None if entities.mask is None else entities.mask[c0:c1])
+        scores = score_all(spec, q, chunk).float()
+        part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=row_start + c0, version=version)
+        result = part if result is None else merge_results([result, part], k)
+    return result
+
+
+class ShardIndex:
+    """One shard's entity reps and search structure; immutable once built.
+
+    A refresh builds a new ShardIndex and swaps the reference (the Ray actor guards the
+    swap), so a search always sees one consistent (reps, index, version).
+
+    Memory: the torch reps (in ``config.storage``) are kept beside any faiss index: the
+    exact Gumbel path and the truncation estimate score rows directly.
+    """
+
+    def __init__(self, spec: ScoreSpec, entities: Reps, row_start: int, config: IndexConfig | None = None,
+                 version: int = 0):
+        self.config = config = config or IndexConfig()
+        config.validate()
+        if entities.vecs.dim() not in (2, 3) or not entities.vecs.is_floating_point():
+            raise ValueError(f"ShardIndex: entity reps must be floating [n, d] or [n, m, d], "
+                             f"got {entities.vecs.dtype} {list(entities.vecs.shape)}")
+        self.spec, self.row_start, self.version = spec, int(row_start), int(version)
+        self.device = config.torch_device()
+        self.compute = _DTYPES[config.compute]
+        self.entities = Reps(entities.vecs.to(self.device, _DTYPES[config.storage]),
+                             None if entities.mask is None else entities.mask.to(self.device))
+        self.num_rows, self.dim = entities.vecs.shape[0], entities.vecs.shape[-1]
+        self._faiss = self._gpu_res = self._owners = None
+        self._on_gpu = False
+        if config.backend != "torch":
+            self._build_faiss()
+
+    # ------------------------------------------------------------------ faiss
+    def _build_faiss(self) -> None:
+        cfg = self.config
+        if not is_inner_product(self.spec):
+            raise ValueError(f"ShardIndex: backend {cfg.backend!r} needs an inner-product score, {self.spec} "
+                             f"is not one; use backend 'torch'")
+        from dist_nce.runtime import faiss_has_gpu
+
+        want_gpu = cfg.faiss_gpu == "on" or (cfg.faiss_gpu == "auto" and self.device.type == "cuda")
+        if want_gpu and not faiss_has_gpu():
+            if cfg.faiss_gpu == "on":
+                raise ValueError("index.faiss_gpu is 'on' but faiss sees no GPU (faiss-cpu build or no device)")
+            want_gpu = False
+        mips = flatten_for_mips(self.spec, Reps(self.entities.vecs.float().cpu(),
+                                                None if self.entities.mask is None else self.entities.mask.cpu()))
+        gpu_device = (self.device.index or 0) if want_gpu else None
+        self._faiss, self._gpu_res = faiss_backend.build_index(
+            mips.vecs.contiguous().numpy(), cfg.backend, cfg.storage, nlist=cfg.nlist, hnsw_m=cfg.hnsw_m,
+            ef_construction=cfg.ef_construction, train_rows=cfg.ivf_train_rows, seed=cfg.seed,
+            gpu_device=gpu_device)
+        self._on_gpu = self._gpu_res is not None
+        if self._on_gpu and cfg.backend == "ivf":
+            faiss_backend.set_gpu_nprobe(self._faiss, cfg.nprobe)
+        self._owners = mips.owners.cpu()
+
+    def _faiss_topk(self, queries: Reps, k: int, gold: Tensor | None) -> ShardResult:
+        cfg = self.config
+        q = queries.vecs
+        if q.dim() != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"ShardIndex({cfg.backend}): queries must be [B, {self.dim}], got {list(q.shape)}")
+        gold2 = torch.empty((q.shape[0], 0), dtype=torch.int64) if gold is None else \
+            (gold[:, None] if gold.dim() == 1 else gold).cpu()
+        local_gold = torch.where(gold2 >= 0, gold2 - self.row_start, -1)
+        ents, scores = faiss_backend.search_entities(
+            self._faiss, q.detach().float().cpu().contiguous().numpy(), k, self._owners, local_gold,
+            params_for=lambda fetch: faiss_backend.search_params(cfg.backend, self._on_gpu, cfg.nprobe,
+                                                                 cfg.ef_search, fetch),
+            max_fetch=faiss_backend.FAISS_GPU_MAX_K if self._on_gpu else None)
+        ids = torch.where(ents >= 0, ents + self.row_start, -1)
+        # Canonical order (score desc, id asc) through the one-part merge.
+        return merge_results([ShardResult(ids, scores, scores.double(), version=self.version)], k)
+
+    # ------------------------------------------------------------------ public
+    def _prepare(self, queries: Reps | Tensor, k: int, gold: Tensor | None) -> Reps:
+        if isinstance(queries, Tensor):
+            queries = Reps(queries)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if queries.vecs.shape[-1] != self.dim or not queries.vecs.is_floating_point():
+            raise ValueError(f"queries must be floating with last dim d={self.dim}, got {queries.vecs.dtype} "
+                             f"{list(queries.vecs.shape)}")
+        _check_batch("gold", gold, queries.vecs.shape[0], (1, 2))
+        return Reps(queries.vecs.to(self.device), None if queries.mask is None else queries.mask.to(self.device))
+
+    def _exact(self, queries: Reps, k: int, gold: Tensor | None, seed: int | None = None,
+               query_keys: Tensor | None = None) -> ShardResult:
+        res = exact_search(self.spec, queries, self.entities, self.row_start, k,
+                           None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute,
+                           seed, None if query_keys is None else query_keys.to(self.device), self.version)
+        return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
+
+    def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None) -> ShardResult:
+        """Top k entities of this shard by s(x, y), gold excluded.
+
+        queries: mention Reps (a Tensor [B, d] for single-vector mentions); gold: [B] or
+        [B, e] int64 global rows. torch backend: ``log_z`` exact; faiss: ``log_z`` None.
+        """
+        queries = self._prepare(queries, k, gold)
+        if self._faiss is None:
+            return self._exact(queries, k, gold)
+        return self._faiss_topk(queries, k, gold)
+
+    def gumbel_topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None, seed: int,
+                    query_keys: Tensor) -> ShardResult:
+        """k entities of this shard without replacement proportional to exp(s), gold excluded.
+
+        query_keys: [B] int64, one integer per query (the noise is a function of seed,
+        query key and global row); see the module docstring for exact vs candidates.
+        """
+        queries = self._prepare(queries, k, gold)
+        _check_batch("query_keys", query_keys, queries.vecs.shape[0], (1,))
+        if self.config.gumbel_mode() == "exact":
+            return self._exact(queries, k, gold, seed, query_keys)
+        return self._gumbel_candidates(queries, k, gold, seed, query_keys)
+
+    def _gumbel_candidates(self, queries: Reps, k: int, gold: Tensor | None, seed: int,
+                           query_keys: Tensor) -> ShardResult:
+        n_cand = max(k, min(self.config.candidates, self.num_rows))
+        cand = self.topk(queries, n_cand, gold)
+        valid = cand.ids >= 0
+        scores = cand.scores.double().masked_fill(~valid, float("-inf"))
+        keys = scores + gumbel_noise(seed, query_keys.cpu(), cand.ids.clamp(min=0))
+        log_z = torch.logsumexp(scores, dim=1)
+        tail = self._tail_log_z(queries, cand.ids, gold, seed)
+        res = ShardResult(cand.ids, cand.scores, keys.masked_fill(~valid, float("-inf")), log_z, tail,
+                          self.version)
+        return merge_results([res], k)
+
+    def _tail_log_z(self, queries: Reps, covered: Tensor, gold: Tensor | None, seed: int) -> Tensor:
+        """[B] estimate of log sum_{rows not covered, not gold} exp(s) (module docstring)."""
+        n, r = self.num_rows, min(self.config.tail_sample, self.num_rows)
+        gen = torch.Generator().manual_seed((int(seed) ^ _TAIL_SALT) & 0x7FFF_FFFF_FFFF_FFFF)
+        local = torch.randperm(n, generator=gen)[:r].sort().values
+        sample = Reps(self.entities.vecs[local.to(self.device)].to(self.compute),
+                      None if self.entities.mask is None else self.entities.mask[local.to(self.device)])
+        q = Reps(queries.vecs.to(self.compute), queries.mask)
+        s = score_all(self.spec, q, sample).double().cpu()
+        rows = (local + self.row_start).expand(s.shape[0], r)
+        out = isin_rows(rows, covered)
+        if gold is not None:
+            out |= isin_rows(rows, (gold[:, None] if gold.dim() == 1 else gold).cpu())
+        return math.log(n / r) + torch.logsumexp(s.masked_fill(out, float("-inf")), dim=1)
+
+    def score_rows(self, queries: Reps | Tensor, rows: Tensor) -> Tensor:
+        """Exact s(x_b, y) [B, r] float32 for global ``rows`` [B, r] owned by this shard."""
+        queries = self._prepare(queries, 1, None)
+        _check_batch("rows", rows, queries.vecs.shape[0], (2,))
+        local = rows.to(self.device) - self.row_start
+        if bool(((local < 0) | (local >= self.num_rows)).any()):
+            raise ValueError(f"score_rows: rows outside this shard [{self.row_start}, "
+                             f"{self.row_start + self.num_rows})")
+        ent = Reps(self.entities.vecs[local].to(self.compute),
+                   None if self.entities.mask is None else self.entities.mask[local])
+        q = Reps(queries.vecs.to(self.compute), queries.mask)
+        return score_candidates(self.spec, q, ent).float().cpu()
+

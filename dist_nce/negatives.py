@@ -1,0 +1,262 @@
+"""Negative samplers for hard-negative NCE: random, hard (exact Gumbel-top-k), mixed-p.
+
+Zhang & Stratos (NAACL 2021), section 3: the loss for a mention x with gold y1 takes
+K-1 negatives y2..yK drawn from a negative distribution nu(. | x, y1). Each sampler
+here returns the negatives AND log nu(y_k | x, y1) for each of them, which the
+score-adjusted loss (eq. 6, ``losses.adjusted_nce_loss``) subtracts as
+log((K-1) nu(y_k | x, y1)).
+
+**Which nu.** ``log_q`` is always the PER-DRAW proposal, not the probability that a
+without-replacement sample contains y (the paper's convention):
+
+* random: nu(y) = 1 / |Y \\ ({y1} ∪ excluded)|, uniform (``log_q = -log(N - 1)`` without
+  extra exclusions);
+* hard: nu(y) = exp s(x,y) / sum_{y' != y1} exp s(x,y'), the softmax over the whole KB
+  minus the gold; ``log_q = s(x,y) - log_z`` with ``log_z`` from the (merged) search;
+* mixed-p with a = n_hard/(K-1): nu(y) = a * hard(y) + (1-a) / (N-1), the mixture; see
+  :func:`mixed_negatives` for the stratified alternative when the proposal scores of the
+  random draws are not available.
+
+**Hard negatives are exact.** K-1 entities without replacement, proportional to
+exp(s), is the top K-1 of s(x,y) + G(y) with iid standard Gumbel G (the Gumbel-top-k
+trick; successive sampling / Plackett-Luce order). The noise is counter-based:
+G(y) = F(seed, query_key, y), a pure function of three integers (splitmix64 hashing),
+so a shard owning rows [a, b) draws exactly the noise the flat search would, and the
+merged sample equals the flat sample bit for bit on the same device whatever the shard
+count and chunking.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from dist_nce.index.topk import ShardResult, first_occurrence, isin_rows, result_from_keys
+
+# splitmix64 (Steele, Lea, Flood 2014) constants, as signed int64 where they exceed 2**63.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MUL2 = 0x94D049BB133111EB - (1 << 64)
+_ROW_SALT = 0x5851F42D4C957F2D
+_TWO_M53 = 2.0 ** -53
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64 step: a bijection on 64-bit words; int64 multiplication wraps mod 2**64."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
+    """Standard Gumbel noise G[b, j] = F(seed, query_keys[b], rows[..., j]) as float64.
+
+    Args:
+        seed: any int64; the run's sampling seed (vary it per step or epoch).
+        query_keys: [B] int64, one integer per query (e.g. mention index * P + step).
+        rows: [n] (shared by all queries) or [B, n] int64 global entity rows.
+    Returns:
+        [B, n] float64, -log(-log u) with u = (h >> 11 + 1/2) / 2**53 in (0, 1), h the
+        splitmix64 hash of (seed, query key, row). Pure and device-agnostic integer math.
+    """
+    if query_keys.dtype != torch.int64 or query_keys.dim() != 1:
+        raise ValueError(f"gumbel_noise: query_keys must be int64 [B], got {query_keys.dtype} "
+                         f"{list(query_keys.shape)}")
+    if rows.dtype != torch.int64 or rows.dim() not in (1, 2):
+        raise ValueError(f"gumbel_noise: rows must be int64 [n] or [B, n], got {rows.dtype} {list(rows.shape)}")
+    seed_word = torch.full_like(query_keys, int(seed))
+    q = _mix(_mix(seed_word) ^ query_keys)
+    r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)
+    h = _mix(q[:, None] ^ (r[None, :] if r.dim() == 1 else r))
+    u = (_shr(h, 11).to(torch.float64) + 0.5) * _TWO_M53
+    return -torch.log(-torch.log(u))
+
+
+class Negatives(NamedTuple):
+    """K-1 negatives per mention.
+
+    ids:   [B, K-1] int64 global entity rows (never the gold, no duplicates in a row).
+    log_q: [B, K-1] float32 log nu(y | x, gold), the per-draw proposal (module docstring).
+    hard:  [B, K-1] bool, True where the negative came from the hard sampler.
+    """
+
+    ids: Tensor
+    log_q: Tensor
+    hard: Tensor
+
+
+def num_hard(p: float, num_negatives: int) -> int:
+    """Hard negatives in a mixed-p sample: round-half-up of p/100 * (K-1).
+
+    p=50, K=64: 31.5 -> 32 hard, 31 random (+ the gold = 64), as in the paper.
+    """
+    if not 0 <= p <= 100:
+        raise ValueError(f"mixed-p: p must be in [0, 100], got {p}")
+    # Fraction keeps 0.5 * 63 = 31.5 exact, so the half rounds up reliably.
+    return math.floor(Fraction(p).limit_denominator(10**6) * num_negatives / 100 + Fraction(1, 2))
+
+
+def _as_gold(gold: Tensor, batch: int | None = None) -> Tensor:
+    """gold [B] or [B, e] int64 (-1 = none) -> [B, e]."""
+    if gold.dtype != torch.int64 or gold.dim() not in (1, 2):
+        raise ValueError(f"gold must be int64 [B] or [B, e], got {gold.dtype} {list(gold.shape)}")
+    gold = gold[:, None] if gold.dim() == 1 else gold
+    if batch is not None and gold.shape[0] != batch:
+        raise ValueError(f"gold has {gold.shape[0]} rows, expected B={batch}")
+    return gold
+
+
+def _generator(seed_or_gen: int | torch.Generator, device: torch.device) -> torch.Generator:
+    if isinstance(seed_or_gen, torch.Generator):
+        return seed_or_gen
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed_or_gen))
+    return g
+
+
+def _count_banned(banned: Tensor, num_entities: int) -> Tensor:
+    """[B] number of distinct ids of ``banned`` [B, e] inside [0, N)."""
+    valid = (banned >= 0) & (banned < num_entities)
+    return (first_occurrence(banned) & valid).sum(dim=1)
+
+
+def _uniform_distinct(num_entities: int, k: int, banned: Tensor, gen: torch.Generator) -> Tensor:
+    """[B, k] uniform k-subsets of [0, N) minus banned[b], in uniformly random order."""
+    batch, device = banned.shape[0], banned.device
+    out = torch.empty((batch, k), dtype=torch.int64, device=device)
+    if k == 0:
+        return out
+    if num_entities <= 8 * (k + banned.shape[1]) + 64:
+        # Small label space: exact via random keys over all entities.
+        keys = torch.rand((batch, num_entities), generator=gen, device=device)
+        b, col = (banned >= 0) & (banned < num_entities), banned.clamp(0, num_entities - 1)
+        keys[torch.arange(batch, device=device)[:, None].expand_as(col)[b], col[b]] = 2.0
+        return torch.topk(keys, k, dim=1, largest=False).indices
+    # Large KB: draw with replacement, keep first occurrences that are not banned, reject a
+    # row's whole draw if it has fewer than k. The accepted set is a uniform k-subset because
+    # the rejection event depends only on how many distinct values appeared (exchangeability).
+    todo = torch.arange(batch, device=device)
+    width = 2 * (k + banned.shape[1]) + 16
+    while todo.numel():
+        cand = torch.randint(0, num_entities, (todo.numel(), width), generator=gen, device=device)
+        keep = first_occurrence(cand) & ~isin_rows(cand, banned[todo])
+        ok = keep.sum(dim=1) >= k
+        pos = torch.where(keep, torch.arange(width, device=device), width)
+        first_k = torch.topk(pos, k, dim=1, largest=False).indices.sort(dim=1).values
+        out[todo[ok]] = cand[ok].gather(1, first_k[ok])
+        todo, width = todo[~ok], width * 2
+    return out
+
+
+def sample_random(num_entities: int, num_negatives: int, gold: Tensor, generator: int | torch.Generator,
+                  exclude: Tensor | None = None) -> Negatives:
+    """Uniform negatives without duplicates, never the gold nor ``exclude``.
+
+    Args:
+        num_entities: N, the KB size.
+        num_negatives: K-1 (or the random part of a mixed sample).
+        gold: [B] or [B, e] int64 gold rows (-1 = none).
+        generator: a seed or a torch.Generator (on gold's device); same seed, same negatives.
+        exclude: optional [B, E] int64 rows to avoid too (e.g. hard negatives already drawn).
+    Returns:
+        Negatives with log_q = -log(N - #distinct excluded rows incl. the gold).
+    """
+    gold = _as_gold(gold)
+    banned = gold if exclude is None else torch.cat([gold, exclude.to(torch.int64)], dim=1)
+    eligible = num_entities - _count_banned(banned, num_entities)
+    if int(eligible.min()) < num_negatives:
+        row = int(eligible.argmin())
+        raise ValueError(f"sample_random: row {row} has only {int(eligible[row])} eligible entities "
+                         f"for {num_negatives} negatives (N={num_entities})")
+    ids = _uniform_distinct(num_entities, num_negatives, banned, _generator(generator, gold.device))
+    log_q = (-torch.log(eligible.to(torch.float64)))[:, None].expand_as(ids).float()
+    return Negatives(ids, log_q.contiguous(), torch.zeros_like(ids, dtype=torch.bool))
+
+
+def hard_negatives(result: ShardResult, num_negatives: int) -> Negatives:
+    """Hard negatives from a merged exact Gumbel-top-k ``result`` (gold excluded by the search).
+
+    log_q = s(x, y) - log_z: the softmax over the rows the search drew from (the whole KB
+    minus the gold for exact search; the retrieved candidates for candidate mode, whose
+    missing mass ``result.truncation()`` reports).
+    """
+    if result.log_z is None:
+        raise ValueError("hard_negatives: the search result has no log_z (use a Gumbel search)")
+    if result.ids.shape[1] < num_negatives:
+        raise ValueError(f"hard_negatives: result has {result.ids.shape[1]} columns, need {num_negatives}")
+    ids = result.ids[:, :num_negatives]
+    if bool((ids < 0).any()):
+        row = int((ids < 0).any(dim=1).nonzero()[0])
+        raise ValueError(f"hard_negatives: row {row} has fewer than {num_negatives} eligible entities")
+    log_q = result.scores[:, :num_negatives].double() - result.log_z[:, None].to(torch.float64)
+    return Negatives(ids, log_q.float(), torch.ones_like(ids, dtype=torch.bool))
+
+
+def sample_hard(scores: Tensor, num_negatives: int, gold: Tensor, seed: int, query_keys: Tensor) -> Negatives:
+    """Flat reference: exact hard negatives from the full score matrix ``scores`` [B, N].
+
+    Same noise and tie rule as the sharded search, so it returns the same sample.
+    """
+    return hard_negatives(gumbel_topk_dense(scores, num_negatives, gold, seed, query_keys), num_negatives)
+
+
+def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | None, query_keys: Tensor | None,
+                      row_start: int = 0, version: int = 0) -> ShardResult:
+    """Top k of scores [B, n] for global rows [row_start, row_start+n), gold excluded.
+
+    With ``seed`` the keys are s + Gumbel noise (exact sample of k without replacement
+    proportional to exp(s)); without, plain top-k. ``log_z`` is the gold-excluded logsumexp.
+    """
+    batch, n = scores.shape
+    rows = torch.arange(row_start, row_start + n, device=scores.device)
+    masked = scores.to(torch.float64, copy=True)
+    if gold is not None:
+        gold = _as_gold(gold, batch)
+        local = gold - row_start
+        hit = (local >= 0) & (local < n)
+        b = torch.arange(batch, device=scores.device)[:, None].expand_as(local)
+        masked[b[hit], local[hit]] = float("-inf")
+    keys = masked if seed is None else masked + gumbel_noise(seed, query_keys, rows)
+    return result_from_keys(keys, scores, rows.expand(batch, n), k,
+                            log_z=torch.logsumexp(masked, dim=1), version=version)
+
+
+def mixed_negatives(hard: ShardResult, num_entities: int, num_negatives: int, p: float, gold: Tensor,
+                    generator: int | torch.Generator,
+                    random_scores_fn: Callable[[Tensor], Tensor] | None = None) -> Negatives:
+    """Mixed-p: :func:`num_hard` hard negatives from ``hard`` plus uniform ones, K-1 in all.
+
+    The random part avoids the gold and the hard ones. ``log_q`` is the per-draw mixture
+    nu(y) = a * exp(s(y) - log_z) + (1 - a) / (N - 1), a = n_hard / (K-1), which needs the
+    proposal score s(y) of the random draws: ``random_scores_fn(ids [B, r]) -> [B, r]``
+    (e.g. the shards scoring those rows). Without it the STRATIFIED proposal is used: each
+    negative gets the log-probability of the component that drew it. Both make
+    sum_k exp(s_k) / ((K-1) nu(y_k)) an unbiased estimate of the partition sum over the KB
+    (up to the with/without replacement difference the paper also ignores).
+    """
+    k_hard = num_hard(p, num_negatives)
+    hard_part = hard_negatives(hard, k_hard) if k_hard else None
+    hard_ids = hard_part.ids if hard_part is not None else hard.ids[:, :0]
+    rand = sample_random(num_entities, num_negatives - k_hard, gold, generator, exclude=hard_ids)
+    if hard_part is None:
+        return rand
+    ids = torch.cat([hard_part.ids, rand.ids], dim=1)
+    is_hard = torch.cat([hard_part.hard, rand.hard], dim=1)
+    if random_scores_fn is None:
+        uniform = torch.full_like(rand.log_q, -math.log(num_entities - 1))
+        return Negatives(ids, torch.cat([hard_part.log_q, uniform], dim=1), is_hard)
+    proposal_scores = torch.cat([hard.scores[:, :k_hard].double(), random_scores_fn(rand.ids).double()], dim=1)
+    log_soft = proposal_scores - hard.log_z[:, None].double()
+    a = k_hard / num_negatives
+    log_uniform = math.log1p(-a) - math.log(num_entities - 1) if a < 1 else float("-inf")
+    log_q = torch.logaddexp(log_soft + math.log(a), torch.full_like(log_soft, log_uniform))
+    return Negatives(ids, log_q.float(), is_hard)
