@@ -9,9 +9,9 @@ Pairs are built from the token ids the prepared KB already stores, so the rerank
 never re-tokenizes text:
 
 * mention ids ``[CLS] left [unused0] m [unused1] right [SEP]`` -> the content between
-  CLS and SEP, cut to a window of at most ``(L-3)//2`` tokens that keeps the marked
-  mention and gives the left context half of the remaining quota (the rule BLINK and
-  ``dist_nce.text`` use when tokenizing);
+  CLS and SEP, re-cut to at most ``(L-3)//2`` tokens by ``dist_nce.text``'s own rule
+  (markers kept, the mention centred, the left context offered the floor half of the
+  remaining quota), so a pair holds the same mention window a fresh tokenization would;
 * entity ids ``[CLS] title [unused2] description [SEP]`` -> the content between CLS and
   SEP, cut to whatever the mention part left of ``L-3``. The paper's code caps the
   entity at ``(L-3) - (L-3)//2`` even when the mention context is short; giving the
@@ -30,9 +30,14 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.config import from_dict, to_dict
 from dist_nce.modeling.encoder import load_transformer, trim_padding
+from dist_nce.testing import default_model_dir
+from dist_nce.text import SpecialIds, assemble_mention_ids, load_tokenizer, special_ids, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
 MANIFEST_KIND = "reranker"
@@ -54,25 +59,10 @@ class RerankerConfig:
     )
 
     def validate(self) -> None:
-        if self.max_len < 5:
-            raise ValueError(f"max_len must be >= 5 ([CLS] m [SEP] e [SEP]), got {self.max_len}")
+        if self.max_len < 9:  # the mention part needs its two markers + 1 token: (L-3)//2 >= 3
+            raise ValueError(f"max_len must be >= 9, got {self.max_len}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-
-class PairTokens(NamedTuple):
-    """The special token ids pair construction needs."""
-
-    cls: int
-    sep: int
-    pad: int
-    mention_start: int
-    mention_end: int
-
-    @classmethod
-    def from_tokenizer(cls, tok: Any) -> "PairTokens":
-        start, end = tok.convert_tokens_to_ids(["[unused0]", "[unused1]"])
-        return cls(tok.cls_token_id, tok.sep_token_id, tok.pad_token_id, start, end)
 
 
 class Pairs(NamedTuple):
@@ -83,12 +73,12 @@ class Pairs(NamedTuple):
     mask: torch.Tensor
 
 
-def _content_lengths(ids: torch.Tensor, tokens: PairTokens, what: str) -> torch.Tensor:
+def _content_lengths(ids: torch.Tensor, sp: SpecialIds, what: str) -> torch.Tensor:
     """Real length of right-padded ``[CLS] ... [SEP]`` rows [..., T] -> [...], checking the frame."""
-    lengths = (ids != tokens.pad).sum(-1)
+    lengths = (ids != sp.pad).sum(-1)
     flat_ids, flat_len = ids.reshape(-1, ids.shape[-1]), lengths.reshape(-1)
     last = flat_ids.gather(1, (flat_len - 1).clamp(min=0)[:, None])[:, 0]
-    bad = (flat_len < 2) | (flat_ids[:, 0] != tokens.cls) | (last != tokens.sep)
+    bad = (flat_len < 2) | (flat_ids[:, 0] != sp.cls) | (last != sp.sep)
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
         raise ValueError(
@@ -98,46 +88,43 @@ def _content_lengths(ids: torch.Tensor, tokens: PairTokens, what: str) -> torch.
     return lengths
 
 
-def mention_window(
-    ids: torch.Tensor, tokens: PairTokens, budget: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window of at most ``budget`` content tokens around the marked mention.
+def mention_windows(ids: torch.Tensor, sp: SpecialIds, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mention part of each pair: at most ``budget`` tokens around the marked mention.
 
-    ids: [B, T] ``[CLS] left [unused0] m [unused1] right [SEP] pad...``
-    -> (start [B], length [B]) in positions of ``ids`` (start >= 1, the window excludes CLS/SEP).
-    The marked span ``[unused0] m [unused1]`` is kept whole when it fits (else its first
-    ``budget`` tokens); the left context gets half of the leftover quota, or more when
-    the right context is shorter than its half, and the right context the rest.
+    ids: [B, T] ``[CLS] left [unused0] m [unused1] right [SEP] pad...`` -> (window [B, W]
+    right-padded, lengths [B]), W <= budget. The cut is ``dist_nce.text``'s own
+    (:func:`~dist_nce.text.assemble_mention_ids` with ``budget + 2`` ids, CLS/SEP then
+    dropped): markers kept, mention truncated only if it alone does not fit, left
+    context offered the floor half of the rest. One short Python step per mention,
+    not per (mention, candidate) pair.
     """
-    n = _content_lengths(ids, tokens, "mention") - 2
-    has_start, has_end = (ids == tokens.mention_start).any(1), (ids == tokens.mention_end).any(1)
-    if not bool((has_start & has_end).all()):
-        row = int((~(has_start & has_end)).nonzero()[0])
-        raise ValueError(
-            f"mention row {row} lacks the [unused0]/[unused1] markers (ids {tokens.mention_start}/"
-            f"{tokens.mention_end}); was it tokenized with dist_nce.text.encode_mention?"
-        )
-    # Content coordinates: position p of ids is content index p - 1.
-    u0 = (ids == tokens.mention_start).int().argmax(1) - 1
-    u1 = (ids == tokens.mention_end).int().argmax(1) - 1
-    span = u1 - u0 + 1
-    left_len, right_len = u0, n - 1 - u1
-    leftover = (budget - span).clamp(min=0)
-    left = torch.minimum(left_len, torch.maximum(leftover // 2, leftover - right_len))
-    right = torch.minimum(right_len, leftover - left)
-    length = torch.minimum(span, torch.full_like(span, budget)) + left + right
-    return u0 - left + 1, length
+    lengths = _content_lengths(ids, sp, "mention")
+    windows = []
+    for row, (seq, n) in enumerate(zip(ids.tolist(), lengths.tolist())):
+        seq = seq[1 : n - 1]
+        if seq.count(sp.mention_start) != 1 or seq.count(sp.mention_end) != 1:
+            raise ValueError(
+                f"mention row {row} needs exactly one [unused0] and one [unused1] (ids {sp.mention_start}/"
+                f"{sp.mention_end}); was it tokenized with dist_nce.text.encode_mention? {seq}"
+            )
+        a, b = seq.index(sp.mention_start), seq.index(sp.mention_end)
+        windows.append(assemble_mention_ids(seq[:a], seq[a + 1 : b], seq[b + 1 :], budget + 2, sp)[1:-1])
+    width = max((len(w) for w in windows), default=0)
+    out = torch.full((len(windows), width), sp.pad, dtype=torch.long)
+    for row, w in enumerate(windows):
+        out[row, : len(w)] = torch.tensor(w, dtype=torch.long)
+    return out, torch.tensor([len(w) for w in windows], dtype=torch.long)
 
 
 def build_pairs(
-    mention_ids: torch.Tensor, entity_ids: torch.Tensor, tokens: PairTokens, max_len: int
+    mention_ids: torch.Tensor, entity_ids: torch.Tensor, sp: SpecialIds, max_len: int
 ) -> Pairs:
     """``[CLS] mention-window [SEP] entity [SEP] pad...`` for every (mention, candidate).
 
     mention_ids: [B, Tm], entity_ids: [B, K, Te] (BLINK-format rows as stored in the
     prepared KB, right-padded) -> Pairs of [B, K, max_len]. Token type 0 covers
     ``[CLS] mention [SEP]``, 1 covers ``entity [SEP]``; padding has type 0 and mask False.
-    Vectorised: one gather over index arithmetic, no per-row Python.
+    Vectorised over the B*K pairs: gathers over index arithmetic, no per-pair Python.
     """
     if mention_ids.dim() != 2 or entity_ids.dim() != 3 or entity_ids.shape[0] != mention_ids.shape[0]:
         raise ValueError(
@@ -146,24 +133,24 @@ def build_pairs(
         )
     mention_ids, entity_ids = mention_ids.long(), entity_ids.long()
     b, k, te = entity_ids.shape
-    m_start, m_len = mention_window(mention_ids, tokens, (max_len - 3) // 2)
-    e_len = torch.minimum(_content_lengths(entity_ids, tokens, "entity") - 2, (max_len - 3 - m_len)[:, None])
+    window, m_len = mention_windows(mention_ids, sp, (max_len - 3) // 2)
+    e_len = torch.minimum(_content_lengths(entity_ids, sp, "entity") - 2, (max_len - 3 - m_len)[:, None])
 
     j = torch.arange(max_len)[None, None, :]  # output position
     lm, le = m_len[:, None, None], e_len[:, :, None]
     in_mention = (j >= 1) & (j <= lm)
     in_entity = (j >= lm + 2) & (j < lm + 2 + le)
-    m_src = (m_start[:, None, None] + j - 1).clamp(0, mention_ids.shape[1] - 1).expand(b, k, max_len)
+    m_src = (j - 1).clamp(0, max(window.shape[1] - 1, 0)).expand(b, k, max_len)
     e_src = (j - lm - 1).clamp(0, te - 1).expand(b, k, max_len)
-    from_mention = mention_ids[:, None, :].expand(b, k, -1).gather(2, m_src)
+    from_mention = window[:, None, :].expand(b, k, -1).gather(2, m_src)
     from_entity = entity_ids.gather(2, e_src)
 
-    ids = torch.full((b, k, max_len), tokens.pad, dtype=torch.long)
+    ids = torch.full((b, k, max_len), sp.pad, dtype=torch.long)
     ids = torch.where(in_mention, from_mention, ids)
     ids = torch.where(in_entity, from_entity, ids)
     sep = (j == lm + 1) | (j == lm + 2 + le)
-    ids = torch.where(sep, torch.full_like(ids, tokens.sep), ids)
-    ids[..., 0] = tokens.cls
+    ids = torch.where(sep, torch.full_like(ids, sp.sep), ids)
+    ids[..., 0] = sp.cls
     mask = j <= lm + 2 + le
     token_type = ((j >= lm + 2) & mask).long()
     return Pairs(ids, token_type, mask.expand(b, k, max_len))
@@ -195,17 +182,14 @@ class Reranker(nn.Module):
 
     @classmethod
     def build(cls, config: RerankerConfig) -> "Reranker":
-        from dist_nce.testing import default_model_dir
-        from dist_nce.text import load_tokenizer
-
         model_dir = config.model or default_model_dir()
         return cls(config, load_transformer(model_dir), load_tokenizer(model_dir))
 
     @property
-    def pair_tokens(self) -> PairTokens:
+    def special_ids(self) -> SpecialIds:
         if self.tokenizer is None:
             raise ValueError("this Reranker has no tokenizer; pass one or build with Reranker.build/from_pretrained")
-        return PairTokens.from_tokenizer(self.tokenizer)
+        return special_ids(self.tokenizer)
 
     def forward(self, pairs: Pairs) -> torch.Tensor:
         ids, types, mask = pairs
@@ -228,15 +212,10 @@ class Reranker(nn.Module):
 
     def score(self, mention_ids: torch.Tensor, entity_ids: torch.Tensor) -> torch.Tensor:
         """mention_ids [B, Tm], entity_ids [B, K, Te] (prepared-KB rows) -> scores [B, K]."""
-        return self(build_pairs(mention_ids, entity_ids, self.pair_tokens, self.config.max_len))
+        return self(build_pairs(mention_ids, entity_ids, self.special_ids, self.config.max_len))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """``encoder/`` (Hugging Face format), ``head.safetensors``, ``tokenizer/``, ``manifest.json``."""
-        from safetensors.torch import save_file
-
-        from dist_nce.artifacts import atomic_path, write_manifest
-        from dist_nce.config import to_dict
-
         with atomic_path(directory) as tmp:
             tmp.mkdir()
             self.model.save_pretrained(tmp / "encoder")
@@ -244,8 +223,6 @@ class Reranker(nn.Module):
             save_file(head, str(tmp / "head.safetensors"))
             fields: dict[str, Any] = {}
             if self.tokenizer is not None:
-                from dist_nce.text import tokenizer_fingerprint
-
                 self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
                 fields["tokenizer"] = tokenizer_fingerprint(self.tokenizer)
             write_manifest(
@@ -258,11 +235,6 @@ class Reranker(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike, expect: dict[str, Any] | None = None) -> "Reranker":
         """Load a directory written by :meth:`save_pretrained`; a manifest of another kind,
         schema version, or differing from ``expect`` raises ``ArtifactMismatch``."""
-        from safetensors.torch import load_file
-
-        from dist_nce.artifacts import MANIFEST, ArtifactMismatch, read_manifest
-        from dist_nce.config import from_dict
-
         directory = Path(directory)
         manifest = read_manifest(directory, MANIFEST_KIND, SCHEMA_VERSION, expect)
         config = from_dict(RerankerConfig, manifest["config"], source=f"{directory / MANIFEST}: config")
@@ -273,8 +245,6 @@ class Reranker(nn.Module):
             )
         tokenizer = None
         if (directory / "tokenizer").is_dir():
-            from dist_nce.text import load_tokenizer
-
             tokenizer = load_tokenizer(str(directory / "tokenizer"))
         reranker = cls(config, model, tokenizer)
         head = load_file(str(directory / "head.safetensors"))

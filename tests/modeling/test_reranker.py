@@ -3,16 +3,10 @@ import random
 import pytest
 import torch
 
-from dist_nce.modeling.reranker import (
-    PairTokens,
-    Reranker,
-    RerankerConfig,
-    build_pairs,
-    mention_window,
-)
+from dist_nce.modeling.reranker import Reranker, RerankerConfig, build_pairs, mention_windows
+from dist_nce.text import SpecialIds, assemble_mention_ids
 
-TOK = PairTokens(cls=101, sep=102, pad=0, mention_start=1, mention_end=2)
-ENTITY_MARK = 3  # [unused2]
+TOK = SpecialIds(cls=101, sep=102, pad=0, mention_start=1, mention_end=2, title_sep=3)
 
 
 def _mention(left: list[int], mention: list[int], right: list[int], width: int) -> list[int]:
@@ -21,24 +15,16 @@ def _mention(left: list[int], mention: list[int], right: list[int], width: int) 
 
 
 def _entity(title: list[int], desc: list[int], width: int) -> list[int]:
-    row = [TOK.cls, *title, ENTITY_MARK, *desc, TOK.sep]
+    row = [TOK.cls, *title, TOK.title_sep, *desc, TOK.sep]
     return row + [TOK.pad] * (width - len(row))
 
 
 def _reference_pair(mention_row: list[int], entity_row: list[int], max_len: int) -> tuple[list, list]:
-    """Per-row list version of the rule in the module docstring."""
+    """One pair at a time, with lists: the layout of the module docstring."""
     m = [t for t in mention_row if t != TOK.pad][1:-1]
     e = [t for t in entity_row if t != TOK.pad][1:-1]
-    budget = (max_len - 3) // 2
     u0, u1 = m.index(TOK.mention_start), m.index(TOK.mention_end)
-    left, span, right = m[:u0], m[u0 : u1 + 1], m[u1 + 1 :]
-    if len(span) >= budget:
-        window = span[:budget]
-    else:
-        leftover = budget - len(span)
-        take_left = min(len(left), max(leftover // 2, leftover - len(right)))
-        take_right = min(len(right), leftover - take_left)
-        window = left[len(left) - take_left :] + span + right[:take_right]
+    window = assemble_mention_ids(m[:u0], m[u0 + 1 : u1], m[u1 + 1 :], (max_len - 3) // 2 + 2, TOK)[1:-1]
     e = e[: max_len - 3 - len(window)]
     ids = [TOK.cls, *window, TOK.sep, *e, TOK.sep]
     types = [0] * (len(window) + 2) + [1] * (len(e) + 1)
@@ -47,19 +33,24 @@ def _reference_pair(mention_row: list[int], entity_row: list[int], max_len: int)
 
 
 def test_window_keeps_mention_centred_by_hand():
-    # content: L1..L6 [u0] M [u1] R1..R6 ; budget 7 -> span 3, leftover 4 -> 2 left, 2 right
-    row = _mention([11, 12, 13, 14, 15, 16], [50], [21, 22, 23, 24, 25, 26], 20)
-    ids = torch.tensor([row])
-    start, length = mention_window(ids, TOK, budget=7)
-    assert ids[0, start : start + length].tolist() == [15, 16, 1, 50, 2, 21, 22]
-    # right context short -> the left takes the rest of the quota
-    row = _mention([11, 12, 13, 14, 15, 16], [50], [21], 20)
-    start, length = mention_window(torch.tensor([row]), TOK, budget=7)
-    assert torch.tensor(row)[start : start + length].tolist() == [14, 15, 16, 1, 50, 2, 21]
-    # mention longer than the budget -> its first tokens
-    row = _mention([11], [50, 51, 52, 53, 54, 55], [21], 20)
-    start, length = mention_window(torch.tensor([row]), TOK, budget=4)
-    assert torch.tensor(row)[start : start + length].tolist() == [1, 50, 51, 52]
+    rows = torch.tensor([
+        # budget 7: markers + mention take 3, the other 4 split 2 left / 2 right
+        _mention([11, 12, 13, 14, 15, 16], [50], [21, 22, 23, 24, 25, 26], 20),
+        # right context short: the left takes what the right cannot use
+        _mention([11, 12, 13, 14, 15, 16], [50], [21], 20),
+        # mention longer than the budget: its first tokens, both markers kept
+        _mention([11], [50, 51, 52, 53, 54, 55, 56, 57], [21], 20),
+        # everything fits: unchanged
+        _mention([11], [50], [], 20),
+    ])
+    window, lengths = mention_windows(rows, TOK, budget=7)
+    assert lengths.tolist() == [7, 7, 7, 4]
+    assert [w[:n] for w, n in zip(window.tolist(), lengths.tolist())] == [
+        [15, 16, 1, 50, 2, 21, 22],
+        [14, 15, 16, 1, 50, 2, 21],
+        [1, 50, 51, 52, 53, 54, 2],
+        [11, 1, 50, 2],
+    ]
 
 
 def test_build_pairs_matches_per_row_reference():
@@ -89,7 +80,7 @@ def test_build_pairs_rejects_bad_rows():
     good = torch.tensor([_mention([5], [6], [7], 10)])
     ent = torch.tensor([[_entity([8], [9], 8)]])
     no_marker = torch.tensor([[TOK.cls, 5, 6, TOK.sep, 0, 0]])
-    with pytest.raises(ValueError, match=r"mention row 0 lacks the \[unused0\]/\[unused1\] markers"):
+    with pytest.raises(ValueError, match=r"mention row 0 needs exactly one \[unused0\] and one \[unused1\]"):
         build_pairs(no_marker, ent, TOK, 16)
     no_sep = ent.clone()
     no_sep[0, 0, 4] = 77
@@ -106,8 +97,7 @@ def reranker(tiny_model_dir):
 
 
 def _pairs(reranker: Reranker, b: int = 2, k: int = 3):
-    tok = reranker.pair_tokens
-    assert tok.mention_start != tok.mention_end  # the tokenizer knows the markers as single tokens
+    assert reranker.special_ids == TOK  # the MiniLM vocabulary, markers as single tokens
     rng = random.Random(1)
     words = lambda n: [rng.randrange(1000, 2000) for _ in range(n)]  # noqa: E731
     mentions = torch.tensor([_mention(words(4), words(2), words(5), 16) for _ in range(b)])
@@ -117,7 +107,7 @@ def _pairs(reranker: Reranker, b: int = 2, k: int = 3):
 
 def test_scores_shape_and_padding_trim_invariance(reranker):
     mentions, entities = _pairs(reranker)
-    pairs = build_pairs(mentions, entities, reranker.pair_tokens, 32)
+    pairs = build_pairs(mentions, entities, reranker.special_ids, 32)
     reranker.eval()
     with torch.no_grad():
         trimmed = reranker(pairs)
@@ -133,7 +123,7 @@ def test_scores_shape_and_padding_trim_invariance(reranker):
 
 def test_token_types_matter(reranker):
     mentions, entities = _pairs(reranker)
-    pairs = build_pairs(mentions, entities, reranker.pair_tokens, 32)
+    pairs = build_pairs(mentions, entities, reranker.special_ids, 32)
     reranker.eval()
     with torch.no_grad():
         a = reranker(pairs)
@@ -183,7 +173,7 @@ def test_save_and_load_round_trip(reranker, tmp_path):
 def test_config_checks(tiny_model_dir):
     from dist_nce.config import ConfigError, from_dict
 
-    with pytest.raises(ConfigError, match="max_len must be >= 5"):
-        from_dict(RerankerConfig, {"max_len": 4})
+    with pytest.raises(ConfigError, match="max_len must be >= 9"):
+        from_dict(RerankerConfig, {"max_len": 8})
     with pytest.raises(ValueError, match="max_len 600 exceeds the model's max_position_embeddings 512"):
         Reranker.build(RerankerConfig(model=tiny_model_dir, max_len=600))
