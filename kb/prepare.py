@@ -1,0 +1,502 @@
+"""Prepare a knowledge base: a source in its real format -> the Arrow store of :mod:`kb.store`.
+
+Sources (exactly one KB; mentions where the source has them)::
+
+    python -m kb.prepare --kilt-ks kilt_knowledgesource.json --aida-dir AIDA/ --out data/kilt
+    python -m kb.prepare --zeshel-root zeshel/ --zeshel-strip-title --mention-max-len 128 --out data/zeshel
+    python -m kb.prepare --blink-entities entity.jsonl --aida-dir AIDA/ --out data/blink
+
+Entity files are cut into byte-range chunks that ``--workers`` processes parse and
+tokenize in parallel (:mod:`kb.ingest`); a killed run resumes from its completed
+chunks when the same command is run again. The store is assembled (:mod:`kb.assemble`)
+and ``manifest.json`` written only when every chunk is done, so a directory with a
+manifest is always complete.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from dist_nce.artifacts import MANIFEST, ArtifactMismatch, write_manifest
+from dist_nce.config import ConfigError, from_dict
+from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
+from kb.ingest import (ChunkTask, RangeRecords, file_fingerprint, output_path, plan_byte_ranges, run_chunks,
+                       write_marker)
+from kb.records import BadRecord, BadRecordLog
+from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore, token_array, write_arrow
+
+# Bump when chunk contents change meaning, so old chunks are not reused.
+INGEST_VERSION = 1
+WORK_DIR = "chunks"
+AIDA_FILES = {"train": "aidayago2-train-kilt.jsonl", "dev": "aidayago2-dev-kilt.jsonl",
+              "test": "aidayago2-test_without_answers-kilt.jsonl"}
+# Records tokenized per call inside a chunk: bounds a worker's memory, not its speed.
+ENCODE_BATCH = 1024
+SKIPPED_LIST_CAP = 1000
+
+
+class PrepareError(ValueError):
+    """Invalid prepare request (bad combination of sources, existing output, ...)."""
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class PrepareConfig:
+    out: str = field(default="", metadata=_h("output directory of the prepared store"))
+    kilt_ks: str | None = field(default=None, metadata=_h("kilt_knowledgesource.json (entities)"))
+    aida_dir: str | None = field(default=None, metadata=_h(
+        "directory with aidayago2-{train,dev,test_without_answers}-kilt.jsonl (mentions; with --kilt-ks "
+        "or --blink-entities)"))
+    zeshel_root: str | None = field(default=None, metadata=_h("Zeshel root with documents/ and mentions/"))
+    blink_entities: str | None = field(default=None, metadata=_h("BLINK entity.jsonl (entities)"))
+    model_dir: str | None = field(default=None, metadata=_h("tokenizer directory (default: shipped MiniLM)"))
+    mention_max_len: int = field(default=32, metadata=_h("mention tokens (32 in BLINK, 128 in the paper)"))
+    entity_max_len: int = field(default=128, metadata=_h("entity tokens"))
+    zeshel_strip_title: bool = field(default=False, metadata=_h(
+        "drop the title that starts every Zeshel document from the description"))
+    workers: int = field(default=1, metadata=_h("parallel worker processes"))
+    chunk_size: str = field(default="32M", metadata=_h("bytes of input per chunk (suffix K/M/G allowed)"))
+    rows_per_part: int = field(default=1 << 18, metadata=_h("entity rows per Arrow part file"))
+    on_bad_record: Literal["error", "skip"] = field(default="error", metadata=_h(
+        "error: stop at the first malformed line; skip: count, report and record them"))
+    overwrite: bool = field(default=False, metadata=_h("replace an existing store prepared from other inputs"))
+    keep_chunks: bool = field(default=False, metadata=_h("keep the per-chunk files after assembly"))
+    progress: bool = field(default=True, metadata=_h("show a progress bar"))
+
+    def validate(self) -> None:
+        if not self.out:
+            raise ValueError("out: an output directory is required")
+        kb_sources = [n for n in ("kilt_ks", "zeshel_root", "blink_entities") if getattr(self, n)]
+        if len(kb_sources) != 1:
+            raise ValueError("give exactly one of --kilt-ks, --zeshel-root, --blink-entities "
+                             f"(got {len(kb_sources)})")
+        if self.aida_dir and self.zeshel_root:
+            raise ValueError("--aida-dir goes with --kilt-ks or --blink-entities, not --zeshel-root")
+        if self.zeshel_strip_title and not self.zeshel_root:
+            raise ValueError("--zeshel-strip-title applies to --zeshel-root only")
+        for name in ("mention_max_len", "entity_max_len", "workers", "rows_per_part"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.chunk_bytes  # noqa: B018 - validates the size string
+
+    @property
+    def chunk_bytes(self) -> int:
+        return parse_size(self.chunk_size)
+
+
+def parse_size(text: str | int) -> int:
+    """``"32M"`` -> 33554432; plain integers are bytes."""
+    s = str(text).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    try:
+        value = int(float(s[:-1] if mult > 1 else s) * mult)
+    except ValueError:
+        raise ValueError(f"chunk_size: expected bytes like 33554432 or 32M, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"chunk_size must be positive, got {text!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _require_file(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: {what} not found")
+    return p
+
+
+def _entity_files(cfg: PrepareConfig) -> list[tuple[str, Path, str | None]]:
+    """(reader, file, world) for every entity file, in row order."""
+    if cfg.kilt_ks:
+        return [("kilt", _require_file(cfg.kilt_ks, "KILT knowledge source"), None)]
+    if cfg.blink_entities:
+        return [("blink", _require_file(cfg.blink_entities, "BLINK entity.jsonl"), None)]
+    from kb.zeshel import document_paths
+
+    return [("zeshel", p, p.stem) for p in document_paths(cfg.zeshel_root)]
+
+
+def _mention_sources(cfg: PrepareConfig) -> list[tuple[str, str, Path, list[Path]]]:
+    """(split, reader, file, files its content depends on) per mention split."""
+    if cfg.aida_dir:
+        d = Path(cfg.aida_dir)
+        found = [(s, d / f) for s, f in AIDA_FILES.items() if (d / f).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{d}: none of {sorted(AIDA_FILES.values())} found")
+        return [(s, "aida", p, [p]) for s, p in found]
+    if cfg.zeshel_root:
+        from kb.zeshel import ZESHEL_SPLITS, document_paths
+
+        root = Path(cfg.zeshel_root)
+        splits = [s for s in ZESHEL_SPLITS if (root / "mentions" / f"{s}.json").is_file()]
+        missing = [s for s in ("train", "val", "test") if s not in splits]
+        if missing:
+            raise FileNotFoundError(f"{root / 'mentions'}: missing {', '.join(s + '.json' for s in missing)}")
+        docs = document_paths(root)
+        return [(s, "zeshel_mentions", root / "mentions" / f"{s}.json", [root / "mentions" / f"{s}.json", *docs])
+                for s in splits]
+    return []
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """What a worker needs besides its task (picklable)."""
+
+    model_dir: str | None
+    entity_max_len: int
+    mention_max_len: int
+    strip_title: bool
+    policy: str
+
+
+def plan(cfg: PrepareConfig, tokenizer_sha256: str) -> tuple[list[ChunkTask], list[tuple[str, ChunkTask]], list]:
+    """(entity chunk tasks in row order, (split, mention task) pairs, source fingerprints)."""
+    common = {"version": INGEST_VERSION, "schema_version": SCHEMA_VERSION, "tokenizer_sha256": tokenizer_sha256}
+    fingerprints: dict[Path, dict] = {}
+
+    def fp(p: Path) -> dict:
+        if p not in fingerprints:
+            fingerprints[p] = file_fingerprint(p)
+        return fingerprints[p]
+
+    entity_tasks = []
+    for f_idx, (reader, path, world) in enumerate(_entity_files(cfg)):
+        for c_idx, (a, b) in enumerate(plan_byte_ranges(path, cfg.chunk_bytes)):
+            spec = {**common, "reader": reader, "source": fp(path), "bytes": [a, b], "world": world,
+                    "max_len": cfg.entity_max_len, "strip_title": cfg.zeshel_strip_title}
+            entity_tasks.append(ChunkTask(f"entities-{f_idx:03d}-{c_idx:06d}", "entities", reader, str(path),
+                                          a, b, world, b - a, spec))
+    mention_tasks = []
+    for split, reader, path, deps in _mention_sources(cfg):
+        spec = {**common, "reader": reader, "split": split, "sources": [fp(p) for p in deps],
+                "max_len": cfg.mention_max_len}
+        root = cfg.zeshel_root if reader == "zeshel_mentions" else str(path)
+        mention_tasks.append((split, ChunkTask(f"mentions-{split}", "mentions", reader, str(root), 0, -1, split,
+                                               path.stat().st_size, spec)))
+    return entity_tasks, mention_tasks, list(fingerprints.values())
+
+
+# --------------------------------------------------------------------------- worker
+
+
+_TOKENIZERS: dict[str | None, Any] = {}
+
+
+def _tokenizer(model_dir: str | None):
+    """One tokenizer per process and model directory (workers load it on first use)."""
+    if model_dir not in _TOKENIZERS:
+        from dist_nce.text import load_tokenizer
+
+        _TOKENIZERS[model_dir] = load_tokenizer(model_dir)
+    return _TOKENIZERS[model_dir]
+
+
+def _records(task: ChunkTask, bad: BadRecordLog) -> tuple[Iterable, Callable[[], int]]:
+    """(record iterator, () -> lines read) for a task."""
+    if task.kind == "entities":
+        if task.reader == "kilt":
+            from kb.kilt import parse_kilt_entity as parse
+        elif task.reader == "blink":
+            from kb.blink import parse_blink_entity as parse
+        elif task.reader == "zeshel":
+            from kb.zeshel import parse_zeshel_document
+
+            parse = functools.partial(parse_zeshel_document, world=task.arg)
+        else:
+            raise ValueError(f"unknown entity reader {task.reader!r}")
+        records = RangeRecords(task.path, task.start, task.end, parse, bad)
+        return records, lambda: records.lines
+    if task.reader == "aida":
+        from kb.kilt import iter_aida
+
+        return iter_aida(task.path, bad), lambda: 0
+    if task.reader == "zeshel_mentions":
+        from kb.zeshel import iter_zeshel_mentions
+
+        return iter_zeshel_mentions(task.path, task.arg, bad), lambda: 0
+    raise ValueError(f"unknown mention reader {task.reader!r}")
+
+
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _lengths(tokens: np.ndarray, pad_id: int) -> np.ndarray:
+    # Rows are [CLS] ... [SEP] then padding, so the non-pad count is the length.
+    return (tokens != pad_id).sum(axis=1).astype(np.int32)
+
+
+def _entity_table(records: list, tokens: np.ndarray, pad_id: int) -> pa.Table:
+    return pa.table({
+        "source_id": pa.array([r.source_id for r in records], pa.string()),
+        "title": pa.array([r.title for r in records], pa.string()),
+        "world": pa.array([r.world for r in records], pa.string()),
+        "line": pa.array([r.line for r in records], pa.int64()),
+        "length": pa.array(_lengths(tokens, pad_id)),
+        "token_ids": token_array(tokens),
+    })
+
+
+def _mention_table(records: list, tokens: np.ndarray, pad_id: int) -> pa.Table:
+    return pa.table({
+        "mention_id": pa.array([r.mention_id for r in records], pa.string()),
+        "mention": pa.array([r.mention for r in records], pa.string()),
+        "length": pa.array(_lengths(tokens, pad_id)),
+        "token_ids": token_array(tokens),
+        "gold_source_id": pa.array([r.gold_source_id for r in records], pa.string()),
+        "gold_title": pa.array([r.gold_title for r in records], pa.string()),
+        "world": pa.array([r.world for r in records], pa.string()),
+        "category": pa.array([r.category for r in records], pa.string()),
+        "line": pa.array([r.line for r in records], pa.int64()),
+    })
+
+
+def process_chunk(task: ChunkTask, work_dir: str, settings: EncodeSettings, run_id: str) -> dict:
+    """Parse and tokenize one chunk, write ``<name>.arrow`` then its marker; return the
+    marker, or ``{"bad": ...}`` when the error policy meets a malformed line."""
+    from dist_nce.text import encode_entities, encode_mentions
+
+    delay = float(os.environ.get("DIST_NCE_INGEST_TEST_DELAY", "0") or 0)  # test hook: widen the kill window
+    tok = _tokenizer(settings.model_dir)
+    bad = BadRecordLog(settings.policy)
+    t0 = time.perf_counter()
+    records, lines = _records(task, bad)
+    tables = []
+    try:
+        for batch in _batches(records, ENCODE_BATCH):
+            if task.kind == "entities":
+                ids = encode_entities(tok, batch, settings.entity_max_len, settings.strip_title)
+                tables.append(_entity_table(batch, ids, tok.pad_token_id))
+            else:
+                ids = encode_mentions(tok, batch, settings.mention_max_len)
+                tables.append(_mention_table(batch, ids, tok.pad_token_id))
+    except BadRecord as e:
+        return {"bad": {"path": e.path, "line": e.line, "reason": e.reason}}
+    if not tables:
+        max_len = settings.entity_max_len if task.kind == "entities" else settings.mention_max_len
+        empty = np.zeros((0, max_len), np.int32)
+        tables.append((_entity_table if task.kind == "entities" else _mention_table)([], empty, 0))
+    table = pa.concat_tables(tables)
+    write_arrow(output_path(work_dir, task), table)
+    if delay:
+        time.sleep(delay)
+    result = {"rows": table.num_rows, "lines": lines(), "seconds": round(time.perf_counter() - t0, 3),
+              "skipped_count": bad.count, "skipped": bad.skipped[:SKIPPED_LIST_CAP]}
+    return write_marker(work_dir, task, run_id, result)
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _skipped(chunks: list[Chunk], assembly_bad: BadRecordLog) -> dict:
+    """All skipped records with global line numbers (capped list, exact count)."""
+    records, count = [], 0
+    for c in chunks:
+        res = c.marker["result"]
+        count += res["skipped_count"]
+        for s in res["skipped"]:
+            local = c.task.end >= 0 and s["path"] == c.task.path
+            records.append({**s, "line": s["line"] + (c.line_base if local else 0)})
+    records += assembly_bad.skipped
+    count += assembly_bad.count
+    # A malformed Zeshel document line is met by its entity chunk and again by the
+    # mention split that loads it as context: list and count it once.
+    unique = {(r["path"], r["line"], r["reason"]): r for r in records}
+    count -= len(records) - len(unique)
+    records = sorted(unique.values(), key=lambda s: (s["path"], s["line"]))
+    return {"count": count, "listed": min(len(records), SKIPPED_LIST_CAP), "records": records[:SKIPPED_LIST_CAP]}
+
+
+def _spec(cfg: PrepareConfig, fingerprints: list, tokenizer_fp: dict) -> dict:
+    """Everything the store's content depends on (not how it was computed)."""
+    return {"sources": fingerprints, "tokenizer_sha256": tokenizer_fp["sha256"],
+            "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
+            "zeshel_strip_title": cfg.zeshel_strip_title, "on_bad_record": cfg.on_bad_record,
+            "version": INGEST_VERSION}
+
+
+def _check_existing(out: Path, spec: dict, overwrite: bool) -> dict | None:
+    """The existing manifest if ``out`` is already this store; raise if it is another."""
+    import json
+
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text(encoding="utf-8"))
+    if old.get("kind") == KIND and old.get("schema_version") == SCHEMA_VERSION and old.get("spec") == spec:
+        return old
+    if not overwrite:
+        differs = [k for k in spec if (old.get("spec") or {}).get(k) != spec[k]] or ["kind/schema_version"]
+        raise PrepareError(f"{out} already holds a prepared store from other inputs (differs in: "
+                           f"{', '.join(differs)}); pass --overwrite to replace it")
+    path.unlink()  # the store is incomplete from here until the new manifest is written
+    return None
+
+
+def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
+    """Build (or resume building) the store described by ``cfg``; return its manifest."""
+    from dist_nce.text import tokenizer_fingerprint
+
+    out = Path(cfg.out)
+    tok = _tokenizer(cfg.model_dir)
+    tok_fp = tokenizer_fingerprint(tok)
+    entity_tasks, mention_tasks, fingerprints = plan(cfg, tok_fp["sha256"])
+    spec = _spec(cfg, fingerprints, tok_fp)
+    existing = _check_existing(out, spec, cfg.overwrite)
+    if existing is not None:
+        log(f"{out}: already prepared from these inputs; nothing to do")
+        return existing
+
+    work = out / WORK_DIR
+    run_id = uuid.uuid4().hex[:12]
+    settings = EncodeSettings(cfg.model_dir, cfg.entity_max_len, cfg.mention_max_len, cfg.zeshel_strip_title,
+                              cfg.on_bad_record)
+    tasks = entity_tasks + [t for _, t in mention_tasks]
+    log(f"prepare: {len(entity_tasks)} entity chunks, {len(mention_tasks)} mention splits, "
+        f"{cfg.workers} worker(s) -> {out}")
+    t0 = time.perf_counter()
+    fn = functools.partial(process_chunk, work_dir=str(work), settings=settings, run_id=run_id)
+    markers = run_chunks(tasks, work, fn, workers=cfg.workers, policy=cfg.on_bad_record,
+                         progress=cfg.progress, log=log)
+    t_chunks = time.perf_counter() - t0
+
+    chunks = load_chunks(work, tasks, markers)
+    entity_chunks, mention_chunks = chunks[:len(entity_tasks)], chunks[len(entity_tasks):]
+    assembly_bad = BadRecordLog(cfg.on_bad_record)
+    entities = assemble_entities(out, entity_chunks, cfg.entity_max_len, cfg.rows_per_part, assembly_bad)
+    fields = {
+        "source": {"format": entity_tasks[0].reader if entity_tasks else "none",
+                   "entity_files": [str(p) for _, p, _ in _entity_files(cfg)],
+                   "aida_dir": cfg.aida_dir, "zeshel_root": cfg.zeshel_root, "files": fingerprints},
+        "tokenizer": tok_fp, "tokenizer_sha256": tok_fp["sha256"],
+        "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
+        "zeshel_strip_title": cfg.zeshel_strip_title,
+        "entities": entities,
+    }
+    store = EntityStore.from_manifest(out, fields)
+    shutil.rmtree(out / MENTIONS_DIR, ignore_errors=True)  # splits of an overwritten store
+    fields["mentions"] = {split: assemble_mentions(out, split, c, store, cfg.mention_max_len)
+                          for (split, _), c in zip(mention_tasks, mention_chunks)}
+    fields["skipped"] = _skipped(chunks, assembly_bad)
+    reused = sum(m["run"] != run_id for m in markers)
+    fields["ingest"] = {"run": run_id, "chunks": len(tasks), "reused_chunks": reused, "workers": cfg.workers,
+                        "chunk_bytes": cfg.chunk_bytes, "on_bad_record": cfg.on_bad_record,
+                        "chunk_seconds": round(t_chunks, 2),
+                        "seconds": round(time.perf_counter() - t0, 2),
+                        "chunk_runs": {m["task"]: m["run"] for m in markers}}
+    fields["spec"] = spec
+    manifest = write_manifest(out, KIND, SCHEMA_VERSION, **fields)
+    if not cfg.keep_chunks:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+# --------------------------------------------------------------------------- summary and CLI
+
+
+def summarize(store_dir: str | os.PathLike) -> str:
+    """A human summary of a prepared store (what the job prints at the end)."""
+    from kb.store import open_manifest
+
+    m = open_manifest(store_dir)
+    ent = m["entities"]
+    ts = ent["token_stats"]
+    lines = [f"prepared KB: {Path(store_dir).resolve()}",
+             f"  source: {m['source']['format']} ({', '.join(m['source']['entity_files'])})",
+             f"  tokenizer: {m['tokenizer']['name']} (sha256 {m['tokenizer_sha256'][:12]}), "
+             f"entity max {m['entity_max_len']}, mention max {m['mention_max_len']}",
+             f"  entities: {ent['count']:,} in {len(ent['parts'])} part(s); tokens mean {ts['mean']}, "
+             f"max {ts['max']}, {100 * ts['truncated_fraction']:.1f}% truncated at {m['entity_max_len']}"]
+    if ent.get("worlds"):
+        lines.append(f"  worlds: {len(ent['worlds'])} (" + ", ".join(
+            f"{w} {b - a:,}" for w, (a, b) in ent["worlds"].items()) + ")")
+    for split, info in m.get("mentions", {}).items():
+        g = info["gold"]
+        lines.append(f"  mentions {split}: {info['count']:,}; gold by id {g['id']:,}, by title {g['title']:,}, "
+                     f"missing {g['missing']:,}, unlabelled {g['unlabelled']:,}; tokens mean "
+                     f"{info['token_stats']['mean']}, {100 * info['token_stats']['truncated_fraction']:.1f}% "
+                     f"truncated")
+        if g["missing"]:
+            ids = info["missing_gold"]["mention_ids"]
+            lines.append(f"    missing gold (mention ids, see manifest): {', '.join(ids[:5])}"
+                         + (" ..." if len(ids) > 5 else ""))
+    sk = m["skipped"]
+    lines.append(f"  skipped records: {sk['count']:,}")
+    lines += [f"    {r['path']}:{r['line']}: {r['reason']}" for r in sk["records"][:10]]
+    if sk["count"] > 10:
+        lines.append(f"    ... {sk['count'] - 10:,} more (first {sk['listed']} in manifest.json)")
+    ing = m.get("ingest", {})
+    if ing:
+        lines.append(f"  ingest: {ing['chunks']} chunks ({ing['reused_chunks']} reused), {ing['workers']} "
+                     f"worker(s), {ing['seconds']} s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """argparse flags generated from :class:`PrepareConfig` (one source of truth for help)."""
+    parser = argparse.ArgumentParser(prog="prepare_kb", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(PrepareConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            if f.default:
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                    help=f"do not: {help_}")
+            else:
+                parser.add_argument(flag, dest=f.name, action="store_true", help=help_)
+        elif f.name == "on_bad_record":
+            parser.add_argument(flag, dest=f.name, choices=["error", "skip"], default=f.default, help=help_)
+        else:
+            kind = int if f.type in ("int", int) else str
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                                required=f.name == "out", help=f"{help_} (default: {f.default})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = from_dict(PrepareConfig, vars(args), source="prepare_kb")
+        prepare(cfg, log=lambda s: print(s, file=sys.stderr))
+    except BadRecord as e:
+        print(f"error: {e}\n  (pass --on-bad-record skip to skip malformed lines and list them in the manifest)",
+              file=sys.stderr)
+        return 2
+    except (ConfigError, PrepareError, ArtifactMismatch, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: completed chunks are kept in {Path(args.out) / WORK_DIR}; run the same command "
+              "again to resume", file=sys.stderr)
+        return 130
+    print(summarize(cfg.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
