@@ -1,0 +1,247 @@
+"""Import and export BLINK biencoder checkpoints (``biencoder_wiki_large.bin``).
+
+BLINK (facebookresearch/BLINK, ``blink/biencoder/biencoder.py``) saves
+``BiEncoderModule.state_dict()``: two ``BertEncoder`` wrappers
+(``blink/common/ranker_base.py``), each holding a pytorch-transformers 1.x
+``BertModel`` as ``bert_model`` and, only when trained with ``add_linear=True``, an
+``additional_linear`` projection of the pooler output. The key layout is::
+
+    context_encoder.bert_model.<BertModel key>   -> the mention encoder
+    cand_encoder.bert_model.<BertModel key>      -> the entity encoder
+
+pytorch-transformers 1.x ``BertModel`` keys are the Hugging Face ``BertModel`` keys, so
+the mapping is the prefix plus these explicit rules (anything else is an error that
+names the keys):
+
+* ``LayerNorm.gamma`` / ``LayerNorm.beta`` (pre-1.0 naming) -> ``LayerNorm.weight`` / ``.bias``;
+* ``embeddings.position_ids`` (a persistent buffer in some transformers 3.x/4.x
+  exports) is checked to be ``arange`` and dropped: it is not a weight;
+* ``pooler.*`` is loaded when present (our encoders keep it, frozen, so an export is
+  complete); when absent entirely, the model's own pooler is kept: BLINK's embedding is
+  the ``[CLS]`` hidden state and never reads the pooler;
+* ``additional_linear.*`` is refused: such a model embeds ``Linear(pooler_output)``,
+  a different embedding than the ``[CLS]`` state our score functions read. The released
+  ``biencoder_wiki_large.bin`` has no such keys (BLINK's ``add_linear`` is off).
+
+Export writes the same layout with ``torch.save`` of a plain ``{name: tensor}`` dict,
+so BLINK's own ``BiEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from dist_nce.modeling.encoder import Encoder
+
+if TYPE_CHECKING:
+    from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+
+# our side name -> BLINK's BertEncoder attribute in BiEncoderModule
+BLINK_SIDES = {"mention": "context_encoder", "entity": "cand_encoder"}
+BERT_ATTR = "bert_model"
+LINEAR_ATTR = "additional_linear"
+POSITION_IDS = "embeddings.position_ids"
+POOLER_PREFIX = "pooler."
+
+
+class BlinkCheckpointError(ValueError):
+    """A BLINK checkpoint does not match the expected layout; the message names the keys."""
+
+
+def _names(keys: list[str], limit: int = 12) -> str:
+    shown = ", ".join(sorted(keys)[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _rename_legacy(key: str) -> str:
+    return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
+
+
+def split_blink_state(state: Mapping[str, torch.Tensor], source: str = "<state dict>") -> dict[str, dict[str, torch.Tensor]]:
+    """BLINK biencoder state dict -> ``{"mention": {...}, "entity": {...}}`` with Hugging Face
+    ``BertModel`` key names. Raises :class:`BlinkCheckpointError` naming unknown keys."""
+    out: dict[str, dict[str, torch.Tensor]] = {side: {} for side in BLINK_SIDES}
+    unexpected: list[str] = []
+    linear: list[str] = []
+    for key, value in state.items():
+        side = next((s for s, attr in BLINK_SIDES.items() if key.startswith(attr + ".")), None)
+        if side is None:
+            unexpected.append(key)
+            continue
+        rest = key[len(BLINK_SIDES[side]) + 1 :]
+        if rest.startswith(LINEAR_ATTR + "."):
+            linear.append(key)
+            continue
+        if not rest.startswith(BERT_ATTR + "."):
+            unexpected.append(key)
+            continue
+        bert_key = _rename_legacy(rest[len(BERT_ATTR) + 1 :])
+        if bert_key == POSITION_IDS:
+            want = torch.arange(value.shape[-1]).expand_as(value)
+            if not torch.equal(value.long(), want):
+                raise BlinkCheckpointError(f"{source}: {key} is not arange({value.shape[-1]}); refusing to drop it")
+            continue
+        out[side][bert_key] = value
+    if linear:
+        raise BlinkCheckpointError(
+            f"{source}: keys {_names(linear)}: this biencoder was trained with BLINK's add_linear=True "
+            f"(embedding = Linear(pooler output)); dist-nce retrievers embed the [CLS] hidden state "
+            f"(add_linear=False, as in biencoder_wiki_large.bin). Not supported."
+        )
+    if unexpected:
+        raise BlinkCheckpointError(
+            f"{source}: unexpected keys {_names(unexpected)}; expected only "
+            f"{{context_encoder,cand_encoder}}.{BERT_ATTR}.<BertModel key>"
+        )
+    for side, attr in BLINK_SIDES.items():
+        if not out[side]:
+            raise BlinkCheckpointError(f"{source}: no {attr}.{BERT_ATTR}.* keys; is this a BLINK biencoder?")
+    return out
+
+
+def bert_config_from_state(state: Mapping[str, torch.Tensor], num_attention_heads: int | None = None) -> dict[str, Any]:
+    """A ``BertConfig`` dict with the sizes read off a ``BertModel`` state (HF names).
+
+    The head count is not visible in the weights: it is ``num_attention_heads`` or, by
+    the BERT convention of 64-dimensional heads (base: 12, large: 16), hidden / 64.
+    Activation and LayerNorm eps are BERT's (and pytorch-transformers 1.x) defaults.
+    """
+    try:
+        vocab, hidden = state["embeddings.word_embeddings.weight"].shape
+        max_pos = state["embeddings.position_embeddings.weight"].shape[0]
+        type_vocab = state["embeddings.token_type_embeddings.weight"].shape[0]
+        intermediate = state["encoder.layer.0.intermediate.dense.weight"].shape[0]
+    except KeyError as e:
+        raise BlinkCheckpointError(f"missing BertModel key {e.args[0]!r}; cannot infer the architecture") from None
+    layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"encoder\.layer\.(\d+)\.", k)))
+    if num_attention_heads is None:
+        if hidden % 64:
+            raise BlinkCheckpointError(
+                f"hidden size {hidden} is not a multiple of 64; pass num_attention_heads (or a model directory)"
+            )
+        num_attention_heads = hidden // 64
+    return {
+        "model_type": "bert", "vocab_size": int(vocab), "hidden_size": int(hidden),
+        "num_hidden_layers": layers, "num_attention_heads": int(num_attention_heads),
+        "intermediate_size": int(intermediate), "max_position_embeddings": int(max_pos),
+        "type_vocab_size": int(type_vocab), "hidden_act": "gelu", "layer_norm_eps": 1e-12,
+    }
+
+
+def load_bert_state(encoder: Encoder, state: dict[str, torch.Tensor], side: str, source: str) -> None:
+    """Load HF-named ``state`` into ``encoder`` exactly: every key accounted for by name."""
+    own = encoder.model.state_dict()
+    state = dict(state)
+    missing = sorted(set(own) - set(state))
+    pooler = sorted(k for k in own if k.startswith(POOLER_PREFIX))
+    if missing and missing == pooler:
+        state.update({k: own[k] for k in pooler})  # the rule in the module docstring
+        missing = []
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in sorted(set(state) & set(own)) if state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"missing {_names(missing)}" if missing else "", f"unexpected {_names(unexpected)}" if unexpected else "",
+                 f"shape mismatch {'; '.join(shapes[:6])}" if shapes else ""]
+        raise BlinkCheckpointError(f"{source}: {BLINK_SIDES[side]}: " + "; ".join(p for p in parts if p))
+    encoder.model.load_state_dict(state, strict=True)
+
+
+def read_blink_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+    """``torch.load(weights_only=True)`` + :func:`split_blink_state`."""
+    path = os.fspath(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, Mapping):
+        raise BlinkCheckpointError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
+    return split_blink_state(state, source=path)
+
+
+def blink_encoders(
+    path: str | os.PathLike, model_dir: str | os.PathLike | None = None, num_attention_heads: int | None = None
+) -> tuple[Encoder, Encoder]:
+    """(mention encoder, entity encoder) with a BLINK checkpoint's weights.
+
+    The architecture comes from ``model_dir``'s config.json when given (e.g. a local
+    bert-large-uncased directory; its sizes must match the checkpoint), else it is
+    inferred by :func:`bert_config_from_state`.
+    """
+    sides = read_blink_checkpoint(path)
+    encoders = []
+    for side in BLINK_SIDES:
+        if model_dir is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
+        else:
+            config = bert_config_from_state(sides[side], num_attention_heads)
+        encoder = Encoder.from_config(config)
+        load_bert_state(encoder, sides[side], side, os.fspath(path))
+        encoders.append(encoder)
+    return encoders[0], encoders[1]
+
+
+def load_blink_retriever(
+    path: str | os.PathLike,
+    config: "RetrieverConfig",
+    tokenizer_dir: str | os.PathLike | None = None,
+    num_attention_heads: int | None = None,
+) -> "Retriever":
+    """A retriever of any preset (``config.preset``, ``config.m``) initialised from a BLINK biencoder.
+
+    dual reproduces BLINK; multi-m and the others start from the same encoder weights
+    (learned codes, if the preset has any, are freshly initialised). The tokenizer comes
+    from ``tokenizer_dir`` (default: ``config.mention_model`` or the default model, which
+    shares bert-base/large-uncased's vocabulary); its size must match the embeddings.
+    ``config.mention_model`` also supplies the architecture (config.json) when set.
+    """
+    from dist_nce.modeling.retriever import Retriever
+    from dist_nce.testing import default_model_dir
+    from dist_nce.text import load_tokenizer
+
+    mention, entity = blink_encoders(path, config.mention_model, num_attention_heads)
+    tok_dir = tokenizer_dir or config.mention_model or default_model_dir()
+    tokenizer = load_tokenizer(os.fspath(tok_dir))
+    vocab = mention.model.config.vocab_size
+    if len(tokenizer) > vocab:
+        raise BlinkCheckpointError(
+            f"{path}: tokenizer at {tok_dir} has {len(tokenizer)} tokens but the checkpoint embeds {vocab}"
+        )
+    return Retriever(config, mention, entity, tokenizer)
+
+
+def blink_state(retriever: "Retriever") -> dict[str, torch.Tensor]:
+    """The retriever's two encoders as a BLINK ``BiEncoderModule`` state dict (CPU tensors)."""
+    if getattr(retriever, "codes", None) is not None:
+        raise BlinkCheckpointError(
+            f"preset {retriever.config.preset!r} has learned codes, which the BLINK layout cannot hold"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for side, encoder in (("mention", retriever.mention_encoder), ("entity", retriever.entity_encoder)):
+        model_type = encoder.model.config.model_type
+        if model_type != "bert":
+            raise BlinkCheckpointError(f"the {side} encoder is {model_type!r}; the BLINK layout holds BERT only")
+        state = encoder.model.state_dict()
+        if not any(k.startswith(POOLER_PREFIX) for k in state):
+            raise BlinkCheckpointError(f"the {side} encoder has no pooler; BLINK's strict load needs pooler.*")
+        prefix = f"{BLINK_SIDES[side]}.{BERT_ATTR}."
+        out.update({prefix + k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()})
+    return out
+
+
+def export_blink(retriever: "Retriever", path: str | os.PathLike) -> Path:
+    """Write ``retriever`` as a BLINK biencoder checkpoint (atomic ``torch.save``); return the path.
+
+    The file holds weights only: BLINK scores with the dot product of [CLS] states, so
+    a multi-m or SOM retriever's weights load there but are scored as dual.
+    """
+    from dist_nce.artifacts import atomic_path
+
+    state = blink_state(retriever)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path
