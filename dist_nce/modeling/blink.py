@@ -31,14 +31,15 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 
+from dist_nce.artifacts import atomic_path
 from dist_nce.modeling.encoder import Encoder
-
-if TYPE_CHECKING:
-    from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+from dist_nce.testing import default_model_dir
+from dist_nce.text import load_tokenizer
 
 # our side name -> BLINK's BertEncoder attribute in BiEncoderModule
 BLINK_SIDES = {"mention": "context_encoder", "entity": "cand_encoder"}
@@ -170,15 +171,14 @@ def blink_encoders(
     inferred by :func:`bert_config_from_state`.
     """
     sides = read_blink_checkpoint(path)
+    given = None
+    if model_dir is not None:
+        from transformers import AutoConfig
+
+        given = AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
     encoders = []
     for side in BLINK_SIDES:
-        if model_dir is not None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
-        else:
-            config = bert_config_from_state(sides[side], num_attention_heads)
-        encoder = Encoder.from_config(config)
+        encoder = Encoder.from_config(given or bert_config_from_state(sides[side], num_attention_heads))
         load_bert_state(encoder, sides[side], side, os.fspath(path))
         encoders.append(encoder)
     return encoders[0], encoders[1]
@@ -186,10 +186,10 @@ def blink_encoders(
 
 def load_blink_retriever(
     path: str | os.PathLike,
-    config: "RetrieverConfig",
+    config: RetrieverConfig,
     tokenizer_dir: str | os.PathLike | None = None,
     num_attention_heads: int | None = None,
-) -> "Retriever":
+) -> Retriever:
     """A retriever of any preset (``config.preset``, ``config.m``) initialised from a BLINK biencoder.
 
     dual reproduces BLINK; multi-m and the others start from the same encoder weights
@@ -198,10 +198,6 @@ def load_blink_retriever(
     shares bert-base/large-uncased's vocabulary); its size must match the embeddings.
     ``config.mention_model`` also supplies the architecture (config.json) when set.
     """
-    from dist_nce.modeling.retriever import Retriever
-    from dist_nce.testing import default_model_dir
-    from dist_nce.text import load_tokenizer
-
     mention, entity = blink_encoders(path, config.mention_model, num_attention_heads)
     tok_dir = tokenizer_dir or config.mention_model or default_model_dir()
     tokenizer = load_tokenizer(os.fspath(tok_dir))
@@ -213,9 +209,9 @@ def load_blink_retriever(
     return Retriever(config, mention, entity, tokenizer)
 
 
-def blink_state(retriever: "Retriever") -> dict[str, torch.Tensor]:
+def blink_state(retriever: Retriever) -> dict[str, torch.Tensor]:
     """The retriever's two encoders as a BLINK ``BiEncoderModule`` state dict (CPU tensors)."""
-    if getattr(retriever, "codes", None) is not None:
+    if retriever.codes is not None:
         raise BlinkCheckpointError(
             f"preset {retriever.config.preset!r} has learned codes, which the BLINK layout cannot hold"
         )
@@ -232,14 +228,12 @@ def blink_state(retriever: "Retriever") -> dict[str, torch.Tensor]:
     return out
 
 
-def export_blink(retriever: "Retriever", path: str | os.PathLike) -> Path:
+def export_blink(retriever: Retriever, path: str | os.PathLike) -> Path:
     """Write ``retriever`` as a BLINK biencoder checkpoint (atomic ``torch.save``); return the path.
 
     The file holds weights only: BLINK scores with the dot product of [CLS] states, so
     a multi-m or SOM retriever's weights load there but are scored as dual.
     """
-    from dist_nce.artifacts import atomic_path
-
     state = blink_state(retriever)
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -195,8 +195,13 @@ class Retriever(nn.Module):
         config.validate()
         mention_dir = config.mention_model or default_model_dir()
         entity_dir = config.entity_model or mention_dir
-        return cls(config, Encoder.from_pretrained(mention_dir), Encoder.from_pretrained(entity_dir),
-                   load_tokenizer(mention_dir))
+        tokenizer = load_tokenizer(mention_dir)
+        if entity_dir != mention_dir:  # one prepared KB feeds both sides: one vocabulary
+            theirs = tokenizer_fingerprint(load_tokenizer(entity_dir))["sha256"]
+            if theirs != tokenizer_fingerprint(tokenizer)["sha256"]:
+                raise ValueError(f"{entity_dir}: tokenizer vocabulary differs from {mention_dir}'s; "
+                                 "both encoders must read the same token ids")
+        return cls(config, Encoder.from_pretrained(mention_dir), Encoder.from_pretrained(entity_dir), tokenizer)
 
     @property
     def entity_encoder(self) -> Encoder:

@@ -91,8 +91,8 @@ def test_bf16_autocast_close_to_fp32(base_encoder, preset, m):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf16 = r(*args)
     assert bf16.dtype == torch.float32  # scores accumulate in fp32
-    scale = fp32.abs().max()
-    assert (bf16 - fp32).abs().max() <= 0.03 * scale, (bf16, fp32)
+    # measured: <= 0.4% of the largest score on this model; bf16 keeps 8 significant bits
+    assert (bf16 - fp32).abs().max() <= 0.01 * fp32.abs().max(), (bf16, fp32)
 
 
 def test_entity_encoder_state_rebuilds_the_entity_side(base_encoder):
@@ -190,3 +190,21 @@ def test_from_pretrained_refuses_mismatches(base_encoder, tmp_path):
     path.write_text(json.dumps({**manifest, "m": 5}))
     with pytest.raises(ArtifactMismatch, match="preset/m poly/5 disagree with config poly/3"):
         Retriever.from_pretrained(tmp_path / "ret")
+
+
+def test_build_refuses_entity_model_with_another_vocabulary(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="other: tokenizer vocabulary differs from"):
+        Retriever.build(RetrieverConfig(mention_model=tiny_model_dir, entity_model=str(other)))
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model_dir, same)
+    r = Retriever.build(RetrieverConfig(mention_model=tiny_model_dir, entity_model=str(same)))
+    assert r.entity_encoder.hidden_size == 32
