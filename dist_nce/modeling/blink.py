@@ -62,7 +62,9 @@ def _rename_legacy(key: str) -> str:
     return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
 
 
-def split_blink_state(state: Mapping[str, torch.Tensor], source: str = "<state dict>") -> dict[str, dict[str, torch.Tensor]]:
+def split_blink_state(
+    state: Mapping[str, torch.Tensor], source: str = "<state dict>"
+) -> dict[str, dict[str, torch.Tensor]]:
     """BLINK biencoder state dict -> ``{"mention": {...}, "entity": {...}}`` with Hugging Face
     ``BertModel`` key names. Raises :class:`BlinkCheckpointError` naming unknown keys."""
     out: dict[str, dict[str, torch.Tensor]] = {side: {} for side in BLINK_SIDES}
@@ -146,7 +148,8 @@ def load_bert_state(encoder: Encoder, state: dict[str, torch.Tensor], side: str,
     shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
               for k in sorted(set(state) & set(own)) if state[k].shape != own[k].shape]
     if missing or unexpected or shapes:
-        parts = [f"missing {_names(missing)}" if missing else "", f"unexpected {_names(unexpected)}" if unexpected else "",
+        parts = [f"missing {_names(missing)}" if missing else "",
+                 f"unexpected {_names(unexpected)}" if unexpected else "",
                  f"shape mismatch {'; '.join(shapes[:6])}" if shapes else ""]
         raise BlinkCheckpointError(f"{source}: {BLINK_SIDES[side]}: " + "; ".join(p for p in parts if p))
     encoder.model.load_state_dict(state, strict=True)

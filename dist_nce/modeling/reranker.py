@@ -121,11 +121,12 @@ def build_pairs(
 ) -> Pairs:
     """``[CLS] mention-window [SEP] entity [SEP] pad...`` for every (mention, candidate).
 
-    mention_ids: [B, Tm], entity_ids: [B, K, Te] (BLINK-format rows as stored in the
+    mention_ids: [B, Tm], entity_ids: [B, K, Te] (tensors or arrays; BLINK-format rows as stored in the
     prepared KB, right-padded) -> Pairs of [B, K, max_len]. Token type 0 covers
     ``[CLS] mention [SEP]``, 1 covers ``entity [SEP]``; padding has type 0 and mask False.
     Vectorised over the B*K pairs: gathers over index arithmetic, no per-pair Python.
     """
+    mention_ids, entity_ids = torch.as_tensor(mention_ids), torch.as_tensor(entity_ids)  # store rows are numpy
     if mention_ids.dim() != 2 or entity_ids.dim() != 3 or entity_ids.shape[0] != mention_ids.shape[0]:
         raise ValueError(
             f"expected mention_ids [B, Tm] and entity_ids [B, K, Te], got {tuple(mention_ids.shape)} "
@@ -241,7 +242,8 @@ class Reranker(nn.Module):
         model = load_transformer(directory / "encoder")
         if int(model.config.hidden_size) != manifest["hidden_size"]:
             raise ArtifactMismatch(
-                f"{directory / 'encoder'}: hidden size {model.config.hidden_size}, manifest says {manifest['hidden_size']}"
+                f"{directory / 'encoder'}: hidden size {model.config.hidden_size}, "
+                f"manifest says {manifest['hidden_size']}"
             )
         tokenizer = None
         if (directory / "tokenizer").is_dir():

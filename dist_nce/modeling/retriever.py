@@ -12,10 +12,11 @@ tensors + config (fit for ``ray.put``), and ``EntityEncoder.from_state`` /
 ``load_state`` rebuild or refresh a shard's copy from it. Nothing here knows about Ray.
 
 Entity reps can be stored in half precision (``RetrieverConfig.storage_dtype``,
-:func:`to_storage`). The default is float16: BERT-scale states are far inside its
-range, and its 11-bit significand keeps a stored score within about |s| * 2^-11 of the
-fp32 one, where bfloat16 (8 bits) would shift exp(s) noticeably for scores in the
-tens. Use bfloat16 when the values may exceed 65504 or when bf16 GEMMs are wanted.
+:func:`to_storage`). The default is float16: BERT-scale states lie far inside its
+range, and it rounds each coordinate to a relative 2^-11 where bfloat16 rounds to
+2^-8, which matters because hard negatives are sampled in proportion to exp(s) and a
+score error moves that weight multiplicatively. bfloat16 is the choice when values may
+exceed float16's 65504 (:func:`to_storage` refuses rather than store inf).
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class RetrieverConfig:
     preset: Literal["dual", "poly", "multi", "som", "genpoly"] = field(
         default="dual", metadata={"help": f"score function, one of {list(PRESETS)} (paper, section 4)"}
     )
-    m: int | None = field(default=None, metadata={"help": "vectors/codes for poly, multi, genpoly; unset for dual, som"})
+    m: int | None = field(
+        default=None, metadata={"help": "vectors/codes for poly, multi, genpoly; unset for dual, som"}
+    )
     mention_model: str | None = field(
         default=None, metadata={"help": "Hugging Face model directory for the mention encoder; None = default model"}
     )
@@ -113,7 +116,8 @@ class EntityEncoder(nn.Module):
             ids, mask = trim_padding(ids, mask, _min_len(self.spec, "entity"))
         states, mask = self.encoder(ids, mask)
         vecs, rmask = entity_reps(self.spec, states, mask)
-        return Reps(vecs.reshape(*lead, *vecs.shape[1:]), None if rmask is None else rmask.reshape(*lead, *rmask.shape[1:]))
+        vecs = vecs.reshape(*lead, *vecs.shape[1:])
+        return Reps(vecs, None if rmask is None else rmask.reshape(*lead, *rmask.shape[1:]))
 
     def state(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """What a shard needs to rebuild this module: config + CPU weights (copied, so
@@ -136,7 +140,8 @@ class EntityEncoder(nn.Module):
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "EntityEncoder":
         _check_state(state)
-        module = cls(Encoder.from_config(state["transformer_config"]), ScoreSpec(**state["spec"]), state["trim_padding"])
+        encoder = Encoder.from_config(state["transformer_config"])
+        module = cls(encoder, ScoreSpec(**state["spec"]), state["trim_padding"])
         module.load_state(state)
         return module.eval()
 
@@ -170,7 +175,9 @@ class Retriever(nn.Module):
     ``forward(mention_ids [B, L], mention_mask, cand_ids [B, K, L'], cand_mask) -> scores [B, K]``.
     """
 
-    def __init__(self, config: RetrieverConfig, mention_encoder: Encoder, entity_encoder: Encoder, tokenizer: Any = None):
+    def __init__(
+        self, config: RetrieverConfig, mention_encoder: Encoder, entity_encoder: Encoder, tokenizer: Any = None
+    ):
         super().__init__()
         config.validate()
         self.config = config
@@ -298,8 +305,9 @@ class Retriever(nn.Module):
                 raise ArtifactMismatch(f"{codes_path}: missing; preset {config.preset!r} has learned codes")
             codes = load_file(str(codes_path)).get("codes")
             if codes is None or codes.shape != retriever.codes.shape:
+                got = None if codes is None else tuple(codes.shape)
                 raise ArtifactMismatch(f"{codes_path}: expected tensor 'codes' of shape "
-                                       f"{tuple(retriever.codes.shape)}, got {None if codes is None else tuple(codes.shape)}")
+                                       f"{tuple(retriever.codes.shape)}, got {got}")
             with torch.no_grad():
                 retriever.codes.copy_(codes)
         elif codes_path.exists():

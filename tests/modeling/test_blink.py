@@ -159,13 +159,15 @@ def test_export_round_trip_and_blink_strict_load(blink, tiny_model_dir, tmp_path
     ids, mask = batch(5)
     with torch.no_grad():
         for side in ("encode_mentions", "encode_entities"):
-            torch.testing.assert_close(getattr(back, side)(ids, mask).vecs, getattr(r, side)(ids, mask).vecs, rtol=0, atol=0)
+            want = getattr(r, side)(ids, mask).vecs
+            torch.testing.assert_close(getattr(back, side)(ids, mask).vecs, want, rtol=0, atol=0)
         torch.testing.assert_close(cls_states(module.cand_encoder.bert_model.eval(), ids, mask),
                                    r.encode_entities(ids, mask).vecs, rtol=0, atol=1e-6)
 
 
 def test_export_refuses_codes(blink, tiny_model_dir, tmp_path):
-    r = load_blink_retriever(save(blink[0], tmp_path), RetrieverConfig(preset="poly", m=2, mention_model=tiny_model_dir))
+    config = RetrieverConfig(preset="poly", m=2, mention_model=tiny_model_dir)
+    r = load_blink_retriever(save(blink[0], tmp_path), config)
     with pytest.raises(BlinkCheckpointError, match="preset 'poly' has learned codes"):
         export_blink(r, tmp_path / "x.bin")
     assert not (tmp_path / "x.bin").exists()

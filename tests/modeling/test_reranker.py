@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,7 +66,7 @@ def test_build_pairs_matches_per_row_reference():
          for _ in range(k)]
         for _ in range(b)
     ]
-    pairs = build_pairs(torch.tensor(mentions), torch.tensor(entities), TOK, max_len)
+    pairs = build_pairs(np.array(mentions, dtype=np.int32), np.array(entities, dtype=np.int32), TOK, max_len)
     assert pairs.ids.shape == pairs.token_type_ids.shape == pairs.mask.shape == (b, k, max_len)
     for i in range(b):
         for j in range(k):
