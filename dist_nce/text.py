@@ -38,9 +38,9 @@ MARKERS = (MENTION_START, MENTION_END, TITLE_SEP)
 # call, small enough that the Python lists of ids stay a few MB.
 _CHUNK = 2048
 # A window of this many characters per wanted token almost always holds enough tokens
-# (English averages ~4-5 characters per WordPiece); when it does not, the whole text
+# (English prose averages ~5 characters per WordPiece); when it does not, the whole text
 # is tokenized instead, so the window size only affects speed, never the result.
-_CHARS_PER_TOKEN = 10
+_CHARS_PER_TOKEN = 8
 
 
 class SpecialIds(NamedTuple):
