@@ -81,7 +81,7 @@ def read_gold_ids(path: str | Path) -> list[Any]:
 
 
 def guess_record(id_: Any, ranked_wikipedia_ids: Iterable[Any], answer: str) -> dict:
-    """One guess line. ``-1``/None entries (padding) are dropped; ids become strings."""
+    """One guess line. Padding (int ``-1`` or None) is dropped; ids become strings."""
     prov, seen = [], set()
     for wid in ranked_wikipedia_ids:
         if wid is None or (not isinstance(wid, str) and int(wid) == -1):
@@ -142,6 +142,8 @@ def align(
             raise KiltFileError(f"{where}: gold 'answer' must be a string")
         if not _gold_answers(g):
             raise KiltFileError(f"{where}: gold has no non-empty 'answer' (KILT cannot score it)")
+        if any(not isinstance(o.get("provenance", []), list) for o in outs):
+            raise KiltFileError(f"{where}: gold 'provenance' must be a list")
         if not isinstance(g.get("input"), str):
             raise KiltFileError(f"{where}: gold needs an 'input' string (KILT's entity_in_input reads it)")
     gold_line: dict[str, int] = {}
@@ -155,15 +157,18 @@ def align(
         where = f"{guess_path}:{lineno} (id {p['id']!r})"
         if _key(p) in by_id:
             raise KiltFileError(f"{where}: duplicate id (first at line {guess_line[_key(p)]})")
-        if _key(p) not in gold_line and not allow_extra_ids:
+        by_id[_key(p)] = p
+        guess_line[_key(p)] = lineno
+        if _key(p) not in gold_line:
+            if allow_extra_ids:
+                continue  # KILT ignores them unread
             raise KiltFileError(f"{where}: id not in gold file {gold_path}")
         outs = p.get("output")
         if not (isinstance(outs, list) and len(outs) == 1 and isinstance(outs[0], dict) and "answer" in outs[0]):
             raise KiltFileError(f"{where}: 'output' must be a list of exactly one object with an 'answer'")
-        if not isinstance(outs[0].get("provenance"), list):
-            raise KiltFileError(f"{where}: output[0] needs a 'provenance' list (may be empty)")
-        by_id[_key(p)] = p
-        guess_line[_key(p)] = lineno
+        prov = outs[0].get("provenance")
+        if not (isinstance(prov, list) and all(isinstance(x, dict) for x in prov)):
+            raise KiltFileError(f"{where}: output[0] needs a 'provenance' list of objects (may be empty)")
     for lineno, g in enumerate(gold, 1):
         if _key(g) not in by_id:
             raise KiltFileError(f"{guess_path}: no prediction for id {g['id']!r} ({gold_path}:{lineno})")
@@ -173,13 +178,13 @@ def align(
 # --------------------------------------------------------------------------- answers
 
 
+_PUNCT = frozenset(string.punctuation)
+
+
 def normalize_answer(s: str) -> str:
     """SQuAD/KILT normalisation: lower-case, drop punctuation, drop a/an/the, squash spaces."""
     s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
-
-
-_PUNCT = frozenset(string.punctuation)
 
 
 def _gold_answers(gold: dict) -> set[str]:

@@ -194,7 +194,7 @@ def test_malformed_line_and_extra_ids_allowed(tmp_path, files):
     bad.write_text(guess.read_text().replace("\n", "\n\n", 1))
     with pytest.raises(K.KiltFileError, match=r"bad\.jsonl:2: not a JSON object"):
         K.kilt_scores(gold, bad)
-    extra = _write_jsonl(tmp_path / "extra.jsonl", GUESS + [K.guess_record("Z", ["1"], "x")])
+    extra = _write_jsonl(tmp_path / "extra.jsonl", GUESS + [{"id": "Z", "output": []}])  # unread, as in KILT
     assert K.kilt_scores(gold, extra, allow_extra_ids=True) == K.kilt_scores(gold, guess)
 
 
