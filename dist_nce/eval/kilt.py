@@ -130,7 +130,11 @@ def _key(rec: dict) -> str:
 
 
 def align(
-    gold: list[dict], guess: list[dict], gold_path: str = "gold", guess_path: str = "guess", allow_extra_ids: bool = False
+    gold: list[dict],
+    guess: list[dict],
+    gold_path: str = "gold",
+    guess_path: str = "guess",
+    allow_extra_ids: bool = False,
 ) -> list[dict]:
     """Check both files for KILT and return the guess records in gold order."""
     for lineno, g in enumerate(gold, 1):
@@ -333,7 +337,8 @@ def retrieval_scores(
         raise ValueError(f"ks: expected distinct positive integers, got {ks}")
     names = ["Rprec", "entity_in_input"]
     for k in ks:
-        names += [f"precision@{k}", f"answer_in_context@{k}", f"answer_and_ent_in_context@{k}", f"entity_in_context@{k}"]
+        names += [f"precision@{k}", f"answer_in_context@{k}", f"answer_and_ent_in_context@{k}"]
+        names += [f"entity_in_context@{k}"]
         names += [f"recall@{k}", f"success_rate@{k}"] if k > 1 else []
     res = dict.fromkeys(names, 0.0)
     for p, g in zip(guess, gold):
