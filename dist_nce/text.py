@@ -153,7 +153,7 @@ def strip_leading_title(title: Sequence[int], description: Sequence[int],
 def _tokenize(tok, texts: Sequence[str], words: bool = False):
     """Token ids (and word indices if ``words``) of each text, no special tokens added."""
     if not texts:
-        return [], []
+        return [], ([] if words else None)
     enc = tok(list(texts), add_special_tokens=False, split_special_tokens=True,
               return_attention_mask=False, return_token_type_ids=False, verbose=False)
     ids = enc["input_ids"]
