@@ -65,7 +65,9 @@ class IndexConfig:
         "Gumbel-top-k: exact brute force over all rows, or within the backend's top `candidates`", "auto")
     candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024)
     tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024)
-    chunk_rows: int = _help("entities scored per chunk on the exact path", 32768)
+    chunk_rows: int = _help(
+        "entities per block on the exact path; blocks follow a global grid, so keep it equal across shards "
+        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d)", 8192)
     nlist: int = _help("IVF lists", 1024)
     nprobe: int = _help("IVF lists probed per query", 32)
     ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0)
@@ -101,6 +103,27 @@ def _check_batch(what: str, x: Tensor | None, batch: int, dims: tuple[int, ...])
         raise ValueError(f"{what} must be int64 {shapes} with B={batch}, got {x.dtype} {list(x.shape)}")
 
 
+def _grid_blocks(row_start: int, n: int, grid: int):
+    """(block start, lo, hi): the global blocks [j*grid, (j+1)*grid) meeting rows [row_start, row_start+n)."""
+    for b0 in range(row_start // grid * grid, row_start + n, grid):
+        yield b0, max(b0, row_start), min(b0 + grid, row_start + n)
+
+
+def _padded_block(entities: Reps, a: int, b: int, offset: int, grid: int, dtype: torch.dtype) -> Reps:
+    """Local rows [a, b) placed at ``offset`` in a zero block of ``grid`` rows."""
+    vecs = entities.vecs[a:b].to(dtype)
+    mask = None if entities.mask is None else entities.mask[a:b]
+    if b - a == grid:
+        return Reps(vecs, mask)
+    full = vecs.new_zeros((grid, *vecs.shape[1:]))
+    full[offset:offset + b - a] = vecs
+    if mask is not None:  # padding rows: zero vectors with real positions, scored and dropped
+        full_mask = mask.new_ones((grid, *mask.shape[1:]))
+        full_mask[offset:offset + b - a] = mask
+        mask = full_mask
+    return Reps(full, mask)
+
+
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                  query_keys: Tensor | None = None, version: int = 0) -> ShardResult:
@@ -109,16 +132,24 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
     makes them); gold: [B] or [B, e] int64 global rows (-1 = none). Scores are computed in
     ``compute`` and returned as float32; ``log_z`` is exact.
+
+    Rows are scored in blocks of a GLOBAL grid of ``chunk_rows`` rows, a partial block
+    being zero-padded at its global offset: BLAS picks kernels by matrix shape (MKL gives
+    ulp-different dot products for a 9-row and a 200-row slice), so identical block
+    shapes are what makes every score, hence every Gumbel key, identical whichever shard
+    computes it (same chunk_rows, device, dtype and thread count).
     """
     q = Reps(queries.vecs.to(compute), queries.mask)
     n = entities.vecs.shape[0]
     result = None
-    for c0 in range(0, max(n, 1), chunk_rows):
-        c1 = min(n, c0 + chunk_rows)
-        chunk = Reps(entities.vecs[c0:c1].to(compute), None if entities.mask is None else entities.mask[c0:c1])
-        scores = score_all(spec, q, chunk).float()
-        part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=row_start + c0, version=version)
+    for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
+        block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
+        scores = score_all(spec, q, block)[:, lo - b0:hi - b0].float()
+        part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=lo, version=version)
         result = part if result is None else merge_results([result, part], k)
+    if result is None:  # empty shard
+        result = gumbel_topk_dense(q.vecs.new_zeros((q.vecs.shape[0], 0), dtype=torch.float32), k, gold, seed,
+                                   query_keys, row_start=row_start, version=version)
     return result
 
 
