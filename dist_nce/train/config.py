@@ -7,9 +7,11 @@ dist_nce.train.config import TrainJobConfig; print(describe(TrainJobConfig))"``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+from dist_nce.index.service_config import ServiceConfig
+from dist_nce.modeling.retriever import RetrieverConfig
 
 
 def _help(text: str, **kw):
@@ -42,28 +44,22 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    model_dir: Optional[str] = _help("Hugging Face model directory for both encoders (default: MiniLM).",
-                                     default=None)
-    entity_model_dir: Optional[str] = _help("Separate entity-encoder directory (default: model_dir).",
-                                            default=None)
+    retriever: RetrieverConfig = _help("Encoders and score function (preset dual/multi/poly/som/genpoly, m).",
+                                       default_factory=RetrieverConfig)
     blink_checkpoint: Optional[str] = _help(
-        "BLINK biencoder_wiki_large.bin to initialise from (needs model_dir = bert-large-uncased config).",
-        default=None)
+        "BLINK biencoder_wiki_large.bin to initialise from (retriever.mention_model must then be a "
+        "bert-large-uncased directory for the tokenizer and config).", default=None)
     init_from: Optional[str] = _help("A dist-nce retriever directory (save_pretrained) to start from.",
                                      default=None)
-    preset: Literal["dual", "multi", "poly", "som", "genpoly"] = _help("Score function (DESIGN section 4).",
-                                                                       default="dual")
-    m: int = _help("Vectors/codes for multi-m, poly-m, genpoly-m.", default=1)
     freeze_entity_encoder: bool = _help(
         "ELQ-style: keep the entity encoder frozen; the KB is encoded once and never refreshed.", default=False)
-    storage_dtype: Literal["float32", "float16", "bfloat16"] = _help("Dtype of stored entity vectors.",
-                                                                     default="float32")
 
 
 @dataclass
 class NegativesConfig:
     mode: Literal["random", "hard", "mixed"] = _help("Negative distribution (paper section 3).", default="hard")
-    p: float = _help("mixed-p: percent of the K-1 negatives that are hard (rounded half up).", default=50.0)
+    p: float = _help("mixed-p: percent of the K-1 negatives that are hard (negatives.num_hard: round half "
+                     "up, so p=50, K=64 gives 32 hard + 31 random).", default=50.0)
     num_candidates: int = _help("K: gold + K-1 negatives per mention (64 in the paper).", default=64)
     schedule: Literal["pipelined", "per_epoch"] = _help(
         "pipelined: mine each batch P batches ahead with the current mention encoder; per_epoch: the paper's "
@@ -80,21 +76,6 @@ class NegativesConfig:
             raise ValueError(f"negatives.p must be in [0, 100], got {self.p}")
         if self.prefetch < 0:
             raise ValueError("negatives.prefetch must be >= 0")
-
-
-@dataclass
-class ServiceConfig:
-    num_shards: int = _help("EntityShard actors the KB is split into.", default=2)
-    backend: Literal["exact", "flat", "ivf", "hnsw"] = _help(
-        "exact: brute-force torch scores (exact Gumbel sample); flat/ivf/hnsw: faiss top-N then Gumbel within.",
-        default="exact")
-    top_n: int = _help("ANN backends: candidates fetched per query before Gumbel sampling.", default=1024)
-    num_cpus: float = _help("CPUs per shard actor (fractional allowed).", default=0.5)
-    num_gpus: float = _help("GPUs per shard actor (fractional shares a GPU with trainers).", default=0.0)
-    encode_batch_size: int = _help("Entities per encoder forward when a shard re-encodes.", default=64)
-    max_restarts: int = _help("Ray restarts of a dead shard actor.", default=3)
-    shard_dir: Optional[str] = _help("Where shards persist embedding versions (default: <run dir>/shards).",
-                                     default=None)
 
 
 @dataclass
@@ -171,17 +152,3 @@ class TrainJobConfig:
     @property
     def per_worker_batch(self) -> int:
         return self.optim.batch_size // self.run.num_workers
-
-
-def split_negatives(num_candidates: int, mode: str, p: float) -> tuple[int, int]:
-    """(n_hard, n_random) for K candidates (gold + K-1 negatives).
-
-    mixed-p rounds the hard count half up: p=50, K=64 -> 32 hard + 31 random.
-    """
-    n = num_candidates - 1
-    if mode == "random":
-        return 0, n
-    if mode == "hard":
-        return n, 0
-    n_hard = min(n, int(math.floor(p / 100.0 * n + 0.5)))
-    return n_hard, n - n_hard

@@ -1,0 +1,45 @@
+"""Configuration of the sharded negative service (EntityShard actors + NegativeService)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from dist_nce.index.search import IndexConfig
+
+
+def _help(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class ServiceConfig:
+    num_shards: int = _help("EntityShard actors the KB rows are split into (evenly, contiguous ranges).",
+                            default=2)
+    num_cpus: float = _help("CPUs reserved per shard actor (fractional allowed).", default=0.5)
+    num_gpus: float = _help("GPUs per shard actor; fractional values share a GPU with trainers.", default=0.0)
+    threads: int = _help("Intra-op threads of each shard process (encode and search).", default=1)
+    max_concurrency: int = _help("Concurrent calls per shard: searches keep running during a refresh.",
+                                 default=4)
+    max_restarts: int = _help("Ray restarts of a dead shard actor (it reloads its last persisted version).",
+                              default=3)
+    max_task_retries: int = _help("Ray retries of a call whose shard died mid-call.", default=3)
+    encode_batch_size: int = _help("Entities per encoder forward when a shard re-encodes its rows.",
+                                   default=64)
+    encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _help(
+        "Autocast dtype of re-encoding: auto = bf16 where the device supports it fast, else fp32.",
+        default="auto")
+    shard_dir: Optional[str] = _help(
+        "Directory where shards persist embedding versions (one sub-directory per shard and version).",
+        default=None)
+    keep_versions: int = _help("Persisted versions kept per shard (older ones are deleted).", default=2)
+    call_timeout_s: float = _help("Seconds before a shard call counts as failed and is retried.",
+                                  default=600.0)
+    index: IndexConfig = _help("How each shard indexes and searches its rows.", default_factory=IndexConfig)
+
+    def validate(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"service.num_shards must be >= 1, got {self.num_shards}")
+        if self.max_concurrency < 2:
+            raise ValueError("service.max_concurrency must be >= 2 so searches run during a refresh")
+        if self.keep_versions < 1:
+            raise ValueError("service.keep_versions must be >= 1")
