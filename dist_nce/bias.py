@@ -323,6 +323,7 @@ def labelled_mentions_bias(
     schemes: Sequence[NegativeScheme],
     num_draws: int = 500,
     seed: int = 0,
+    keep_vectors: bool = False,
 ) -> BiasReport:
     """Bias for B labelled mentions against the N entities ``score_fn`` scores.
 
@@ -337,7 +338,7 @@ def labelled_mentions_bias(
     if ((gold < 0) | (gold >= scores.shape[1])).any():
         raise ValueError(f"gold ids must be in [0, {scores.shape[1]}), got min {int(gold.min())} max {int(gold.max())}")
     pop = torch.nn.functional.one_hot(gold, scores.shape[1]).to(scores.dtype)
-    return estimate_bias(scores, model.parameters(), pop, schemes, num_draws, seed=seed)
+    return estimate_bias(scores, model.parameters(), pop, schemes, num_draws, seed=seed, keep_vectors=keep_vectors)
 
 
 # --------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def plot(result: dict) -> bytes:
     recs = result["records"]
     x = [r["update"] for r in recs]
     names = list(recs[0]["schemes"])
-    fig, (ax_loss, ax_bias) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_loss, ax_bias) = plt.subplots(1, 2, figsize=(13.5, 4.4), gridspec_kw={"width_ratios": [1, 1]})
     ax_loss.plot(x, [r["loss_ce"] for r in recs], "g:", lw=2.5, label="cross entropy (exact)")
     ax_loss.axhline(result["population_entropy"], color="k", ls="--", lw=1, label="entropy of pop")
     for name in names:
@@ -62,20 +62,23 @@ def plot(result: dict) -> bytes:
         floor = [r["schemes"][name]["mc_se"] for r in recs]
         ax_bias.plot(x, bias, color=color, lw=2, label=f"{name}: ||b̂||")
         ax_bias.plot(x, floor, color=color, lw=1, ls=":", label=f"{name}: MC noise floor")
+    ax_bias.plot(x, [r["grad_ce_norm"] for r in recs], color="0.5", lw=1, ls="--",
+                 label="||∇J_CE|| (bias of a zero gradient)")
     cfg = result["config"]
     ax_loss.set(xlabel="update", ylabel="loss (nats)", title=f"losses (K={cfg['num_negatives'] + 1})")
     ax_bias.set(xlabel="update", ylabel="||∇J_CE − E ∇J_NCE||",
                 title=f"gradient bias, {cfg['num_draws']} Monte Carlo draws")
     ax_loss.set_ylim(bottom=0)
     ax_bias.set_ylim(bottom=0)
+    ax_loss.legend(fontsize=8)
+    ax_bias.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     for ax in (ax_loss, ax_bias):
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{cfg['num_labels']} labels, H(pop) = {result['population_entropy']:.2f} nats, "
                  f"MLP with one ReLU layer ({result['num_params']:,} parameters)", fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
