@@ -250,6 +250,9 @@ def _multi(reps: Reps, lead: int, side: Side, what: str) -> tuple[Tensor, Tensor
             raise ValueError(f"{what}: some row has no real position (mask all False)")
         if bool(mask.all()):
             return vecs, None
+        # Columns that are padding in every row cost GEMM work and change nothing.
+        keep = int(mask.flatten(0, -2).any(0).nonzero().max()) + 1 if mask.numel() else 0
+        vecs, mask = vecs[..., :keep, :], mask[..., :keep]
         # Zeroed padding makes a padded query column contribute exactly 0, and keeps
         # non-finite junk in padded slots out of the soft path's 0 * sim products.
         vecs = vecs.masked_fill(~mask.unsqueeze(-1), 0)
@@ -299,12 +302,20 @@ def score_candidates(spec: ScoreSpec, m: Reps, e: Reps) -> Tensor:
 def _score_block(spec: ScoreSpec, mv: Tensor, mmask: Tensor | None, ev: Tensor, emask: Tensor | None) -> Tensor:
     """mv [B, ni, d], ev [P, nj, d] (padding zeroed) -> [B, P], with one GEMM."""
     if spec.direction == "x->y":
-        q, k, kmask = mv, ev, emask
+        q, qmask, k, kmask = mv, mmask, ev, emask
     else:
-        q, k, kmask = ev, mv, mmask
+        q, qmask, k, kmask = ev, emask, mv, mmask
     (pq, nq, d), (pk, nk, _) = q.shape, k.shape
-    sim = (q.reshape(pq * nq, d) @ k.reshape(pk * nk, d).T).view(pq, nq, pk, nk)
-    out = _reduce(spec, sim, None if kmask is None else kmask.view(1, 1, pk, nk), query_dim=1)
+    keys = k.reshape(pk * nk, d).T
+    kmask = None if kmask is None else kmask.view(1, pk, nk)
+    if qmask is None:
+        sim = (q.reshape(pq * nq, d) @ keys).view(pq, nq, pk, nk)
+        out = _reduce(spec, sim, kmask, query_dim=1)
+    else:  # queries are only summed, so pack the real ones and skip padded rows
+        owner = qmask.nonzero()[:, 0]
+        sim = (q[qmask] @ keys).view(-1, pk, nk)
+        per_query = _reduce(spec, sim.unsqueeze(1), kmask, query_dim=1)  # [real queries, P]
+        out = per_query.new_zeros(pq, pk).index_add_(0, owner, per_query)
     return out if spec.direction == "x->y" else out.T
 
 
@@ -314,27 +325,35 @@ def score_all(spec: ScoreSpec, m: Reps, e: Reps, chunk_size: int | None = None) 
     m: [B, d] or [B, n, d] (+ mask); e: [N, d] or [N, n', d] (+ mask [N, n']).
     Returns [B, N]. Entities are processed ``chunk_size`` at a time (default: as many
     as keep the [B, n, chunk, n'] similarity block under 2^23 elements), so SOM over
-    many long entities never materialises more than one block.
+    many long entities never materialises more than one block. Padding costs no GEMM
+    work: real query columns are packed, and variable-length entities are grouped by
+    length so each chunk is cut to its longest member.
     """
     mv, mmask = _multi(m, 1, spec.mention_side, "score_all: mention reps")
     if e.vecs.ndim not in (2, 3) or e.vecs.shape[-1] != mv.shape[-1]:
         raise ValueError(f"score_all: entity reps must be [N, d] or [N, n, d] with d={mv.shape[-1]}, "
                          f"got {tuple(e.vecs.shape)}")
     n_ent = e.vecs.shape[0]
-    per_entity = mv.shape[0] * mv.shape[1] * (e.vecs.shape[1] if e.vecs.ndim == 3 else 1)
+    n_real_queries = mv.shape[0] * mv.shape[1] if mmask is None else int(mmask.sum())
+    per_entity = n_real_queries * (e.vecs.shape[1] if e.vecs.ndim == 3 else 1)
     step = chunk_size if chunk_size is not None else max(1, _SIM_BUDGET // max(per_entity, 1))
     if step < 1:
         raise ValueError(f"score_all: chunk_size must be >= 1, got {chunk_size}")
+    order = None
+    if e.mask is not None and e.mask.shape == e.vecs.shape[:-1] and not bool(e.mask.all()):
+        order = torch.argsort(e.mask.sum(-1), stable=True)
     parts = []
     for a in range(0, n_ent, step):
-        chunk = Reps(e.vecs[a:a + step], None if e.mask is None else e.mask[a:a + step])
+        rows = slice(a, a + step) if order is None else order[a:a + step]
+        chunk = Reps(e.vecs[rows], None if e.mask is None else e.mask[rows])
         ev, emask = _multi(chunk, 1, spec.entity_side, "score_all: entity reps")
         q, k = _common(mv, ev)
         parts.append(_score_block(spec, q, mmask, k, emask))
     if not parts:
         acc = torch.promote_types(torch.promote_types(mv.dtype, e.vecs.dtype), torch.float32)
         return mv.new_zeros(mv.shape[0], 0, dtype=acc)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out if order is None else out[:, torch.argsort(order)]
 
 
 # --------------------------------------------------------------------------- MIPS

@@ -356,3 +356,17 @@ def test_all_direction_attention_combinations_run():
         spec = ScoreSpec(direction, "all", None, "all", None, attention)
         ref = _pairwise(lambda *a: _general_form(spec, *a), E, emask, F, fmask, codes)
         torch.testing.assert_close(_fast_all(spec, E, emask, F, fmask, codes).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["hard", "soft"])
+def test_arbitrary_mask_patterns(attention):
+    """Masks need not be right-padded: any real positions, anywhere."""
+    g = torch.Generator().manual_seed(13)
+    E, F = torch.randn(3, 6, D, generator=g), torch.randn(5, 7, D, generator=g)
+    emask, fmask = torch.rand(3, 6, generator=g) < 0.5, torch.rand(5, 7, generator=g) < 0.4
+    emask[:, 3], fmask[:, 2] = True, True  # at least one real position per row
+    spec = ScoreSpec("x->y", "all", None, "all", None, attention)
+    ref = _pairwise(lambda *a: _general_form(spec, *a), E, emask, F, fmask, torch.zeros(M, D))
+    for chunk in (None, 2):
+        fast = score_all(spec, Reps(E, emask), Reps(F, fmask), chunk_size=chunk)
+        torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-5)
