@@ -3,13 +3,15 @@
 The paper views the NCE loss as an estimator of the cross-entropy gradient. On a finite
 label space, with a population ``pop(y|x)`` and mention weights ``w_x``,
 
-    J_CE(θ)   = Σ_x w_x Σ_y pop(y|x) [-log p_θ(y|x)]                          (eq. 1)
+    J_CE(θ)   = Σ_x w_x Σ_y pop(y|x) [-log p_θ(y|x)]
     J_NCE(θ)  = Σ_x w_x Σ_y1 pop(y1|x) E_{y2..yK ~ q(.|x,y1)} [ℓ(s_θ(x, y1..yK))]
     b(θ)      = ∇J_CE(θ) - E[∇J_NCE(θ)]
               = Σ_x w_x Σ_y (p_θ(y|x) - γ_θ(y|x)) ∇s_θ(x, y)                  (Theorem 1)
 
-where ℓ is the NCE loss of eq. 7 (or the score-adjusted loss of eq. 6) with the gold at
-index 0, and γ_θ(y|x) is the expected softmax mass the K candidates put on y.
+where ℓ is the training loss itself, :func:`dist_nce.losses.nce_loss` (J_HARD) or
+:func:`dist_nce.losses.adjusted_nce_loss` (negatives' scores lowered by
+log((K-1) q(y|x,y1))), with the gold at index 0, and γ_θ(y|x) is the expected softmax
+mass the K candidates put on y.
 
 The estimator works in *score space*: every gradient above is ``Jᵀ c`` for the Jacobian
 J = ∂s/∂θ of the [B, N] score matrix and a coefficient matrix c [B, N] (``w (p - pop)``
@@ -29,12 +31,18 @@ What is reported for each negative scheme (:class:`BiasEstimate`):
 * ``tv_p_gamma`` = Σ_x w_x ½ Σ_y |p_θ(y|x) - γ̂(y|x)|, the score-space integrand of
   Theorem 1 (model-free; also Monte Carlo, so also inflated by noise).
 
-Which negatives make b vanish at p_θ = pop (checked exactly in tests/test_bias.py):
-uniform negatives (iid or without replacement, gold excluded) with the plain loss, and
-negatives iid from p_θ(.|x, y ≠ y1) with the score-adjusted loss (for which b = 0 at
-*every* θ: the importance-sampled partition function is then exact). Negatives iid from
-p_θ with the plain loss are *not* unbiased at p_θ = pop: π then resamples the candidates
-towards p_θ², so γ_θ ≠ p_θ.
+Which negatives make b vanish at p_θ = pop (checked by exact enumeration in
+tests/test_bias.py). The issue's Theorem 2 check, "b = 0 when p_θ = pop and the negatives
+are iid from p_θ", holds with the score-adjusted loss only:
+
+* negatives iid from p_θ(.|x, y ≠ y1) with the score-adjusted loss: b = 0 at
+  *every* θ, because the importance-sampled partition function is then exact;
+* uniform negatives without replacement, gold excluded (the project's random sampler),
+  with the plain loss: the K-tuple's law is then ∝ exp s(x, y1) on distinct tuples, and
+  symmetrising over the gold's position gives γ_θ = p_θ (so do iid uniform negatives
+  over all labels, gold included; iid uniform *excluding* the gold does not);
+* NOT negatives from p_θ with the plain loss (iid or without replacement = hard): the
+  softmax over candidates drawn from p_θ resamples towards p_θ², so γ_θ ≠ p_θ.
 
 Also here: the paper's synthetic experiment (section 5.5; authors' code
 github.com/WenzhengZhang/hard-nce-el, gradient-bias/) and the Zeshel-style protocol on a
@@ -65,8 +73,8 @@ class NegativeScheme:
     kind: "random" (uniform, gold excluded, no duplicates), "hard" (∝ exp(s) without
     replacement, gold excluded), "mixed" (``hard_fraction`` hard, rest random), all from
     :mod:`dist_nce.negatives`; "iid_model" (iid from p_θ(.|x, y ≠ y1), *with*
-    replacement) exists for the theory checks only. ``adjusted``: use the score-adjusted
-    loss of eq. 6 instead of eq. 7.
+    replacement) exists for the theory checks only. ``adjusted``: score the candidates
+    with :func:`dist_nce.losses.adjusted_nce_loss` instead of ``nce_loss``.
     """
 
     kind: NegativeKind
@@ -168,7 +176,8 @@ def ce_coefficients(scores: Tensor, pop: Tensor, weights: Tensor) -> tuple[Tenso
 
 def _row_losses(cand: Tensor, log_q: Tensor | None) -> Tensor:
     """Per-row losses [R] of candidate scores [R, K] (gold at 0) under the training loss
-    itself: eq. 7, or eq. 6 when the sampling log-probabilities ``log_q`` [R, K-1] are given."""
+    itself: ``nce_loss``, or ``adjusted_nce_loss`` when the sampling log-probabilities
+    ``log_q`` [R, K-1] are given."""
     from dist_nce.losses import adjusted_nce_loss, nce_loss
 
     if log_q is None:
@@ -277,6 +286,9 @@ def estimate_bias(
         raise ValueError(f"num_draws must be >= 2 to estimate the Monte Carlo error, got {num_draws}")
     if scores.shape != pop.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and pop {tuple(pop.shape)} must both be [B, N]")
+    names = [s.name for s in schemes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"schemes must have distinct names, got {names}")
     params = [p for p in params if p.requires_grad]
     w = check_population(pop, weights).to(scores.dtype)
     pop = pop.to(scores.dtype)
@@ -362,7 +374,7 @@ class SyntheticConfig:
     schemes: list[str] = field(default_factory=lambda: ["hard", "random", "mixed"], metadata={
         "help": f"negative kinds to measure, from {list(KINDS)}"})
     hard_fraction: float = field(default=0.5, metadata={"help": "share of hard negatives in 'mixed'"})
-    adjusted: bool = field(default=False, metadata={"help": "measure the score-adjusted loss (eq. 6) instead of eq. 7"})
+    adjusted: bool = field(default=False, metadata={"help": "measure losses.adjusted_nce_loss instead of losses.nce_loss"})
     seed: int = field(default=42, metadata={"help": "seeds the population, the model, the batches and the negatives"})
 
     def validate(self) -> None:

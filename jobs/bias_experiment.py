@@ -12,7 +12,8 @@ random and mixed-50 negatives (dist_nce/bias.py). Writes to --out:
                    the Monte Carlo noise floor (||b̂|| near it is not distinguishable from 0)
     manifest.json
 
-Run (about 20 s with the defaults, the authors' settings):
+Run from the repository root with the package installed (`make venv`); about 10 s with the
+defaults (the authors' settings) on an idle core:
 
     .venv/bin/python jobs/bias_experiment.py --out runs/bias
     .venv/bin/python jobs/bias_experiment.py --out runs/bias --updates 100 --set num_draws=50

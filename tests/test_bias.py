@@ -51,7 +51,7 @@ def _sequences(kind: str, s: Tensor, gold: int, k: int, hard_fraction: float):
 
 
 def exact_nce_coefficients(scores: Tensor, pop: Tensor, scheme: NegativeScheme) -> tuple[Tensor, float]:
-    """Exact E[∂J_NCE/∂s] [B, N] and E[J_NCE], mention weights uniform, eq. 7 or eq. 6 by hand."""
+    """Exact E[∂J_NCE/∂s] [B, N] and E[J_NCE], mention weights uniform, both losses written out by hand."""
     s_all = scores.detach().double()
     coef = torch.zeros_like(s_all)
     loss = 0.0
@@ -112,8 +112,8 @@ def _tiny_problem(seed: int = 0) -> tuple[Bilinear, Tensor]:
 
 
 def test_nce_coefficients_match_closed_form():
-    """Per-draw ∂J/∂s through the project's loss = w (π - e_gold) scattered (eq. 7), and
-    the score-adjusted loss shifts only the negatives (eq. 6)."""
+    """Per-draw ∂J/∂s through the project's loss = w (π - e_gold) scattered, and
+    the score-adjusted loss lowers only the negatives by log((K-1) q)."""
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(2, 7, generator=g)
     rows = B.GoldRows(torch.tensor([0, 0, 1]), torch.tensor([1, 4, 2]), torch.tensor([0.2, 0.3, 0.5]))
@@ -201,8 +201,8 @@ def _at_optimum(seed: int = 0) -> tuple[FreeScores, Tensor]:
 
 
 UNBIASED_AT_OPTIMUM = [
-    NegativeScheme("iid_model", 3, adjusted=True),  # iid from p_θ(.|x, y≠y1), sampler-corrected loss (eq. 6)
-    NegativeScheme("random", 3),  # uniform without replacement, plain loss (eq. 7)
+    NegativeScheme("iid_model", 3, adjusted=True),  # iid from p_θ(.|x, y≠y1), score-adjusted loss
+    NegativeScheme("random", 3),  # uniform without replacement, plain loss (nce_loss)
 ]
 BIASED_AT_OPTIMUM = [
     NegativeScheme("hard", 3),
