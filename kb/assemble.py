@@ -22,9 +22,10 @@ import pyarrow.compute as pc
 
 from kb.ingest import ChunkTask, line_bases, output_path
 from kb.records import BadRecordLog
+from kb.source_index import sort_source_keys, source_index_table
 from kb.store import (ENTITIES_DIR, GOLD_BY_ID, GOLD_BY_TITLE, GOLD_MISSING, GOLD_UNLABELLED, MENTIONS_DIR,
                       MENTIONS_FILE, SOURCE_INDEX_FILE, EntityStore, entity_schema, mention_schema, part_file,
-                      read_arrow, sort_source_keys, source_index_table, token_view, write_arrow)
+                      read_arrow, write_arrow)
 
 # Mention ids listed per split in the manifest when their gold entity is missing.
 MISSING_LIST_CAP = 10_000
@@ -248,8 +249,3 @@ def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStor
         "gold_world_mismatch": world_mismatch,
         "token_stats": token_stats(lengths, max_len),
     }
-
-
-def chunk_tokens(chunk: Chunk) -> np.ndarray:
-    """``[n, L]`` token ids of a chunk (zero-copy)."""
-    return token_view(chunk.table.column("token_ids"))

@@ -22,7 +22,7 @@ import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from dist_nce.artifacts import atomic_write_json
 from kb.records import BadRecord, BadRecordLog

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import sys
@@ -24,27 +25,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal
-
-import numpy as np
-import pyarrow as pa
+from typing import Callable, Literal
 
 from dist_nce.artifacts import MANIFEST, ArtifactMismatch, write_manifest
-from dist_nce.config import ConfigError, from_dict
 from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
-from kb.ingest import (ChunkTask, RangeRecords, file_fingerprint, output_path, plan_byte_ranges, run_chunks,
-                       write_marker)
+from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
+from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
 from kb.records import BadRecord, BadRecordLog
-from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore, token_array, write_arrow
+from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore, open_manifest
 
 # Bump when chunk contents change meaning, so old chunks are not reused.
 INGEST_VERSION = 1
 WORK_DIR = "chunks"
 AIDA_FILES = {"train": "aidayago2-train-kilt.jsonl", "dev": "aidayago2-dev-kilt.jsonl",
               "test": "aidayago2-test_without_answers-kilt.jsonl"}
-# Records tokenized per call inside a chunk: bounds a worker's memory, not its speed.
-ENCODE_BATCH = 1024
-SKIPPED_LIST_CAP = 1000
 
 
 class PrepareError(ValueError):
@@ -76,7 +70,7 @@ class PrepareConfig:
         "error: stop at the first malformed line; skip: count, report and record them"))
     overwrite: bool = field(default=False, metadata=_h("replace an existing store prepared from other inputs"))
     keep_chunks: bool = field(default=False, metadata=_h("keep the per-chunk files after assembly"))
-    progress: bool = field(default=True, metadata=_h("show a progress bar"))
+    progress: bool = field(default=True, metadata=_h("progress bar on stderr (--no-progress hides it)"))
 
     def validate(self) -> None:
         if not self.out:
@@ -155,17 +149,6 @@ def _mention_sources(cfg: PrepareConfig) -> list[tuple[str, str, Path, list[Path
     return []
 
 
-@dataclass(frozen=True)
-class EncodeSettings:
-    """What a worker needs besides its task (picklable)."""
-
-    model_dir: str | None
-    entity_max_len: int
-    mention_max_len: int
-    strip_title: bool
-    policy: str
-
-
 def plan(cfg: PrepareConfig, tokenizer_sha256: str) -> tuple[list[ChunkTask], list[tuple[str, ChunkTask]], list]:
     """(entity chunk tasks in row order, (split, mention task) pairs, source fingerprints)."""
     common = {"version": INGEST_VERSION, "schema_version": SCHEMA_VERSION, "tokenizer_sha256": tokenizer_sha256}
@@ -191,122 +174,6 @@ def plan(cfg: PrepareConfig, tokenizer_sha256: str) -> tuple[list[ChunkTask], li
         mention_tasks.append((split, ChunkTask(f"mentions-{split}", "mentions", reader, str(root), 0, -1, split,
                                                path.stat().st_size, spec)))
     return entity_tasks, mention_tasks, list(fingerprints.values())
-
-
-# --------------------------------------------------------------------------- worker
-
-
-_TOKENIZERS: dict[str | None, Any] = {}
-
-
-def _tokenizer(model_dir: str | None):
-    """One tokenizer per process and model directory (workers load it on first use)."""
-    if model_dir not in _TOKENIZERS:
-        from dist_nce.text import load_tokenizer
-
-        _TOKENIZERS[model_dir] = load_tokenizer(model_dir)
-    return _TOKENIZERS[model_dir]
-
-
-def _records(task: ChunkTask, bad: BadRecordLog) -> tuple[Iterable, Callable[[], int]]:
-    """(record iterator, () -> lines read) for a task."""
-    if task.kind == "entities":
-        if task.reader == "kilt":
-            from kb.kilt import parse_kilt_entity as parse
-        elif task.reader == "blink":
-            from kb.blink import parse_blink_entity as parse
-        elif task.reader == "zeshel":
-            from kb.zeshel import parse_zeshel_document
-
-            parse = functools.partial(parse_zeshel_document, world=task.arg)
-        else:
-            raise ValueError(f"unknown entity reader {task.reader!r}")
-        records = RangeRecords(task.path, task.start, task.end, parse, bad)
-        return records, lambda: records.lines
-    if task.reader == "aida":
-        from kb.kilt import iter_aida
-
-        return iter_aida(task.path, bad), lambda: 0
-    if task.reader == "zeshel_mentions":
-        from kb.zeshel import iter_zeshel_mentions
-
-        return iter_zeshel_mentions(task.path, task.arg, bad), lambda: 0
-    raise ValueError(f"unknown mention reader {task.reader!r}")
-
-
-def _batches(items: Iterable, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _lengths(tokens: np.ndarray, pad_id: int) -> np.ndarray:
-    # Rows are [CLS] ... [SEP] then padding, so the non-pad count is the length.
-    return (tokens != pad_id).sum(axis=1).astype(np.int32)
-
-
-def _entity_table(records: list, tokens: np.ndarray, pad_id: int) -> pa.Table:
-    return pa.table({
-        "source_id": pa.array([r.source_id for r in records], pa.string()),
-        "title": pa.array([r.title for r in records], pa.string()),
-        "world": pa.array([r.world for r in records], pa.string()),
-        "line": pa.array([r.line for r in records], pa.int64()),
-        "length": pa.array(_lengths(tokens, pad_id)),
-        "token_ids": token_array(tokens),
-    })
-
-
-def _mention_table(records: list, tokens: np.ndarray, pad_id: int) -> pa.Table:
-    return pa.table({
-        "mention_id": pa.array([r.mention_id for r in records], pa.string()),
-        "mention": pa.array([r.mention for r in records], pa.string()),
-        "length": pa.array(_lengths(tokens, pad_id)),
-        "token_ids": token_array(tokens),
-        "gold_source_id": pa.array([r.gold_source_id for r in records], pa.string()),
-        "gold_title": pa.array([r.gold_title for r in records], pa.string()),
-        "world": pa.array([r.world for r in records], pa.string()),
-        "category": pa.array([r.category for r in records], pa.string()),
-        "line": pa.array([r.line for r in records], pa.int64()),
-    })
-
-
-def process_chunk(task: ChunkTask, work_dir: str, settings: EncodeSettings, run_id: str) -> dict:
-    """Parse and tokenize one chunk, write ``<name>.arrow`` then its marker; return the
-    marker, or ``{"bad": ...}`` when the error policy meets a malformed line."""
-    from dist_nce.text import encode_entities, encode_mentions
-
-    delay = float(os.environ.get("DIST_NCE_INGEST_TEST_DELAY", "0") or 0)  # test hook: widen the kill window
-    tok = _tokenizer(settings.model_dir)
-    bad = BadRecordLog(settings.policy)
-    t0 = time.perf_counter()
-    records, lines = _records(task, bad)
-    tables = []
-    try:
-        for batch in _batches(records, ENCODE_BATCH):
-            if task.kind == "entities":
-                ids = encode_entities(tok, batch, settings.entity_max_len, settings.strip_title)
-                tables.append(_entity_table(batch, ids, tok.pad_token_id))
-            else:
-                ids = encode_mentions(tok, batch, settings.mention_max_len)
-                tables.append(_mention_table(batch, ids, tok.pad_token_id))
-    except BadRecord as e:
-        return {"bad": {"path": e.path, "line": e.line, "reason": e.reason}}
-    if not tables:
-        max_len = settings.entity_max_len if task.kind == "entities" else settings.mention_max_len
-        empty = np.zeros((0, max_len), np.int32)
-        tables.append((_entity_table if task.kind == "entities" else _mention_table)([], empty, 0))
-    table = pa.concat_tables(tables)
-    write_arrow(output_path(work_dir, task), table)
-    if delay:
-        time.sleep(delay)
-    result = {"rows": table.num_rows, "lines": lines(), "seconds": round(time.perf_counter() - t0, 3),
-              "skipped_count": bad.count, "skipped": bad.skipped[:SKIPPED_LIST_CAP]}
-    return write_marker(work_dir, task, run_id, result)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -341,8 +208,6 @@ def _spec(cfg: PrepareConfig, fingerprints: list, tokenizer_fp: dict) -> dict:
 
 def _check_existing(out: Path, spec: dict, overwrite: bool) -> dict | None:
     """The existing manifest if ``out`` is already this store; raise if it is another."""
-    import json
-
     path = out / MANIFEST
     if not path.exists():
         return None
@@ -361,8 +226,12 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
     """Build (or resume building) the store described by ``cfg``; return its manifest."""
     from dist_nce.text import tokenizer_fingerprint
 
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise PrepareError(str(e)) from None
     out = Path(cfg.out)
-    tok = _tokenizer(cfg.model_dir)
+    tok = tokenizer(cfg.model_dir)
     tok_fp = tokenizer_fingerprint(tok)
     entity_tasks, mention_tasks, fingerprints = plan(cfg, tok_fp["sha256"])
     spec = _spec(cfg, fingerprints, tok_fp)
@@ -420,8 +289,6 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
 
 def summarize(store_dir: str | os.PathLike) -> str:
     """A human summary of a prepared store (what the job prints at the end)."""
-    from kb.store import open_manifest
-
     m = open_manifest(store_dir)
     ent = m["entities"]
     ts = ent["token_stats"]
@@ -466,28 +333,29 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             if f.default:
                 parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                    help=f"do not: {help_}")
+                                    help=help_)
             else:
                 parser.add_argument(flag, dest=f.name, action="store_true", help=help_)
         elif f.name == "on_bad_record":
             parser.add_argument(flag, dest=f.name, choices=["error", "skip"], default=f.default, help=help_)
         else:
             kind = int if f.type in ("int", int) else str
+            shown = f" (default: {f.default})" if f.default not in (None, "") else ""
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                                required=f.name == "out", help=f"{help_} (default: {f.default})")
+                                required=f.name == "out", help=help_ + shown)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = from_dict(PrepareConfig, vars(args), source="prepare_kb")
+        cfg = PrepareConfig(**vars(args))
         prepare(cfg, log=lambda s: print(s, file=sys.stderr))
     except BadRecord as e:
         print(f"error: {e}\n  (pass --on-bad-record skip to skip malformed lines and list them in the manifest)",
               file=sys.stderr)
         return 2
-    except (ConfigError, PrepareError, ArtifactMismatch, FileNotFoundError) as e:
+    except (PrepareError, ArtifactMismatch, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

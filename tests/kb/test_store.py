@@ -15,7 +15,8 @@ import pytest
 
 from dist_nce.artifacts import ArtifactMismatch
 from kb.prepare import PrepareConfig, prepare
-from kb.store import (EntityStore, MentionTable, SourceIndex, build_source_index, fixed_width_keys, read_arrow)
+from kb.source_index import SourceIndex, build_source_index, fixed_width_keys
+from kb.store import EntityStore, MentionTable, read_arrow
 
 N_ENTITIES = 157
 ROWS_PER_PART = 20  # several parts, so gathers straddle part boundaries
