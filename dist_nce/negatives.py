@@ -57,12 +57,24 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ _shr(x, 31)
 
 
+def _mix_(x: Tensor) -> Tensor:
+    """:func:`_mix` in place (same bits)."""
+    x.add_(_GOLDEN)
+    x.bitwise_xor_(_shr(x, 30)).mul_(_MUL1)
+    x.bitwise_xor_(_shr(x, 27)).mul_(_MUL2)
+    return x.bitwise_xor_(_shr(x, 31))
+
+
+# Elements per noise block: the ~10 integer passes then stay in cache (2-3x faster on CPU).
+_NOISE_BLOCK = 1 << 15
+
+
 def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
     """Standard Gumbel noise G[b, j] = F(seed, query_keys[b], rows[..., j]) as float64.
 
     Args:
-        seed: any int64; the run's sampling seed (vary it per step or epoch).
-        query_keys: [B] int64, one integer per query (e.g. mention index * P + step).
+        seed: any int64; the run's sampling seed (derive a new one per epoch or step).
+        query_keys: [B] int64, one integer per query, e.g. the mention's index in the data set.
         rows: [n] (shared by all queries) or [B, n] int64 global entity rows.
     Returns:
         [B, n] float64, -log(-log u) with u = (h >> 11 + 1/2) / 2**53 in (0, 1), h the
@@ -73,12 +85,17 @@ def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
                          f"{list(query_keys.shape)}")
     if rows.dtype != torch.int64 or rows.dim() not in (1, 2):
         raise ValueError(f"gumbel_noise: rows must be int64 [n] or [B, n], got {rows.dtype} {list(rows.shape)}")
-    seed_word = torch.full_like(query_keys, int(seed))
-    q = _mix(_mix(seed_word) ^ query_keys)
+    q = _mix(_mix(torch.full_like(query_keys, int(seed))) ^ query_keys)[:, None]
     r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)
-    h = _mix(q[:, None] ^ (r[None, :] if r.dim() == 1 else r))
-    u = (_shr(h, 11).to(torch.float64) + 0.5) * _TWO_M53
-    return -torch.log(-torch.log(u))
+    r = r[None, :] if r.dim() == 1 else r
+    n = r.shape[1]
+    out = torch.empty((q.shape[0], n), dtype=torch.float64, device=q.device)
+    step = max(1, _NOISE_BLOCK // max(q.shape[0], 1))
+    for a in range(0, n, step):
+        h = _mix_(q ^ r[:, a:a + step])
+        u = _shr(h, 11).to(torch.float64).add_(0.5).mul_(_TWO_M53)
+        out[:, a:a + step] = u.log_().neg_().log_().neg_()
+    return out
 
 
 class Negatives(NamedTuple):
@@ -213,21 +230,22 @@ def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | N
                       row_start: int = 0, version: int = 0) -> ShardResult:
     """Top k of scores [B, n] for global rows [row_start, row_start+n), gold excluded.
 
-    With ``seed`` the keys are s + Gumbel noise (exact sample of k without replacement
-    proportional to exp(s)); without, plain top-k. ``log_z`` is the gold-excluded logsumexp.
+    With ``seed`` the keys are s + Gumbel noise in float64 (an exact sample of k without
+    replacement proportional to exp(s)); without, plain top-k of the scores. ``log_z`` is
+    the gold-excluded logsumexp (float64 [B]).
     """
     batch, n = scores.shape
     rows = torch.arange(row_start, row_start + n, device=scores.device)
-    masked = scores.to(torch.float64, copy=True)
+    masked = scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True)
     if gold is not None:
         gold = _as_gold(gold, batch)
         local = gold - row_start
         hit = (local >= 0) & (local < n)
         b = torch.arange(batch, device=scores.device)[:, None].expand_as(local)
         masked[b[hit], local[hit]] = float("-inf")
-    keys = masked if seed is None else masked + gumbel_noise(seed, query_keys, rows)
-    return result_from_keys(keys, scores, rows.expand(batch, n), k,
-                            log_z=torch.logsumexp(masked, dim=1), version=version)
+    log_z = torch.logsumexp(masked, dim=1).double()
+    keys = masked if seed is None else masked.double().add_(gumbel_noise(seed, query_keys, rows))
+    return result_from_keys(keys, scores, rows.expand(batch, n), k, log_z=log_z, version=version)
 
 
 def mixed_negatives(hard: ShardResult, num_entities: int, num_negatives: int, p: float, gold: Tensor,

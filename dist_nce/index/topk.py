@@ -66,10 +66,14 @@ def select_topk(keys: Tensor, k: int) -> Tensor:
     kk = min(k, n)
     if kk == 0:
         return keys.new_zeros((keys.shape[0], 0), dtype=torch.int64)
-    pos = torch.topk(keys, kk, dim=1, sorted=False).indices
-    # torch.topk picks arbitrarily among keys equal to the k-th value; redo those rows exactly.
-    kth = keys.gather(1, pos).amin(dim=1, keepdim=True)
-    tied = (keys >= kth).sum(dim=1) > kk
+    if kk == n:
+        pos = torch.arange(n, device=keys.device).expand(keys.shape[0], n)
+        return pos.gather(1, _order(keys, pos))
+    # One extra place reveals a tie across the k-th place, where torch.topk picks
+    # arbitrarily; only such rows are redone exactly.
+    vals, pos = torch.topk(keys, kk + 1, dim=1, sorted=True)
+    pos, kth = pos[:, :kk], vals[:, kk - 1:kk]
+    tied = vals[:, kk] == vals[:, kk - 1]
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(1)
         sub, t = keys[rows], kth[rows]
@@ -92,13 +96,13 @@ def pad_columns(x: Tensor, k: int, value: float | int) -> Tensor:
 
 def result_from_keys(keys: Tensor, scores: Tensor, ids: Tensor, k: int, log_z: Tensor | None = None,
                      tail_log_z: Tensor | None = None, version: int = 0) -> ShardResult:
-    """Keep the top k of candidates ``keys`` [B, n] (float64), ``scores`` [B, n], ``ids`` [B, n].
+    """Keep the top k of candidates ``keys`` [B, n], ``scores`` [B, n], ``ids`` [B, n].
 
     Candidates with key -inf (excluded, invalid) never win a slot: they become id -1.
     ``ids`` must be increasing along each row for exact tie handling (row ranges are).
     """
     pos = select_topk(keys, k)
-    top_keys = keys.gather(1, pos)
+    top_keys = keys.gather(1, pos).double()
     empty = top_keys == NEG_INF
     top_ids = ids.gather(1, pos).masked_fill(empty, -1)
     top_scores = scores.gather(1, pos).float().masked_fill(empty, NEG_INF)
