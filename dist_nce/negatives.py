@@ -188,7 +188,11 @@ def sample_random(num_entities: int, num_negatives: int, gold: Tensor, generator
         Negatives with log_q = -log(N - #distinct excluded rows incl. the gold).
     """
     gold = _as_gold(gold)
-    banned = gold if exclude is None else torch.cat([gold, exclude.to(torch.int64)], dim=1)
+    if exclude is not None and (exclude.dtype != torch.int64 or exclude.dim() != 2 or
+                                exclude.shape[0] != gold.shape[0]):
+        raise ValueError(f"sample_random: exclude must be int64 [B={gold.shape[0]}, E], got {exclude.dtype} "
+                         f"{list(exclude.shape)}")
+    banned = gold if exclude is None else torch.cat([gold, exclude.to(gold.device)], dim=1)
     eligible = num_entities - _count_banned(banned, num_entities)
     if int(eligible.min()) < num_negatives:
         row = int(eligible.argmin())

@@ -198,6 +198,8 @@ def test_random_sampler_valid_and_uniform(n):
 def test_random_sampler_errors_when_kb_too_small():
     with pytest.raises(ValueError, match="only 3 eligible"):
         ng.sample_random(4, 4, torch.tensor([0]), generator=0)
+    with pytest.raises(ValueError, match=r"exclude must be int64 \[B=1, E\]"):
+        ng.sample_random(40, 4, torch.tensor([0]), generator=0, exclude=torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize("p,k,want", [(50, 63, 32), (0, 63, 0), (100, 63, 63), (25, 63, 16), (10, 63, 6),

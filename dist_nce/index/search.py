@@ -17,12 +17,14 @@ Gumbel-top-k (hard negatives, DESIGN section 5), ``IndexConfig.gumbel``:
 
 * ``exact``: brute force over every row (torch, chunked): keys s + G with the
   counter-based noise of ``negatives.gumbel_noise``; ``log_z`` is exact. Sharded and
-  flat searches return the same sample bit for bit.
+  flat searches return the same sample bit for bit (same ``chunk_rows``, device, dtype
+  and thread count; see :func:`exact_search`).
 * ``candidates``: the backend's top N (``candidates``) by score, then Gumbel-top-k
   within them; ``log_z`` covers those N and ``tail_log_z`` ESTIMATES the gold-excluded
-  mass of the other rows from a uniform sample of ``tail_sample`` rows scored exactly:
-  sum_{y outside} e^s ~= (n / R) sum_{sampled y outside} e^s, unbiased for the sum (exact
-  when R >= n). ``ShardResult.truncation()`` turns it into the softmax mass outside.
+  mass of the other rows from R = ``tail_sample`` rows drawn uniformly (with replacement)
+  and scored exactly: sum_{y outside} e^s ~= (n / R) sum_{sampled y outside} e^s, unbiased
+  for the sum (exact when R >= n, which scores every row). ``ShardResult.truncation()``
+  turns it into the estimated softmax mass outside the candidates.
 * ``auto``: exact for torch/flat, candidates for ivf/hnsw.
 """
 from __future__ import annotations
@@ -137,7 +139,8 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     being zero-padded at its global offset: BLAS picks kernels by matrix shape (MKL gives
     ulp-different dot products for a 9-row and a 200-row slice), so identical block
     shapes are what makes every score, hence every Gumbel key, identical whichever shard
-    computes it (same chunk_rows, device, dtype and thread count).
+    computes it (same chunk_rows, device, dtype and thread count). The cost is at most
+    two padded blocks per shard.
     """
     q = Reps(queries.vecs.to(compute), queries.mask)
     n = entities.vecs.shape[0]
@@ -282,8 +285,11 @@ class ShardIndex:
     def _tail_log_z(self, queries: Reps, covered: Tensor, gold: Tensor | None, seed: int) -> Tensor:
         """[B] estimate of log sum_{rows not covered, not gold} exp(s) (module docstring)."""
         n, r = self.num_rows, min(self.config.tail_sample, self.num_rows)
-        gen = torch.Generator().manual_seed((int(seed) ^ _TAIL_SALT) & 0x7FFF_FFFF_FFFF_FFFF)
-        local = torch.randperm(n, generator=gen)[:r].sort().values
+        if r == n:  # every row: the "estimate" is exact
+            local = torch.arange(n)
+        else:  # iid uniform rows (with replacement: O(r), and still unbiased)
+            gen = torch.Generator().manual_seed((int(seed) ^ _TAIL_SALT) & 0x7FFF_FFFF_FFFF_FFFF)
+            local = torch.randint(0, n, (r,), generator=gen).sort().values
         sample = Reps(self.entities.vecs[local.to(self.device)].to(self.compute),
                       None if self.entities.mask is None else self.entities.mask[local.to(self.device)])
         q = Reps(queries.vecs.to(self.compute), queries.mask)
