@@ -230,8 +230,8 @@ def run_chunks(
 
     ``fn(task)`` writes the output and marker and returns the marker, or returns
     ``{"bad": {"path", "line", "reason"}}`` when the ``error`` policy stops at a bad
-    line. The earliest bad line (in task order) among the chunks that ran is raised
-    as :class:`BadRecord` with a global line number; finished chunks keep their markers.
+    line. The earliest bad line in task order is raised as :class:`BadRecord` with a
+    global line number, whatever the number of workers; finished chunks keep their markers.
     With ``workers > 1``, ``fn`` must be picklable (a module-level function or a
     ``functools.partial`` of one).
     """
@@ -271,9 +271,13 @@ def run_chunks(
                             if not fut.cancelled():
                                 finish(futures[fut], fut.result())
                         if bads:
-                            # Stop scheduling; chunks already running finish and keep their markers.
+                            # Drop the chunks after the first failing one; those before it still
+                            # run (one may hold an earlier bad line), so the error reported is the
+                            # same as with one worker. Running chunks finish and keep their markers.
+                            first_bad = min(i for i, _ in bads)
                             for fut in pending:
-                                fut.cancel()
+                                if futures[fut] > first_bad:
+                                    fut.cancel()
                 except BaseException:
                     pool.shutdown(wait=True, cancel_futures=True)
                     raise

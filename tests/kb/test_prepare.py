@@ -5,18 +5,22 @@ source, KILT AIDA, Zeshel documents/mentions, BLINK entity.jsonl).
 """
 from __future__ import annotations
 
+import functools
 import json
 import random
+import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from dist_nce.text import encode_entity, encode_mention, load_tokenizer
-from kb.ingest import RangeRecords, count_newlines, file_fingerprint, plan_byte_ranges
+from kb.ingest import (ChunkTask, RangeRecords, count_newlines, file_fingerprint, output_path, plan_byte_ranges,
+                       run_chunks, write_marker)
 from kb.prepare import PrepareConfig, PrepareError, parse_size, prepare, summarize
 from kb.records import BadRecord, BadRecordLog
-from kb.store import EntityStore, MentionTable, read_arrow
+from kb.store import EntityStore, MentionTable, read_arrow, write_arrow
 
 QUIET = {"log": lambda s: None}
 WORDS = "river north castle album band film league station county party war song".split()
@@ -113,6 +117,41 @@ def test_parse_size():
     assert parse_size("32M") == 32 << 20 and parse_size("1.5K") == 1536 and parse_size(4096) == 4096
     with pytest.raises(ValueError, match="chunk_size"):
         parse_size("lots")
+
+
+def _tagged_chunk(task: ChunkTask, work_dir: str) -> dict:
+    """A stand-in chunk worker (no tokenizer): lines tagged BAD are malformed, SLOW sleeps."""
+    def parse(line: str, path: str, n: int) -> str:
+        if "BAD" in line:
+            raise BadRecord(path, n, "tagged bad")
+        return line
+
+    records = RangeRecords(task.path, task.start, task.end, parse, BadRecordLog("error"))
+    try:
+        rows = list(records)
+    except BadRecord as e:
+        if "SLOW" in Path(task.path).read_bytes()[task.start:task.end].decode():
+            time.sleep(1.0)  # report late, after a later chunk has failed
+        return {"bad": {"path": e.path, "line": e.line, "reason": e.reason}}
+    write_arrow(output_path(work_dir, task), pa.table({"line": rows}))
+    return write_marker(work_dir, task, "run", {"rows": len(rows), "lines": records.lines, "skipped_count": 0,
+                                                "skipped": []})
+
+
+def test_parallel_error_is_the_earliest_bad_line(tmp_path):
+    tags = {3: "SLOW", 5: "BAD", 15: "BAD", 95: "BAD"}
+    path = tmp_path / "tagged.jsonl"
+    path.write_text("".join(f"{i:04d} {tags.get(i, ''):<4}\n" for i in range(1, 121)))  # 10 bytes a line
+    tasks = [ChunkTask(f"c{k:02d}", "entities", "tagged", str(path), a, b, weight=b - a, spec={"k": k})
+             for k, (a, b) in enumerate(plan_byte_ranges(path, 100))]
+    assert len(tasks) == 12
+    fn = functools.partial(_tagged_chunk, work_dir=str(tmp_path / "work"))
+    with pytest.raises(BadRecord) as e:
+        run_chunks(tasks, tmp_path / "work", fn, workers=2, progress=False, log=lambda s: None)
+    assert (e.value.path, e.value.line) == (str(path), 5)  # not line 15, which failed first
+    with pytest.raises(BadRecord, match=r"tagged.jsonl:95: tagged bad"):  # global line in chunk 9
+        run_chunks(tasks[2:], tmp_path / "work", fn, workers=1, progress=False, log=lambda s: None)
+    assert {p.stem for p in (tmp_path / "work").glob("*.json")} >= {f"c{k:02d}" for k in range(2, 9)}
 
 
 # --------------------------------------------------------------------------- KILT + AIDA
