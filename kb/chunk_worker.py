@@ -23,6 +23,9 @@ from kb.store import token_array, write_arrow
 ENCODE_BATCH = 1024
 # Skipped lines listed per chunk marker (and in the manifest); counts stay exact.
 SKIPPED_LIST_CAP = 1000
+# Seconds to pause between writing a chunk and its marker. For tests only: it widens
+# the window in which the kill-and-resume test interrupts a run. Unset in real use.
+TEST_DELAY_ENV = "DIST_NCE_INGEST_TEST_DELAY"
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def process_chunk(task: ChunkTask, work_dir: str, settings: EncodeSettings, run_
     marker, or ``{"bad": ...}`` when the error policy meets a malformed line."""
     from dist_nce.text import encode_entities, encode_mentions
 
-    delay = float(os.environ.get("DIST_NCE_INGEST_TEST_DELAY", "0") or 0)  # test hook: widen the kill window
+    delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
     tok = tokenizer(settings.model_dir)
     bad = BadRecordLog(settings.policy)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from kb.chunk_worker import TEST_DELAY_ENV
 from kb.prepare import PrepareConfig, prepare
 from kb.store import read_arrow
 
@@ -85,7 +86,7 @@ def test_killed_job_resumes_without_redoing_chunks(tmp_path, minilm_dir):
     args = ["--kilt-ks", str(ks), "--aida-dir", str(aida), "--model-dir", minilm_dir, "--out", str(out),
             "--chunk-size", "3K", "--rows-per-part", "50", "--no-progress"]
     log = open(tmp_path / "first.log", "w")
-    proc = job(args, env={"DIST_NCE_INGEST_TEST_DELAY": "0.4"}, background=True, stdout=log, stderr=log)
+    proc = job(args, env={TEST_DELAY_ENV: "0.4"}, background=True, stdout=log, stderr=log)
     try:
         deadline = time.time() + 120
         while len(_markers(out / "chunks")) < 3:
