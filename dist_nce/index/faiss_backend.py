@@ -8,8 +8,10 @@ are found or nothing more can come back.
 
 Storage: fp32 (``Flat``) or fp16 (``SQfp16``: faiss decodes each fp16 code to fp32 and
 takes the dot product with the fp32 query, i.e. the exact score of the fp16-rounded
-vectors up to summation order). On GPU, flat fp16 is a GpuIndexFlat with fp16 storage
-(faiss has no GPU flat SQ); HNSW has no faiss GPU implementation and stays on the CPU.
+vectors up to summation order: within 1e-5 of them, 3e-3 of fp32, in
+benchmarks/search.py). On CPU SQfp16 halves memory but costs speed (no BLAS: ~0.3x
+of flat fp32 there). On GPU, flat fp16 is a GpuIndexFlat with fp16 storage (faiss has
+no GPU flat SQ); HNSW has no faiss GPU implementation and stays on the CPU.
 
 Callers search from processes that applied ``dist_nce.runtime.configure_faiss()``
 (faiss otherwise skips BLAS for batches under 128000 queries).

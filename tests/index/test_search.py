@@ -82,7 +82,7 @@ def test_gold_never_returned_even_when_it_scores_highest(backend):
             assert (res.ids >= 0).all()
 
 
-@pytest.mark.parametrize("preset", ["dual", "som", "poly"])
+@pytest.mark.parametrize("preset", ["dual", "som", "poly", "multi"])
 def test_sharded_gumbel_equals_flat_bit_for_bit(preset):
     g = gen(3)
     spec = ScoreSpec.preset(preset, m=None if preset in ("dual", "som") else 4)
@@ -92,6 +92,8 @@ def test_sharded_gumbel_equals_flat_bit_for_bit(preset):
         mmask = torch.arange(6)[None] < torch.tensor([6, 3, 1, 4, 2])[:, None]
         emask = torch.arange(5)[None] < torch.randint(1, 6, (200,), generator=g)[:, None]
         m, ents = Reps(torch.randn(5, 6, 8, generator=g), mmask), Reps(torch.randn(200, 5, 8, generator=g), emask)
+    elif preset == "multi":
+        m, ents = Reps(torch.randn(5, 8, generator=g)), _multi_data(200, 4, 8, seed=3, near_duplicate=False)
     else:
         m, ents = Reps(torch.randn(5, 4, 8, generator=g)), Reps(torch.randn(200, 8, generator=g))
     gold, keys = torch.tensor([0, 199, 37, -1, 50]), torch.arange(5) + 1000
