@@ -21,9 +21,10 @@ without-replacement sample contains y (the paper's convention):
 exp(s), is the top K-1 of s(x,y) + G(y) with iid standard Gumbel G (the Gumbel-top-k
 trick; successive sampling / Plackett-Luce order). The noise is counter-based:
 G(y) = F(seed, query_key, y), a pure function of three integers (splitmix64 hashing),
-so a shard owning rows [a, b) draws exactly the noise the flat search would, and the
-merged sample equals the flat sample bit for bit on the same device whatever the shard
-count and chunking.
+so a shard owning rows [a, b) draws exactly the noise the flat search would. Given
+identical scores (``index.search`` computes them on a global block grid so that they
+are), the merged sample equals the flat sample bit for bit on the same device,
+whatever the shard count.
 """
 from __future__ import annotations
 
