@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_nce import negatives as ng
-from dist_nce.index.topk import ShardResult, first_occurrence, isin_rows, merge_results, select_topk
+from dist_nce.index.topk import ShardResult, first_occurrence, isin_rows, merge_results, result_from_keys, select_topk
 
 MASK64 = (1 << 64) - 1
 
@@ -264,7 +264,6 @@ def test_merge_results_equals_flat_selection():
     parts = [(0, 13), (13, 40), (40, 60)]
     shard = [ShardResult(ids[:, a:c], keys[:, a:c].float(), keys[:, a:c], torch.logsumexp(keys[:, a:c], 1),
                          None, version=v) for v, (a, c) in enumerate(parts)]
-    from dist_nce.index.topk import result_from_keys
     shard = [merge_results([s], k) for s in shard]
     merged = merge_results(shard, k)
     want = torch.tensor([sorted(range(n), key=lambda j: (-keys[r, j].item(), j))[:k] for r in range(b)])
