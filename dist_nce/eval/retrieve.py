@@ -1,0 +1,214 @@
+"""Evaluation retrieval: every mention's top-k entities under a trained retriever.
+
+One function, :func:`retrieve`, over either kind of searcher:
+
+* a ``NegativeService`` (Ray shards; the whole KB, e.g. KILT's 5.9M pages). Only mention
+  vectors travel; each shard's top k comes back merged. The next batch of mentions is
+  encoded while the shards search the previous ones (``in_flight`` requests at a time).
+* in process: a :class:`~dist_nce.index.search.ShardIndex`, or several over DISJOINT row
+  ranges whose answers are merged (a Zeshel split = its worlds). :func:`build_local_index`
+  encodes a store, or one row range of it, into such an index (small KBs, tests).
+
+Rankings follow :func:`dist_nce.index.topk.merge_results`: score descending, ties to the
+smaller row; ``-1`` fills slots beyond the number of searchable rows. Mentions are
+encoded longest first so a batch trims little padding; results go back to input order.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.topk import ShardResult, merge_results
+from dist_nce.modeling.retriever import Retriever
+from dist_nce.modeling.scoring import Reps, is_inner_product
+
+
+class Mentions(Protocol):
+    """What retrieval reads of a mention table (``kb.store.MentionTable`` has it)."""
+
+    lengths: np.ndarray
+
+    def token_ids(self, idx: Any) -> np.ndarray: ...
+
+
+class Future(Protocol):
+    def result(self, timeout: float | None = None) -> ShardResult: ...
+
+
+class TopkService(Protocol):
+    """The part of ``dist_nce.index.service.NegativeService`` used here."""
+
+    def topk(self, mention_reps: Reps | torch.Tensor, k: int, gold: torch.Tensor | None = None) -> Future: ...
+
+
+Searcher = ShardIndex | Sequence[ShardIndex] | TopkService
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """Top-k answers for N mentions, in the order they were asked for.
+
+    rows: int64 [N, k] global entity rows, best first, -1 = empty slot.
+    scores: float32 [N, k] s(x, y) of those rows (-inf in empty slots).
+    versions: the distinct index versions the answers came from (one, unless the index
+    was refreshed while retrieving).
+    """
+
+    rows: np.ndarray
+    scores: np.ndarray
+    versions: tuple[int, ...]
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _mask(lengths: np.ndarray, width: int) -> torch.Tensor:
+    return torch.arange(width)[None, :] < torch.tensor(np.asarray(lengths), dtype=torch.int64)[:, None]
+
+
+def iter_mention_reps(
+    retriever: Retriever, mentions: Mentions, indices: np.ndarray | None = None, batch_size: int = 128,
+    progress: bool = True, desc: str = "encode mentions",
+) -> Iterator[tuple[np.ndarray, Reps]]:
+    """Yield ``(idx [b], mention Reps [b, ...] on CPU)`` for ``indices`` (default: all).
+
+    Batches go longest mention first; ``idx`` says which mentions each batch holds.
+    """
+    from tqdm.auto import tqdm
+
+    lengths = np.asarray(mentions.lengths)
+    idx = np.arange(len(lengths)) if indices is None else np.asarray(indices, dtype=np.int64)
+    order = idx[np.argsort(-lengths[idx], kind="stable")]
+    device = _device(retriever)
+    retriever.eval()
+    with tqdm(total=len(order), desc=desc, unit="mention", disable=not progress, mininterval=2.0) as bar:
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            ids = torch.from_numpy(mentions.token_ids(batch).astype(np.int64))
+            with torch.inference_mode():
+                reps = retriever.encode_mentions(ids.to(device), _mask(lengths[batch], ids.shape[1]).to(device))
+            yield batch, Reps(reps.vecs.float().cpu(), None if reps.mask is None else reps.mask.cpu())
+            bar.update(len(batch))
+
+
+def local_search(indexes: ShardIndex | Sequence[ShardIndex], queries: Reps, k: int) -> ShardResult:
+    """Top k over in-process indexes of disjoint row ranges (their merged answers)."""
+    parts = [indexes] if isinstance(indexes, ShardIndex) else list(indexes)
+    if not parts:
+        raise ValueError("local_search: no index to search")
+    return merge_results([p.topk(queries, k) for p in parts], k)
+
+
+def _submitter(searcher: Searcher) -> Callable[[Reps, int], Callable[[], ShardResult]]:
+    """searcher -> submit(queries, k), returning a thunk that yields the merged ShardResult."""
+    if isinstance(searcher, ShardIndex) or (
+        isinstance(searcher, Sequence) and searcher and all(isinstance(s, ShardIndex) for s in searcher)
+    ):
+        def submit_local(q: Reps, k: int) -> Callable[[], ShardResult]:
+            res = local_search(searcher, q, k)
+            return lambda: res
+        return submit_local
+    if not callable(getattr(searcher, "topk", None)):
+        raise TypeError(f"searcher must be a ShardIndex, a list of them or a NegativeService, got "
+                        f"{type(searcher).__name__}")
+
+    def submit_service(q: Reps, k: int) -> Callable[[], ShardResult]:
+        return searcher.topk(q, k).result
+    return submit_service
+
+
+def retrieve(
+    retriever: Retriever, mentions: Mentions, searcher: Searcher, k: int = 64, *,
+    indices: np.ndarray | None = None, batch_size: int = 128, in_flight: int = 2, progress: bool = True,
+    desc: str = "retrieve",
+) -> Retrieved:
+    """Top k entities for each mention in ``indices`` (default: all), gold NOT excluded.
+
+    searcher: a NegativeService (the whole KB), a ShardIndex, or a list of ShardIndex over
+    disjoint row ranges (the union of those ranges). Returns rows/scores [len(indices), k].
+    """
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    submit = _submitter(searcher)
+    n = len(mentions.lengths) if indices is None else len(indices)
+    position = np.full(len(mentions.lengths), -1, dtype=np.int64)
+    position[np.arange(len(mentions.lengths)) if indices is None else np.asarray(indices)] = np.arange(n)
+    rows = np.full((n, k), -1, dtype=np.int64)
+    scores = np.full((n, k), -np.inf, dtype=np.float32)
+    versions: set[int] = set()
+    pending: deque[tuple[np.ndarray, Callable[[], ShardResult]]] = deque()
+
+    def collect() -> None:
+        idx, get = pending.popleft()
+        res = get()
+        if res.ids.shape != (len(idx), k):
+            raise RuntimeError(f"searcher answered ids of shape {tuple(res.ids.shape)}, expected {(len(idx), k)}")
+        rows[position[idx]] = res.ids.numpy()
+        scores[position[idx]] = res.scores.float().numpy()
+        versions.add(int(res.version))
+
+    for idx, reps in iter_mention_reps(retriever, mentions, indices, batch_size, progress, desc):
+        pending.append((idx, submit(reps, k)))
+        while len(pending) >= in_flight:
+            collect()
+    while pending:
+        collect()
+    return Retrieved(rows, scores, tuple(sorted(versions)))
+
+
+# --------------------------------------------------------------------------- in-process index
+
+
+def encode_entities(
+    retriever: Retriever, store: Any, batch_size: int = 256, progress: bool = True, desc: str = "encode entities",
+) -> Reps:
+    """Entity Reps of every row of ``store`` (an ``EntityStore`` or a slice of it), in row order.
+
+    Cast to the retriever's storage dtype, as the shards store them. Variable-width reps
+    (SOM token states) are right-padded to the widest batch with mask False.
+    """
+    from tqdm.auto import tqdm
+
+    device = _device(retriever)
+    retriever.eval()
+    vecs, masks = [], []
+    with tqdm(total=len(store), desc=desc, unit="entity", disable=not progress, mininterval=2.0) as bar:
+        for _, ids, lengths in store.iter_batches(batch_size):
+            ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+            with torch.inference_mode():
+                reps = retriever.encode_entities(ids.to(device), _mask(lengths, ids.shape[1]).to(device))
+            reps = retriever.to_storage(reps)
+            vecs.append(reps.vecs.cpu())
+            masks.append(None if reps.mask is None else reps.mask.cpu())
+            bar.update(len(ids))
+    if not vecs:
+        raise ValueError(f"encode_entities: {getattr(store, 'path', 'store')} has no rows")
+    if masks[0] is None:
+        return Reps(torch.cat(vecs))
+    width = max(v.shape[1] for v in vecs)
+    vecs = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in vecs]
+    masks = [torch.nn.functional.pad(m, (0, width - m.shape[1]), value=False) for m in masks]
+    return Reps(torch.cat(vecs), torch.cat(masks))
+
+
+def default_index_config(retriever: Retriever) -> IndexConfig:
+    """Exact search: faiss flat for inner-product presets (dual, multi-m), torch otherwise."""
+    return IndexConfig(backend="flat" if is_inner_product(retriever.spec) else "torch")
+
+
+def build_local_index(
+    retriever: Retriever, store: Any, config: IndexConfig | None = None, rows: tuple[int, int] | None = None,
+    batch_size: int = 256, progress: bool = True, version: int = 0,
+) -> ShardIndex:
+    """An in-process ShardIndex over ``store`` rows ``[a, b)`` (default: all), global row ids."""
+    a, b = (0, len(store)) if rows is None else rows
+    reps = encode_entities(retriever, store.slice(a, b), batch_size, progress, desc=f"encode entities [{a}, {b})")
+    return ShardIndex(retriever.spec, reps, a, config or default_index_config(retriever), version)
