@@ -1,0 +1,141 @@
+"""Encode a shard's entity rows: the pure loop a shard runs on refresh, and fingerprints.
+
+A refresh re-encodes every row a shard owns with the newest entity encoder. The rows
+are visited in batches of similar length (sorted by token count, longest first), so a
+batch pads to its own longest row rather than to the store's ``max_len``: on KILT,
+where most descriptions are far shorter than 128 tokens, that is most of the work
+saved. Results are scattered back to row order.
+
+Reps come out with a fixed shape per row, whatever batch a row fell in: dual/poly
+``[n, d]``; multi-m/genpoly-m ``[n, m, d]`` + mask; SOM ``[n, max_len, d]`` + mask (padded
+back to the store width). Padded positions are zeroed, so the stored reps do not depend
+on how rows were batched beyond floating-point rounding of the real positions.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dist_nce.artifacts import MANIFEST, file_sha256
+from dist_nce.modeling.retriever import EntityEncoder, to_storage
+from dist_nce.modeling.scoring import Reps
+
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:  # what torch itself consults before picking oneDNN bf16 kernels
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """``ServiceConfig.encode_dtype`` -> the autocast dtype on ``device`` (None = fp32).
+
+    ``auto`` picks bf16 where the device runs it fast (CUDA with bf16 support; CPUs with
+    AVX512-BF16/AMX, ~2.3x faster than fp32 for MiniLM here), else fp32.
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+        return torch.bfloat16 if _cpu_has_fast_bf16() else None
+    if name not in _AUTOCAST:
+        raise ValueError(f"encode_dtype must be one of auto, {', '.join(_AUTOCAST)}; got {name!r}")
+    return _AUTOCAST[name]
+
+
+def length_sorted_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Row positions grouped ``batch_size`` at a time by token count, longest first.
+
+    Longest first puts the peak memory of a refresh at its very start, where an
+    out-of-memory error costs nothing.
+    """
+    if batch_size < 1:
+        raise ValueError(f"encode batch size must be >= 1, got {batch_size}")
+    order = np.argsort(-lengths.astype(np.int64), kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _fixed_width(reps: Reps, width: int) -> Reps:
+    """Pad [b, t, d] multi-vector reps (t <= width) to ``width`` positions; zero padding."""
+    vecs, mask = reps
+    if mask is None:
+        return reps
+    vecs = vecs.masked_fill(~mask.unsqueeze(-1), 0)
+    t = vecs.shape[1]
+    if t < width:
+        vecs = torch.cat([vecs, vecs.new_zeros(vecs.shape[0], width - t, vecs.shape[2])], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(mask.shape[0], width - t)], dim=1)
+    return Reps(vecs, mask)
+
+
+@torch.inference_mode()
+def encode_rows(encoder: EntityEncoder, store: Any, batch_size: int, device: torch.device,
+                autocast: torch.dtype | None, storage_dtype: str,
+                progress: Callable[[int], None] | None = None) -> Reps:
+    """Entity reps of every row of ``store`` (an ``EntityStore`` or a slice), in row order.
+
+    Returns Reps in ``storage_dtype`` on the CPU: vecs [n, d], [n, m, d] or [n, max_len, d]
+    (see the module docstring), mask None or [n, m] / [n, max_len] bool. ``progress(k)`` is
+    called with the number of rows finished after each batch.
+    """
+    n = store.num_entities
+    lengths = store.lengths(np.arange(n))
+    width = _kept(encoder) or store.max_len  # positions per row when reps carry a mask
+    vecs = mask = None
+    done = 0
+    for pos in length_sorted_batches(lengths, batch_size):
+        longest = max(int(lengths[pos].max()), 1)
+        ids = torch.from_numpy(store.token_ids(pos)[:, :longest]).to(device)
+        real = torch.arange(longest, device=device)[None, :] < torch.from_numpy(lengths[pos]).to(device)[:, None]
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            reps = encoder(ids, real)
+        reps = to_storage(_fixed_width(Reps(reps.vecs.float(), reps.mask), width), storage_dtype)
+        if vecs is None:
+            vecs = torch.empty((n, *reps.vecs.shape[1:]), dtype=reps.vecs.dtype)
+            mask = None if reps.mask is None else torch.empty((n, *reps.mask.shape[1:]), dtype=torch.bool)
+        rows = torch.from_numpy(pos)
+        vecs[rows] = reps.vecs.cpu()
+        if mask is not None:
+            mask[rows] = reps.mask.cpu()
+        done += len(pos)
+        if progress is not None:
+            progress(done)
+    if vecs is None:  # an empty slice: shape from the encoder's config
+        d = encoder.encoder.hidden_size
+        shape = (0, d) if width == 1 else (0, width, d)
+        vecs = torch.empty(shape, dtype=getattr(torch, storage_dtype))
+        mask = None if width == 1 else torch.empty(shape[:2], dtype=torch.bool)
+    return Reps(vecs, mask)
+
+
+def _kept(encoder: EntityEncoder) -> int | None:
+    """Positions the entity side keeps: 1, m, or None (every token, SOM)."""
+    reduction, count = encoder.spec.entity_side
+    return None if reduction == "all" else count
+
+
+def state_fingerprint(state: dict[str, Any]) -> str:
+    """A digest of an entity-encoder state (``EntityEncoder.state()``): config, spec and every
+    weight's name, dtype, shape and bytes. Two states with equal fingerprints encode alike."""
+    h = hashlib.blake2b(digest_size=16)
+    meta = {k: state[k] for k in ("format", "transformer_config", "spec", "trim_padding")}
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    for name in sorted(state["weights"]):
+        t = state["weights"][name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def store_fingerprint(store_dir: str) -> str:
+    """The prepared store's identity: the sha256 of its manifest (which records its sources,
+    tokenizer, counts and ingest run), so a re-prepared store never matches old embeddings."""
+    from pathlib import Path
+
+    return file_sha256(Path(store_dir) / MANIFEST)

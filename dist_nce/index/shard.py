@@ -1,0 +1,296 @@
+"""EntityShard: the Ray actor that owns KB rows [a, b), their embeddings and their index.
+
+A thin shell around :mod:`dist_nce.index.encode` (re-encoding), :mod:`dist_nce.index.versions`
+(persistence) and :class:`dist_nce.index.search.ShardIndex` (search). The class is plain
+Python; :func:`start_shard` makes it a threaded Ray actor:
+
+* ``refresh`` runs in its own concurrency group of one thread, so refreshes are serial
+  and never take a search thread; searches run in the default group's
+  ``max_concurrency`` threads meanwhile, answered from the version being replaced.
+* A refresh encodes, builds the new ShardIndex, PERSISTS the embeddings, and only then
+  swaps under a lock: a query never sees a half-built index, and every version a query
+  has seen can be reloaded after a crash. Every answer carries the version it came from.
+* The last ``keep_versions`` versions stay in memory, and older persisted ones are
+  loaded on demand, so the service can ask every shard for the SAME version while the
+  shards refresh at different moments.
+* Ray restarts a dead shard (``max_restarts``) by running ``__init__`` again, which
+  reloads the newest persisted version whose manifest matches (rows, store, spec, dim)
+  instead of re-encoding; a call that was in flight is re-run (``max_task_retries``).
+  ``refresh(state, v)`` is idempotent: a shard already serving v from the same weights
+  (e.g. reloaded after dying mid-call) returns at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ray
+import torch
+from torch import Tensor
+
+from dist_nce.artifacts import ArtifactMismatch
+from dist_nce.index.encode import autocast_dtype, encode_rows, state_fingerprint, store_fingerprint
+from dist_nce.index.search import ShardIndex
+from dist_nce.index.service_config import ServiceConfig
+from dist_nce.index.topk import ShardResult
+from dist_nce.index.versions import PersistedVersions, shard_dir_name
+from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
+from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.runtime import configure_process, ray_runtime_env_vars
+
+log = logging.getLogger(__name__)
+
+REFRESH_GROUP = "refresh"
+
+
+class NoIndexError(RuntimeError):
+    """The shard has not encoded (or reloaded) any version yet."""
+
+
+class VersionUnavailable(LookupError):
+    """The shard holds neither in memory nor on disk the version a call asked for."""
+
+
+class _Version(NamedTuple):
+    index: ShardIndex
+    fingerprint: str | None  # of the encoder state that produced it
+    source: str  # "encoded" in this process, or "reloaded" from disk
+
+
+def _device(num_gpus: float) -> torch.device:
+    """cuda when Ray gave the actor (a share of) a GPU: Ray sets CUDA_VISIBLE_DEVICES for it."""
+    if num_gpus > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"service.num_gpus={num_gpus} but torch sees no CUDA device in the shard process")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class EntityShard:
+    """Rows [a, b) of a prepared store: encoder copy, versions, index (module docstring)."""
+
+    def __init__(self, store_dir: str, rows: tuple[int, int], shard: int, num_shards: int,
+                 retriever: RetrieverConfig, config: ServiceConfig, shard_root: str, dim: int):
+        configure_process(config.threads)
+        from kb.store import EntityStore
+
+        self.shard, self.rows, self.config = shard, (int(rows[0]), int(rows[1])), config
+        self.spec: ScoreSpec = retriever.spec()
+        self.storage_dtype, self.dim = retriever.storage_dtype, int(dim)
+        self.device = _device(config.num_gpus)
+        self.index_config = dataclasses.replace(config.index, device=str(self.device))
+        self.store = EntityStore(store_dir).slice(*self.rows)
+        self.versions = PersistedVersions(Path(shard_root) / shard_dir_name(shard, num_shards), {
+            "rows": list(self.rows), "store_fingerprint": store_fingerprint(store_dir),
+            "spec": dataclasses.asdict(self.spec), "storage_dtype": self.storage_dtype, "dim": self.dim})
+        self._encoder: EntityEncoder | None = None
+        self._refresh_lock = threading.Lock()  # one refresh at a time, even outside Ray's groups
+        self._cond = threading.Condition()  # guards everything below; notified on every swap
+        self._held: dict[int, _Version] = {}
+        self._served, self._target = -1, None
+        self._encodes, self._progress, self._refused = 0, [0, 0], []
+        self._reload_latest()
+
+    # ------------------------------------------------------------------ versions
+    def _load(self, version: int) -> _Version:
+        reps, manifest = self.versions.load(version)
+        index = ShardIndex(self.spec, reps, self.rows[0], self.index_config, version)
+        return _Version(index, manifest.get("encoder_fingerprint"), "reloaded")
+
+    def _reload_latest(self) -> None:
+        """Serve the newest persisted version that matches this shard; refuse the others loudly."""
+        for version in reversed(self.versions.versions()):
+            try:
+                loaded = self._load(version)
+            except ArtifactMismatch as e:
+                msg = f"shard {self.shard}: refusing persisted version {version}: {e}"
+                self._refused.append(msg)
+                log.warning(msg)
+                continue
+            self._install(version, loaded)
+            return
+
+    def _install(self, version: int, held: _Version, serve: bool = True) -> None:
+        with self._cond:
+            self._held[version] = held
+            if serve:
+                self._served = version
+            keep = max(self.config.keep_versions, 1)
+            for old in sorted(self._held)[:-keep]:
+                if old not in (self._served, version):
+                    del self._held[old]
+            self._cond.notify_all()
+
+    def _index(self, version: int | None, wait_s: float = 0.0) -> ShardIndex:
+        """The index to answer from: the served one, or exactly ``version``.
+
+        A version being built by the running refresh is waited for up to ``wait_s``; one
+        no longer in memory is reloaded from disk.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                if version is None:
+                    if self._served < 0:
+                        raise NoIndexError(f"shard {self.shard} rows {list(self.rows)} has no index yet; "
+                                           "call NegativeService.ensure_encoded or refresh first")
+                    return self._held[self._served].index
+                if version in self._held:
+                    return self._held[version].index
+                remaining = deadline - time.monotonic()
+                if self._target is None or self._target < version or remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        if version in self.versions.versions():
+            try:
+                loaded = self._load(version)
+            except ArtifactMismatch as e:
+                raise VersionUnavailable(f"shard {self.shard}: version {version}: {e}") from None
+            self._install(version, loaded, serve=False)
+            return loaded.index
+        raise VersionUnavailable(f"shard {self.shard} does not hold version {version} (serving {self._served}, "
+                                 f"in memory {sorted(self._held)}, persisted {self.versions.versions()})")
+
+    # ------------------------------------------------------------------ refresh
+    def _encoder_for(self, state: dict[str, Any]) -> EntityEncoder:
+        if ScoreSpec(**state["spec"]) != self.spec:
+            raise ValueError(f"shard {self.shard}: entity state has spec {state['spec']}, the service was "
+                             f"created for {self.spec}")
+        hidden = state["transformer_config"].get("hidden_size")
+        if hidden != self.dim:
+            raise ValueError(f"shard {self.shard}: entity state has hidden size {hidden}, the service was "
+                             f"created for d={self.dim}")
+        if self._encoder is None:
+            self._encoder = EntityEncoder.from_state(state).to(self.device)
+        else:  # same architecture: swap the weights in place, no rebuild
+            self._encoder.load_state(state)
+        return self._encoder
+
+    @ray.method(concurrency_group=REFRESH_GROUP)
+    def refresh(self, state: dict[str, Any], version: int) -> int:
+        """Serve ``version`` encoded by ``state`` (``EntityEncoder.state()``); blocks until swapped.
+
+        Reuses a persisted copy made from the same weights; otherwise encodes, persists,
+        swaps. Returns the version now served.
+        """
+        version = int(version)
+        if version < 0:
+            raise ValueError(f"shard {self.shard}: versions are >= 0, got {version}")
+        with self._refresh_lock:
+            fp = state_fingerprint(state)
+            with self._cond:
+                if version < self._served:
+                    raise ValueError(f"shard {self.shard}: refresh to version {version}, but version "
+                                     f"{self._served} is served already; versions must increase")
+                if version == self._served and self._held[version].fingerprint == fp:
+                    return version
+            if self._persisted_with(version, fp):
+                self._install(version, self._load(version))
+                return version
+            with self._cond:
+                self._target = version
+            try:
+                index = self._encode(state, version, fp)
+            finally:
+                with self._cond:
+                    self._target = None
+                    self._cond.notify_all()
+            self._encodes += 1
+            self._install(version, _Version(index, fp, "encoded"))
+            return version
+
+    def _persisted_with(self, version: int, fingerprint: str) -> bool:
+        if version not in self.versions.versions():
+            return False
+        try:
+            return self.versions.manifest(version).get("encoder_fingerprint") == fingerprint
+        except ArtifactMismatch:
+            return False
+
+    def _encode(self, state: dict[str, Any], version: int, fingerprint: str) -> ShardIndex:
+        encoder = self._encoder_for(state)
+        autocast = autocast_dtype(self.config.encode_dtype, self.device)
+        self._progress = [0, self.store.num_entities]
+        t0 = time.perf_counter()
+        reps = encode_rows(encoder, self.store, self.config.encode_batch_size, self.device, autocast,
+                           self.storage_dtype, progress=self._set_progress)
+        seconds = time.perf_counter() - t0
+        # Persist before the swap: every version a query can see survives a restart.
+        self.versions.save(version, reps, encoder_fingerprint=fingerprint, encode_seconds=round(seconds, 3),
+                           encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
+                           device=str(self.device))
+        self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
+        return ShardIndex(self.spec, reps, self.rows[0], self.index_config, version)
+
+    def _set_progress(self, done: int) -> None:
+        self._progress = [done, self.store.num_entities]
+
+    def use_version(self, version: int) -> int:
+        """Serve ``version`` from memory or disk (``NegativeService.ensure_encoded`` aligning
+        shards at start-up; may go back to an older version). Returns it."""
+        version = int(version)
+        self._index(version)  # loads it from disk if needed
+        with self._cond:
+            if version not in self._held:  # evicted in between: load again
+                self._held[version] = self._load(version)
+            self._served = version
+            self._cond.notify_all()
+        return version
+
+    # ------------------------------------------------------------------ queries
+    def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None, version: int | None = None,
+             wait_s: float = 0.0) -> ShardResult:
+        """This shard's exact (or backend) top k, gold excluded; see ``ShardIndex.topk``."""
+        return self._index(version, wait_s).topk(queries, k, gold)
+
+    def gumbel_topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None, seed: int, query_keys: Tensor,
+                    version: int | None = None, wait_s: float = 0.0) -> ShardResult:
+        """This shard's part of an exact Gumbel-top-k sample; see ``ShardIndex.gumbel_topk``."""
+        return self._index(version, wait_s).gumbel_topk(queries, k, gold, seed, query_keys)
+
+    def score_rows(self, queries: Reps | Tensor, rows: Tensor, version: int) -> Tensor:
+        """Exact s(x_b, y) [B, r] float32 for global ``rows`` [B, r]; NaN where a row is not this shard's."""
+        index = self._index(version)
+        owned = (rows >= self.rows[0]) & (rows < self.rows[1])
+        scores = index.score_rows(queries, torch.where(owned, rows, self.rows[0]))
+        return scores.masked_fill(~owned, float("nan"))
+
+    # ------------------------------------------------------------------ introspection
+    def status(self) -> dict[str, Any]:
+        """What the shard holds and how it got it (``source``: encoded / reloaded / none)."""
+        with self._cond:
+            served = self._held.get(self._served)
+            out = {"shard": self.shard, "rows": list(self.rows), "pid": os.getpid(), "device": str(self.device),
+                   "served": self._served, "source": served.source if served else "none",
+                   "encoder_fingerprint": served.fingerprint if served else None, "held": sorted(self._held),
+                   "refreshing": self._target, "encodes": self._encodes, "progress": list(self._progress),
+                   "refused": list(self._refused)}
+        out["persisted"] = self.versions.valid_versions()
+        return out
+
+
+def actor_options(config: ServiceConfig) -> dict[str, Any]:
+    """Ray options of a shard actor, all from ``config``."""
+    return {
+        "num_cpus": config.num_cpus,
+        "num_gpus": config.num_gpus,
+        "max_restarts": config.max_restarts,
+        "max_task_retries": config.max_task_retries,
+        "max_concurrency": config.max_concurrency,
+        "concurrency_groups": {REFRESH_GROUP: 1},
+        "runtime_env": {"env_vars": ray_runtime_env_vars()},
+        # Shards hold large embedding matrices and encode in parallel: spread them over nodes.
+        "scheduling_strategy": "SPREAD",
+    }
+
+
+def start_shard(store_dir: str, rows: tuple[int, int], shard: int, num_shards: int, retriever: RetrieverConfig,
+                config: ServiceConfig, shard_root: str, dim: int):
+    """An :class:`EntityShard` actor handle (creation is asynchronous; call ``status`` to wait)."""
+    actor = ray.remote(EntityShard).options(**actor_options(config))
+    return actor.remote(str(store_dir), rows, shard, num_shards, retriever, config, str(shard_root), dim)

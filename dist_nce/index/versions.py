@@ -1,0 +1,123 @@
+"""A shard's persisted embedding versions: one self-describing directory per version.
+
+Layout of a shard directory (``<shard_dir>/shard-003-of-008``)::
+
+    v00000007/embeddings.safetensors   "vecs" [n, ...] in the storage dtype; "mask" when multi-vector
+    v00000007/manifest.json            kind "shard_embeddings": rows [a, b), n, shape, dtype, version,
+                                       encoder fingerprint, store fingerprint, score spec
+
+Each version directory is written to a temporary sibling and renamed into place
+(``artifacts.atomic_path``), so a directory under its final name is always complete.
+A reader states the identity it expects (rows, store, spec, storage dtype) and a
+version whose manifest disagrees is refused with the field that differs: embeddings of
+another row range, store or score function must never be served.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from safetensors.torch import load_file, save_file
+
+from dist_nce.artifacts import ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.modeling.scoring import Reps
+
+KIND = "shard_embeddings"
+SCHEMA_VERSION = 1
+EMBEDDINGS_FILE = "embeddings.safetensors"
+_VERSION_DIR = re.compile(r"^v(\d{8,})$")
+
+
+def shard_dir_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:03d}-of-{num_shards:03d}"
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+class PersistedVersions:
+    """The version directories of one shard, checked against ``identity``.
+
+    ``identity``: the manifest fields every version must carry unchanged (JSON values,
+    e.g. ``{"rows": [a, b], "store_fingerprint": ..., "spec": {...}, "storage_dtype": ...}``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, identity: Mapping[str, Any]):
+        self.directory = Path(directory)
+        self.identity = dict(identity)
+
+    def path(self, version: int) -> Path:
+        return self.directory / version_dir_name(version)
+
+    def versions(self) -> list[int]:
+        """Versions with a finished directory (a manifest), ascending; not yet checked."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for child in self.directory.iterdir():
+            match = _VERSION_DIR.match(child.name)
+            if match and (child / "manifest.json").is_file():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def save(self, version: int, reps: Reps, **fields: Any) -> dict:
+        """Write ``reps`` (CPU tensors) as ``version`` atomically; return the manifest."""
+        tensors = {"vecs": reps.vecs.contiguous()}
+        if reps.mask is not None:
+            tensors["mask"] = reps.mask.contiguous()
+        with atomic_path(self.path(version)) as tmp:
+            tmp.mkdir()
+            save_file(tensors, str(tmp / EMBEDDINGS_FILE))
+            return write_manifest(
+                tmp, KIND, SCHEMA_VERSION, version=int(version), n=int(reps.vecs.shape[0]),
+                shape=list(reps.vecs.shape), dtype=str(reps.vecs.dtype).removeprefix("torch."),
+                has_mask=reps.mask is not None, **self.identity, **fields)
+
+    def manifest(self, version: int) -> dict:
+        """The manifest of ``version``; :class:`ArtifactMismatch` if it is not this shard's."""
+        return read_manifest(self.path(version), KIND, SCHEMA_VERSION,
+                             expect={"version": int(version), **self.identity})
+
+    def load(self, version: int) -> tuple[Reps, dict]:
+        """(reps, manifest) of ``version``, refusing a manifest or file that disagrees."""
+        manifest = self.manifest(version)
+        file = self.path(version) / EMBEDDINGS_FILE
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:  # noqa: BLE001 - missing file, truncated header (SafetensorError)
+            raise ArtifactMismatch(f"{file}: unreadable: {e}") from None
+        vecs, mask = tensors.get("vecs"), tensors.get("mask")
+        if vecs is None or list(vecs.shape) != manifest["shape"] or \
+                str(vecs.dtype).removeprefix("torch.") != manifest["dtype"]:
+            got = None if vecs is None else f"{vecs.dtype} {list(vecs.shape)}"
+            raise ArtifactMismatch(f"{file}: 'vecs' is {got}, manifest says {manifest['dtype']} {manifest['shape']}")
+        if (mask is not None) != manifest["has_mask"] or (mask is not None and mask.shape != vecs.shape[:-1]):
+            raise ArtifactMismatch(f"{file}: 'mask' does not match the manifest (has_mask={manifest['has_mask']}) "
+                                   f"or vecs {list(vecs.shape)}")
+        return Reps(vecs, mask), manifest
+
+    def valid_versions(self) -> list[int]:
+        """Versions whose manifest matches this shard's identity, ascending."""
+        valid = []
+        for version in self.versions():
+            try:
+                self.manifest(version)
+            except ArtifactMismatch:
+                continue
+            valid.append(version)
+        return valid
+
+    def prune(self, keep: int, protect: frozenset[int] = frozenset()) -> list[int]:
+        """Delete all but the newest ``keep`` valid versions (never one in ``protect``).
+
+        Refused directories (another store or spec) are left for a person to look at."""
+        deleted = []
+        for version in self.valid_versions()[:-keep] if keep > 0 else self.valid_versions():
+            if version not in protect:
+                shutil.rmtree(self.path(version), ignore_errors=True)
+                deleted.append(version)
+        return deleted
