@@ -29,7 +29,13 @@ def kb(tmp_path_factory, tiny_model_dir):
 def make_retriever(model_dir: str, preset: str, m: int | None = None) -> Retriever:
     torch.manual_seed(0)
     cfg = RetrieverConfig(preset=preset, m=m, mention_model=model_dir, storage_dtype="float32")
-    return Retriever.build(cfg).eval()
+    r = Retriever.build(cfg).eval()
+    # A random tiny BERT maps every text to nearly the same vector (scores equal to 1e-6);
+    # noise on every weight spreads the scores so rankings are well defined.
+    with torch.no_grad():
+        for p in r.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return r
 
 
 def brute_force(r: Retriever, store: EntityStore, mentions: MentionTable) -> np.ndarray:
@@ -50,6 +56,7 @@ def assert_ranking(got_rows, got_scores, brute: np.ndarray, allowed: np.ndarray,
     Scores of separately batched encodings differ in the last bits, so positions whose
     brute-force score is within ``tol`` of a neighbour's may legitimately swap."""
     tol = 1e-4 + 2e-6 * float(np.abs(brute).max())  # SOM sums T dot products: scores in the hundreds
+    checked = total = 0
     for i in range(brute.shape[0]):
         cand = np.flatnonzero(allowed)
         order = cand[np.lexsort((cand, -brute[i, cand]))][:k]
@@ -68,6 +75,8 @@ def assert_ranking(got_rows, got_scores, brute: np.ndarray, allowed: np.ndarray,
             nxt = brute[i, cand[np.lexsort((cand, -brute[i, cand]))][k]]
             clear[-1] &= s[-1] - nxt > tol
         np.testing.assert_array_equal(got_rows[i][real][clear], want[real][clear])
+        checked, total = checked + clear.sum(), total + len(clear)
+    assert checked > 0.9 * total, f"only {checked} of {total} ranks are clear of near-ties: a weak test"
 
 
 def test_dual_flat_equals_brute_force(kb, tiny_model_dir):
