@@ -101,7 +101,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     runtime_env = {**runtime_env, "env_vars": env_vars}
     if address:
         return ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
     return ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=kwargs.pop("include_dashboard", False),
         runtime_env=runtime_env,

@@ -281,8 +281,7 @@ def actor_options(config: ServiceConfig) -> dict[str, Any]:
         "num_gpus": config.num_gpus,
         "max_restarts": config.max_restarts,
         "max_task_retries": config.max_task_retries,
-        "max_concurrency": config.max_concurrency,
-        "concurrency_groups": {REFRESH_GROUP: 1},
+        "max_concurrency": config.max_concurrency,  # the default group: searches, status
         "runtime_env": {"env_vars": ray_runtime_env_vars()},
         # Shards hold large embedding matrices and encode in parallel: spread them over nodes.
         "scheduling_strategy": "SPREAD",
@@ -292,5 +291,6 @@ def actor_options(config: ServiceConfig) -> dict[str, Any]:
 def start_shard(store_dir: str, rows: tuple[int, int], shard: int, num_shards: int, retriever: RetrieverConfig,
                 config: ServiceConfig, shard_root: str, dim: int):
     """An :class:`EntityShard` actor handle (creation is asynchronous; call ``status`` to wait)."""
-    actor = ray.remote(EntityShard).options(**actor_options(config))
+    # Concurrency groups can only be declared here, not in .options().
+    actor = ray.remote(concurrency_groups={REFRESH_GROUP: 1})(EntityShard).options(**actor_options(config))
     return actor.remote(str(store_dir), rows, shard, num_shards, retriever, config, str(shard_root), dim)

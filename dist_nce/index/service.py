@@ -1,0 +1,342 @@
+"""NegativeService: negatives and top-k over the whole KB from S EntityShard actors.
+
+The driver creates the service once (:meth:`NegativeService.create`); the object holds
+only actor handles and small metadata, so it pickles into Ray Train's
+``train_loop_config`` and every worker calls the same shards. Calls return futures at
+once, so a trainer keeps several requests in flight; the cross-shard merge
+(``topk.merge_results``) and the samplers of :mod:`dist_nce.negatives` run in
+``result()``, in the caller's process. Each answer is consistent with ONE index version
+(:mod:`dist_nce.index.calls`), which it reports.
+
+Mining (``mine``), with K-1 = n_hard + n_random negatives per mention:
+
+* random (n_hard = 0): uniform without the gold, drawn in the caller; no shard is asked
+  and the reported version is -1;
+* hard (n_random = 0): the exact Gumbel-top-k sample of the whole KB minus the gold,
+  each shard drawing from its rows with the same counter-based noise;
+* mixed: ``negatives.mixed_negatives`` with the per-draw MIXTURE proposal: the random
+  rows' exact scores s(x, y) come from the shards that own them, at the same version
+  (``EntityShard.score_rows``; one extra round trip of B x n_random scores).
+
+Example (driver)::
+
+    service = NegativeService.create("data/prepared/aida", retriever_config, service_config, run_dir)
+    service.ensure_encoded(retriever.entity_encoder_state())
+    fut = service.mine(mention_reps, gold, n_hard=32, n_random=31, seed=step, query_keys=keys)
+    negs = fut.result().negatives          # ids [B, 63], log_q, hard
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import ray
+import torch
+from torch import Tensor
+
+from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall
+from dist_nce.index.service_config import ServiceConfig
+from dist_nce.index.shard import start_shard
+from dist_nce.index.topk import ShardResult, merge_results
+from dist_nce.modeling.retriever import RetrieverConfig
+from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
+from dist_nce.negatives import Negatives, hard_negatives, mixed_negatives, num_hard, sample_random
+
+
+class MineResult(NamedTuple):
+    """negatives: ids [B, K-1] int64, log_q [B, K-1], hard [B, K-1]; version: the index version
+    the hard part came from (-1 for random-only mining); truncation: [B] estimated softmax mass
+    outside the rows sampled from (candidate-mode search), None when the sample is exact."""
+
+    negatives: Negatives
+    version: int
+    truncation: Tensor | None
+
+
+class _Future:
+    """A pending answer: ``ready()`` never blocks, ``result(timeout)`` merges once and caches."""
+
+    def __init__(self, fanout: FanOut | None, finish: Callable[[list | None], Any]):
+        self._fanout, self._finish = fanout, finish
+        self._value, self._done = None, False
+
+    def ready(self) -> bool:
+        return self._done or self._fanout is None or self._fanout.ready()
+
+    def result(self, timeout: float | None = None):
+        if not self._done:
+            parts = None if self._fanout is None else self._fanout.results(timeout)
+            self._value, self._done = self._finish(parts), True
+            self._fanout = None  # drop the object refs
+        return self._value
+
+
+class MineFuture(_Future):
+    """``result() -> MineResult``."""
+
+
+class TopkFuture(_Future):
+    """``result() -> ShardResult`` (merged over shards, with its version)."""
+
+
+class RefreshHandle:
+    """Shards re-encoding for one version. ``done()`` never blocks; ``wait()`` returns the version
+    now served; ``progress()`` gives (rows encoded, rows) per shard."""
+
+    def __init__(self, service: "NegativeService", calls: list[ShardCall], state_ref: Any):
+        self._service, self._calls, self._state_ref = service, calls, state_ref
+        self._version: int | None = None
+
+    def done(self) -> bool:
+        return self._version is not None or all(c.done() for c in self._calls)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._version is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._version = min(int(c.get(deadline)) for c in self._calls)
+            self._state_ref = None
+        return self._version
+
+    def progress(self) -> list[tuple[int, int]]:
+        """(rows done, rows) per shard; a shard that reused a persisted version counts as done."""
+        out = []
+        for call, status, (a, b) in zip(self._calls, self._service.status(), self._service.ranges):
+            if call.done():
+                out.append((b - a, b - a))
+            elif status["refreshing"] is not None:
+                out.append((status["progress"][0], b - a))
+            else:
+                out.append((0, b - a))
+        return out
+
+
+def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """[a_i, b_i) contiguous ranges of sizes differing by at most one."""
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+def _model_dir(config: RetrieverConfig) -> str:
+    from dist_nce.testing import default_model_dir
+
+    return config.entity_model or config.mention_model or default_model_dir()
+
+
+def _hidden_size(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir, local_files_only=True).hidden_size)
+
+
+class NegativeService:
+    """S shard handles + what the caller needs to validate and merge (see module docstring)."""
+
+    def __init__(self, handles: list, ranges: list[tuple[int, int]], spec: ScoreSpec, dim: int,
+                 config: ServiceConfig):
+        self._handles, self.ranges, self.spec, self.dim, self.config = list(handles), list(ranges), spec, dim, config
+        self.num_entities = ranges[-1][1]
+        self.num_shards = len(handles)
+        self._policy = RetryPolicy(config.max_task_retries, config.call_timeout_s, config.call_timeout_s)
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, store_dir: str, retriever_config: RetrieverConfig, config: ServiceConfig,
+               run_dir: str) -> "NegativeService":
+        """Start ``config.num_shards`` shards over an even contiguous split of the store (driver only).
+
+        Shards persist versions under ``config.shard_dir`` (default ``<run_dir>/shards``);
+        shards that find persisted versions there reload the newest matching one.
+        """
+        from kb.store import EntityStore
+
+        from dist_nce.text import load_tokenizer, tokenizer_fingerprint
+
+        config.validate()
+        retriever_config.validate()
+        spec = retriever_config.spec()
+        if config.index.backend != "torch" and not is_inner_product(spec):
+            raise ValueError(f"service.index.backend={config.index.backend!r} serves inner-product scores only; "
+                             f"preset {retriever_config.preset!r} ({spec}) needs backend 'torch'")
+        model_dir = _model_dir(retriever_config)
+        store = EntityStore(store_dir, tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
+        n = store.num_entities
+        if n < config.num_shards + 1:
+            raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
+                             "with negatives to spare")
+        ranges = even_ranges(n, config.num_shards)
+        shard_root = Path(config.shard_dir or Path(run_dir) / "shards")
+        dim = _hidden_size(model_dir)
+        handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
+                               dim) for i, r in enumerate(ranges)]
+        service = cls(handles, ranges, spec, dim, config)
+        service.status()  # surfaces a shard that failed to start, with its traceback
+        return service
+
+    # ------------------------------------------------------------------ versions
+    def status(self) -> list[dict]:
+        """Each shard's ``EntityShard.status()`` (served version, how obtained, progress, ...)."""
+        calls = [ShardCall(h, i, "status", (), {}, self._policy) for i, h in enumerate(self._handles)]
+        return [c.get() for c in calls]
+
+    def version(self) -> int:
+        """The version every shard can answer from consistently (-1 before the first encode)."""
+        served = [s["served"] for s in self.status()]
+        return -1 if min(served) < 0 else min(served)
+
+    def refresh(self, entity_state: dict | Any, version: int, wait: bool = False) -> RefreshHandle:
+        """Every shard re-encodes its rows with ``entity_state`` (``Retriever.entity_encoder_state()``
+        or an ObjectRef of it) as ``version``; queries keep being answered from the previous
+        version meanwhile. Shards already holding ``version`` from the same weights skip it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"refresh: version must be an int >= 0, got {version!r}")
+        if isinstance(entity_state, dict):
+            self._check_state(entity_state)
+            state_ref = ray.put(entity_state)
+        elif isinstance(entity_state, ray.ObjectRef):
+            state_ref = entity_state
+        else:
+            raise TypeError(f"refresh: entity_state must be a dict (Retriever.entity_encoder_state()) or an "
+                            f"ObjectRef of one, got {type(entity_state).__name__}")
+        # Refresh may take hours on a large KB: no per-call timeout, only retries on failure.
+        policy = dataclasses.replace(self._policy, call_timeout_s=None)
+        calls = [ShardCall(h, i, "refresh", (state_ref, version), {}, policy) for i, h in enumerate(self._handles)]
+        handle = RefreshHandle(self, calls, state_ref)
+        if wait:
+            handle.wait()
+        return handle
+
+    def _check_state(self, state: dict) -> None:
+        hidden = (state.get("transformer_config") or {}).get("hidden_size")
+        if hidden != self.dim:
+            raise ValueError(f"refresh: entity state has hidden size {hidden}, the service was created for "
+                             f"d={self.dim}")
+        if ScoreSpec(**state.get("spec", {})) != self.spec:
+            raise ValueError(f"refresh: entity state has spec {state.get('spec')}, the service serves {self.spec}")
+
+    def ensure_encoded(self, entity_state: dict | Any, version: int = 0) -> int:
+        """Make every shard serve one version, encoding only what no shard holds; return it.
+
+        1. every shard holds ``version`` (in memory or persisted): serve it;
+        2. else, if the shards share a NEWER version (a resumed run): serve the newest shared one;
+        3. else encode ``entity_state`` as ``version`` -- or as one past the newest version
+           any shard holds, so versions never go back. Shards that already persisted that
+           version from the same weights (an interrupted encode) reuse it.
+        """
+        held = [set(s["held"]) | set(s["persisted"]) for s in self.status()]
+        common = set.intersection(*held)
+        if version in common or (common and max(common) > version):
+            target = version if version in common else max(common)
+            calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
+            return min(c.get() for c in calls)
+        newest = max(set.union(*held), default=-1)
+        return self.refresh(entity_state, version if newest <= version else newest + 1, wait=True).wait()
+
+    # ------------------------------------------------------------------ queries
+    def _reps(self, mention_reps: Reps | Tensor) -> Reps:
+        """Validate mention reps against the score spec and d; detach to CPU."""
+        reps = Reps(mention_reps) if isinstance(mention_reps, Tensor) else mention_reps
+        if not isinstance(reps, Reps) or not isinstance(reps.vecs, Tensor):
+            raise TypeError(f"mention_reps must be a Tensor or Reps, got {type(mention_reps).__name__}")
+        vecs, mask = reps
+        reduction, count = self.spec.mention_side
+        if reduction == "all":
+            want, ok = f"[B, T, {self.dim}] (+ mask [B, T] bool)", vecs.dim() == 3
+        elif count == 1:
+            want, ok = f"[B, {self.dim}]", vecs.dim() == 2
+        else:
+            want, ok = f"[B, {count}, {self.dim}]", vecs.dim() == 3 and vecs.shape[1] == count
+        ok = ok and vecs.shape[-1] == self.dim
+        if not ok or not vecs.is_floating_point():
+            raise ValueError(f"mention_reps for {self.spec} must be floating {want}, got {vecs.dtype} "
+                             f"{list(vecs.shape)}")
+        if mask is not None and (reduction != "all" or mask.dtype != torch.bool or mask.shape != vecs.shape[:2]):
+            want = f"bool {list(vecs.shape[:2])}" if reduction == "all" else "no mask"
+            raise ValueError(f"mention_reps mask for {self.spec}: expected {want}, got {mask.dtype} "
+                             f"{list(mask.shape)}")
+        return Reps(vecs.detach().cpu(), None if mask is None else mask.detach().cpu())
+
+    def _int_rows(self, what: str, x: Tensor | None, batch: int, dims: tuple[int, ...],
+                  bounds: tuple[int, int] | None = None) -> Tensor | None:
+        if x is None:
+            return None
+        if not isinstance(x, Tensor) or x.dtype != torch.int64 or x.dim() not in dims or x.shape[0] != batch:
+            shape = " or ".join(["[B]", "[B, e]"][d - 1] for d in dims)
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{what} must be an int64 tensor {shape} with B={batch}, got {got}")
+        x = x.detach().cpu()
+        if bounds is not None and x.numel() and (int(x.min()) < bounds[0] or int(x.max()) >= bounds[1]):
+            raise ValueError(f"{what} values must be in [{bounds[0]}, {bounds[1]}), got "
+                             f"[{int(x.min())}, {int(x.max())}]")
+        return x
+
+    def mine(self, mention_reps: Reps | Tensor, gold: Tensor, n_hard: int, n_random: int, seed: int,
+             query_keys: Tensor, p_mixed: float | None = None) -> MineFuture:
+        """K-1 = n_hard + n_random negatives per mention (module docstring); returns at once.
+
+        mention_reps: [B, d] (dual, multi-m), [B, m, d] (poly, genpoly), [B, T, d] + mask (som);
+        gold: [B] (or [B, e]) int64 rows, -1 = none; query_keys: [B] int64 (Gumbel noise keys);
+        p_mixed: optional; when given it must give n_hard by ``negatives.num_hard``.
+        """
+        reps = self._reps(mention_reps)
+        batch = reps.vecs.shape[0]
+        if gold is None or query_keys is None:
+            raise ValueError("mine: gold and query_keys are required (int64 [B])")
+        gold = self._int_rows("gold", gold, batch, (1, 2), (-1, self.num_entities))
+        query_keys = self._int_rows("query_keys", query_keys, batch, (1,))
+        for name, v in (("n_hard", n_hard), ("n_random", n_random)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        total = n_hard + n_random
+        room = self.num_entities - (1 if gold.dim() == 1 else gold.shape[1])
+        if not 1 <= total <= room:
+            raise ValueError(f"n_hard + n_random = {total} negatives: need 1 <= K-1 <= N - golds = {room}")
+        if p_mixed is not None and num_hard(p_mixed, total) != n_hard:
+            raise ValueError(f"p_mixed={p_mixed} gives {num_hard(p_mixed, total)} hard of {total} "
+                             f"(negatives.num_hard), but n_hard={n_hard}")
+        seed = int(seed)
+        if n_hard == 0:
+            negs = sample_random(self.num_entities, n_random, gold, seed)
+            return MineFuture(None, lambda _: MineResult(negs, -1, None))
+        reps_ref = ray.put(reps)
+        fan = FanOut(self._handles, "gumbel_topk", (reps_ref, n_hard, gold, seed, query_keys), {}, self._policy)
+
+        def finish(parts: list[ShardResult]) -> MineResult:
+            merged = merge_results(parts, n_hard)
+            if n_random == 0:
+                negs = hard_negatives(merged, n_hard)
+            else:
+                p = 100 * n_hard / total  # num_hard(p, total) == n_hard exactly
+                negs = mixed_negatives(merged, self.num_entities, total, p, gold, seed,
+                                       random_scores_fn=lambda ids: self._score_rows(reps_ref, ids, merged.version))
+            return MineResult(negs, merged.version, merged.truncation())
+
+        return MineFuture(fan, finish)
+
+    def _score_rows(self, reps_ref: Any, ids: Tensor, version: int) -> Tensor:
+        """Exact scores [B, r] of global rows ``ids`` [B, r], each from the shard that owns it."""
+        starts = torch.tensor([a for a, _ in self.ranges[1:]], dtype=torch.int64)
+        owner = torch.bucketize(ids, starts, right=True)
+        calls = {i: ShardCall(self._handles[i], i, "score_rows", (reps_ref, ids, version), {}, self._policy)
+                 for i in owner.unique().tolist()}
+        out = torch.full(ids.shape, math.nan, dtype=torch.float32)
+        for i, call in calls.items():
+            part = call.get()
+            out = torch.where(owner == i, part, out)
+        return out
+
+    def topk(self, mention_reps: Reps | Tensor, k: int, gold: Tensor | None = None) -> TopkFuture:
+        """The k best entities by s(x, y) over the KB (gold excluded); for evaluation."""
+        reps = self._reps(mention_reps)
+        gold = self._int_rows("gold", gold, reps.vecs.shape[0], (1, 2), (-1, self.num_entities))
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_entities:
+            raise ValueError(f"k must be an int in [1, {self.num_entities}], got {k!r}")
+        fan = FanOut(self._handles, "topk", (ray.put(reps), k, gold), {}, self._policy)
+        return TopkFuture(fan, lambda parts: merge_results(parts, k))
+
+    def shutdown(self) -> None:
+        """Kill the shard actors (persisted versions stay on disk)."""
+        for h in self._handles:
+            ray.kill(h, no_restart=True)
+        self._handles = []
