@@ -89,12 +89,16 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
 
     Under ``ray job submit`` RAY_ADDRESS is set and we join that cluster.
     """
+    for k, v in RAY_LOCAL_ENV.items():
+        os.environ.setdefault(k, v)
     import ray
+    from ray._private import ray_constants
 
     if ray.is_initialized():
         return ray.get_runtime_context()
-    for k, v in RAY_LOCAL_ENV.items():
-        os.environ.setdefault(k, v)
+    # Ray reads the loopback switch once, when ray is first imported; a module of ours that
+    # imported ray earlier would otherwise make the local cluster bind a routable address.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = kwargs.pop("runtime_env", {}) or {}
     env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}

@@ -142,12 +142,15 @@ class NegativeService:
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, store_dir: str, retriever_config: RetrieverConfig, config: ServiceConfig,
-               run_dir: str) -> "NegativeService":
+    def create(cls, store_dir: str, retriever_config: RetrieverConfig, config: ServiceConfig, run_dir: str, *,
+               dim: int | None = None, tokenizer_sha256: str | None = None) -> "NegativeService":
         """Start ``config.num_shards`` shards over an even contiguous split of the store (driver only).
 
         Shards persist versions under ``config.shard_dir`` (default ``<run_dir>/shards``);
-        shards that find persisted versions there reload the newest matching one.
+        shards that find persisted versions there reload the newest matching one. The
+        entity dimension d and the tokenizer the store must have been prepared with are
+        read from the retriever config's model directory unless given (``dim``,
+        ``tokenizer_sha256``: e.g. for a saved retriever directory).
         """
         from kb.store import EntityStore
 
@@ -159,15 +162,17 @@ class NegativeService:
         if config.index.backend != "torch" and not is_inner_product(spec):
             raise ValueError(f"service.index.backend={config.index.backend!r} serves inner-product scores only; "
                              f"preset {retriever_config.preset!r} ({spec}) needs backend 'torch'")
-        model_dir = _model_dir(retriever_config)
-        store = EntityStore(store_dir, tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
+        model_dir = _model_dir(retriever_config) if dim is None or tokenizer_sha256 is None else None
+        if tokenizer_sha256 is None:
+            tokenizer_sha256 = tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"]
+        store = EntityStore(store_dir, tokenizer_sha256=tokenizer_sha256)
         n = store.num_entities
         if n < config.num_shards + 1:
             raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
                              "with negatives to spare")
         ranges = even_ranges(n, config.num_shards)
         shard_root = Path(config.shard_dir or Path(run_dir) / "shards")
-        dim = _hidden_size(model_dir)
+        dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
                                dim) for i, r in enumerate(ranges)]
         service = cls(handles, ranges, spec, dim, config)
