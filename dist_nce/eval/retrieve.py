@@ -9,6 +9,9 @@ One function, :func:`retrieve`, over either kind of searcher:
   ranges whose answers are merged (a Zeshel split = its worlds). :func:`build_local_index`
   encodes a store, or one row range of it, into such an index (small KBs, tests).
 
+:func:`serve_model` makes a service's shards serve a given retriever's entity embeddings,
+reusing a persisted snapshot only when it was made from the same weights.
+
 Rankings follow :func:`dist_nce.index.topk.merge_results`: score descending, ties to the
 smaller row; ``-1`` fills slots beyond the number of searchable rows. Mentions are
 encoded longest first so a batch trims little padding; results go back to input order.
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from dist_nce.index.encode import encode_rows, state_fingerprint
 from dist_nce.index.search import IndexConfig, ShardIndex
 from dist_nce.index.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import Retriever
@@ -167,38 +171,6 @@ def retrieve(
 # --------------------------------------------------------------------------- in-process index
 
 
-def encode_entities(
-    retriever: Retriever, store: Any, batch_size: int = 256, progress: bool = True, desc: str = "encode entities",
-) -> Reps:
-    """Entity Reps of every row of ``store`` (an ``EntityStore`` or a slice of it), in row order.
-
-    Cast to the retriever's storage dtype, as the shards store them. Variable-width reps
-    (SOM token states) are right-padded to the widest batch with mask False.
-    """
-    from tqdm.auto import tqdm
-
-    device = _device(retriever)
-    retriever.eval()
-    vecs, masks = [], []
-    with tqdm(total=len(store), desc=desc, unit="entity", disable=not progress, mininterval=2.0) as bar:
-        for _, ids, lengths in store.iter_batches(batch_size):
-            ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-            with torch.inference_mode():
-                reps = retriever.encode_entities(ids.to(device), _mask(lengths, ids.shape[1]).to(device))
-            reps = retriever.to_storage(reps)
-            vecs.append(reps.vecs.cpu())
-            masks.append(None if reps.mask is None else reps.mask.cpu())
-            bar.update(len(ids))
-    if not vecs:
-        raise ValueError(f"encode_entities: {getattr(store, 'path', 'store')} has no rows")
-    if masks[0] is None:
-        return Reps(torch.cat(vecs))
-    width = max(v.shape[1] for v in vecs)
-    vecs = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in vecs]
-    masks = [torch.nn.functional.pad(m, (0, width - m.shape[1]), value=False) for m in masks]
-    return Reps(torch.cat(vecs), torch.cat(masks))
-
-
 def default_index_config(retriever: Retriever) -> IndexConfig:
     """Exact search: faiss flat for inner-product presets (dual, multi-m), torch otherwise."""
     return IndexConfig(backend="flat" if is_inner_product(retriever.spec) else "torch")
@@ -208,7 +180,74 @@ def build_local_index(
     retriever: Retriever, store: Any, config: IndexConfig | None = None, rows: tuple[int, int] | None = None,
     batch_size: int = 256, progress: bool = True, version: int = 0,
 ) -> ShardIndex:
-    """An in-process ShardIndex over ``store`` rows ``[a, b)`` (default: all), global row ids."""
+    """An in-process ShardIndex over ``store`` rows ``[a, b)`` (default: all), global row ids.
+
+    The rows are encoded by the shards' own loop (``index.encode.encode_rows``, fp32,
+    stored in the retriever's storage dtype), so a local index holds what a shard would.
+    """
+    from tqdm.auto import tqdm
+
     a, b = (0, len(store)) if rows is None else rows
-    reps = encode_entities(retriever, store.slice(a, b), batch_size, progress, desc=f"encode entities [{a}, {b})")
+    retriever.eval()
+    with tqdm(total=b - a, desc=f"encode entities [{a}, {b})", unit="entity", disable=not progress,
+              mininterval=2.0) as bar:
+        reps = encode_rows(retriever.entity_side, store.slice(a, b), batch_size, _device(retriever), None,
+                           retriever.config.storage_dtype, progress=lambda done: bar.update(done - bar.n))
     return ShardIndex(retriever.spec, reps, a, config or default_index_config(retriever), version)
+
+
+# --------------------------------------------------------------------------- service snapshot
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """Which version the shards should serve for a model, and whether they already do."""
+
+    version: int
+    reused: bool
+
+
+def plan_snapshot(statuses: Sequence[Mapping[str, Any]], fingerprint: str) -> SnapshotPlan:
+    """Pick the version at which the shards serve the entity encoder with ``fingerprint``.
+
+    ``statuses``: ``NegativeService.status()`` (per shard: ``served``, ``held``,
+    ``persisted``, ``encoder_fingerprint`` of the served version). Shards reload their
+    newest persisted version at start whatever weights made it, so a snapshot is reused
+    only where its fingerprint matches. If the newest version anywhere is this model's
+    (all shards, or some: an interrupted encode), that version is completed; otherwise
+    the model gets a new version one past every existing one (versions never go back).
+    """
+    newest = max((max([s["served"], *s["held"], *s["persisted"]]) for s in statuses), default=-1)
+    ours = [s["served"] for s in statuses if s["served"] >= 0 and s["encoder_fingerprint"] == fingerprint]
+    version = newest if ours and max(ours) == newest else newest + 1
+    reused = all(s["served"] == version and s["encoder_fingerprint"] == fingerprint for s in statuses)
+    return SnapshotPlan(version, reused)
+
+
+def serve_model(service: Any, retriever: Retriever, progress: bool = True, poll_s: float = 1.0) -> SnapshotPlan:
+    """Make every shard of ``service`` serve ``retriever``'s entity embeddings.
+
+    Reuses a persisted snapshot of the same weights, else encodes (``refresh``; shards that
+    already hold the planned version from these weights return at once). Shows a progress
+    bar over all shards' rows while they encode.
+    """
+    import time
+
+    from tqdm.auto import tqdm
+
+    state = retriever.entity_encoder_state()
+    plan = plan_snapshot(service.status(), state_fingerprint(state))
+    if plan.reused:
+        return plan
+    handle = service.refresh(state, plan.version)
+    with tqdm(total=service.num_entities, desc=f"encode KB (version {plan.version}, {service.num_shards} shards)",
+              unit="entity", disable=not progress, mininterval=2.0) as bar:
+        while not handle.done():
+            if progress:
+                bar.update(sum(d for d, _ in handle.progress()) - bar.n)
+            time.sleep(poll_s)
+        served = handle.wait()
+        bar.update(service.num_entities - bar.n)
+    if served != plan.version:
+        raise RuntimeError(f"shards serve version {served} after refreshing to {plan.version}")
+    return plan

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.eval.retrieve import build_local_index, encode_entities, retrieve
+from dist_nce.eval.retrieve import SnapshotPlan, build_local_index, plan_snapshot, retrieve, serve_model
 from dist_nce.index.search import IndexConfig
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, score_all
@@ -26,8 +26,8 @@ def kb(tmp_path_factory, tiny_model_dir):
     return EntityStore(root / "kb"), MentionTable(root / "kb", "dev")
 
 
-def make_retriever(model_dir: str, preset: str, m: int | None = None) -> Retriever:
-    torch.manual_seed(0)
+def make_retriever(model_dir: str, preset: str, m: int | None = None, seed: int = 0) -> Retriever:
+    torch.manual_seed(seed)
     cfg = RetrieverConfig(preset=preset, m=m, mention_model=model_dir, storage_dtype="float32")
     r = Retriever.build(cfg).eval()
     # A random tiny BERT maps every text to nearly the same vector (scores equal to 1e-6);
@@ -113,22 +113,6 @@ def test_restricted_range_pads_and_subset_keeps_order(kb, tiny_model_dir):
     np.testing.assert_array_equal(sub.rows, got.rows[[5, 2, 19]])
 
 
-def test_encode_entities_pads_variable_width_reps(kb, tiny_model_dir):
-    """SOM reps of batches of different trimmed widths == one untrimmed batch (pad masked)."""
-    store, _ = kb
-    r = make_retriever(tiny_model_dir, "som")
-    got = encode_entities(r, store, batch_size=11, progress=False)
-    rows = np.arange(len(store))
-    ids = torch.from_numpy(store.token_ids(rows).astype(np.int64))
-    mask = torch.arange(ids.shape[1])[None] < torch.tensor(store.lengths(rows), dtype=torch.int64)[:, None]
-    with torch.no_grad():
-        want = r.encode_entities(ids, mask)
-    width = want.vecs.shape[1]
-    assert got.vecs.shape == want.vecs.shape and torch.equal(got.mask, want.mask[:, :width])
-    torch.testing.assert_close(got.vecs * got.mask[..., None], want.vecs * want.mask[..., None],
-                               atol=1e-5, rtol=1e-4)
-
-
 class _SlowFuture:
     def __init__(self, log, index, reps, k):
         self.log, self.index, self.reps, self.k = log, index, reps, k
@@ -160,3 +144,55 @@ def test_service_path_pipelines_requests_and_restores_order(kb, tiny_model_dir):
     np.testing.assert_array_equal(got.rows, want.rows)
     # 23 mentions / 6 per batch = 4 requests; a second one is sent before the first is collected.
     assert service.log == ["submit", "submit", "result", "submit", "result", "submit", "result", "result"]
+
+
+def _status(served, fp, held=(), persisted=()):
+    return {"served": served, "encoder_fingerprint": fp, "held": list(held), "persisted": list(persisted)}
+
+
+def test_plan_snapshot_reuses_only_the_same_weights():
+    fresh = [_status(-1, None), _status(-1, None)]
+    assert plan_snapshot(fresh, "A") == SnapshotPlan(0, False)
+    done = [_status(3, "A", [3], [2, 3]), _status(3, "A", [3], [3])]
+    assert plan_snapshot(done, "A") == SnapshotPlan(3, True)
+    # Another model's snapshot (a training run's newest version) is never served for this one.
+    assert plan_snapshot(done, "B") == SnapshotPlan(4, False)
+    # An interrupted encode of A as version 5: finish version 5 rather than start over.
+    partial = [_status(5, "A", [5], [4, 5]), _status(4, "B", [4], [4])]
+    assert plan_snapshot(partial, "A") == SnapshotPlan(5, False)
+    # ... but a newer version of other weights anywhere means a new version.
+    assert plan_snapshot([_status(5, "A", [5]), _status(4, "B", [4], [4, 6])], "A") == SnapshotPlan(7, False)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_negative_service_equals_brute_force_and_reuses_snapshot(kb, tiny_model_dir, tmp_path):
+    """A real local Ray: 2 shards; top-k through NegativeService.topk == brute force; the same
+    model is served again without encoding, another model gets a new version."""
+    import ray
+
+    from dist_nce.index.service import NegativeService
+    from dist_nce.index.service_config import ServiceConfig
+    from dist_nce.runtime import init_ray
+
+    store, mentions = kb
+    r = make_retriever(tiny_model_dir, "dual")
+    cfg = ServiceConfig(num_shards=2, num_cpus=0.5, encode_dtype="fp32", shard_dir=str(tmp_path / "shards"),
+                        encode_batch_size=16)
+    init_ray(num_cpus=2)
+    try:
+        service = NegativeService.create(str(store.path), r.config, cfg, str(tmp_path))
+        assert serve_model(service, r, progress=False) == SnapshotPlan(0, False)
+        got = retrieve(r, mentions, service, k=10, batch_size=7, progress=False)
+        assert got.versions == (0,)
+        assert_ranking(got.rows, got.scores, brute_force(r, store, mentions), np.ones(len(store), bool), 10)
+        # Same weights again: nothing to encode. (A fresh service reloading the persisted
+        # snapshot is the job's test: tests/jobs/test_evaluate_kilt_aida.py.)
+        assert serve_model(service, r, progress=False) == SnapshotPlan(0, True)
+        assert [s["encodes"] for s in service.status()] == [1, 1]
+        other = make_retriever(tiny_model_dir, "dual", seed=1)
+        assert serve_model(service, other, progress=False) == SnapshotPlan(1, False)
+        assert retrieve(other, mentions, service, k=10, progress=False).versions == (1,)
+        service.shutdown()
+    finally:
+        ray.shutdown()
