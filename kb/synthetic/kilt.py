@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import multiprocessing
 import os
 import random
 from pathlib import Path
@@ -81,12 +83,12 @@ class KiltUniverse:
         if rng.random() < 0.5:
             text.append(f"Section::::{rng.choice(e.domain.words).capitalize()}.\n")
         para, spans = _detokenize_links(paras[1])
-        anchors = [
-            {"paragraph_id": len(text), "start": s, "end": t, "text": str(link),
-             "href": quote(self.title(link.target), safe="()"), "wikipedia_title": self.title(link.target),
-             "wikipedia_id": self.wikipedia_id(link.target)}
-            for link, s, t in spans
-        ]
+        anchors = []
+        for link, s, t in spans:
+            target = self.title(link.target)
+            anchors.append({"paragraph_id": len(text), "start": s, "end": t, "text": str(link),
+                            "href": quote(target, safe="()"), "wikipedia_title": target,
+                            "wikipedia_id": self.wikipedia_id(link.target)})
         text.append(para + "\n")
         revid = 900_000_000 + u.h(T_DOC, i, 1) % 10_000_000
         page = {
@@ -146,20 +148,27 @@ class KiltUniverse:
 
 
 def _detokenize_links(tokens: list[str]) -> tuple[str, list[tuple[_Link, int, int]]]:
-    """Like :func:`detokenize`, also returning the character span of every link."""
-    out, spans, pos = [], [], 0
-    for t in tokens:
-        if t in {",", "."} and out:
-            out[-1] += t
-            pos += len(t)
-            continue
-        if out:
-            pos += 1
-        if isinstance(t, _Link):
-            spans.append((t, pos, pos + len(t)))
-        out.append(t)
-        pos += len(t)
-    return " ".join(out), spans
+    """Like :func:`detokenize`, also returning the character span of every link.
+
+    Links are fenced with control characters (never in generated text) through the
+    fast join, then the fences are removed while their offsets are recorded.
+    """
+    links = [t for t in tokens if isinstance(t, _Link)]
+    if not links:
+        return detokenize(tokens), []
+    text = detokenize([f"\x00{t}\x01" if isinstance(t, _Link) else t for t in tokens])
+    parts, spans, pos, cut = [], [], 0, 0
+    for link in links:
+        a = text.index("\x00", cut)
+        b = text.index("\x01", a)
+        parts.append(text[cut:a])
+        pos += a - cut
+        spans.append((link, pos, pos + b - a - 1))
+        parts.append(text[a + 1:b])
+        pos += b - a - 1
+        cut = b + 1
+    parts.append(text[cut:])
+    return "".join(parts), spans
 
 
 def _plural(q: str) -> str:
@@ -179,6 +188,36 @@ def _short_description(e: Entity) -> str:
     return f"{e.year} {e.domain.qualifier}"
 
 
+_CHUNK = 2048
+_worker_universe: "KiltUniverse | None" = None  # set only inside pool worker processes
+
+
+def _render_chunk(ku: KiltUniverse, lo: int, hi: int, blink: bool) -> tuple[bytes, bytes]:
+    """KB (and BLINK) lines for positions ``[lo, hi)``, encoded."""
+    kb, bl = [], []
+    for p in range(lo, hi):
+        page, e = ku.page(ku.index_at(p))
+        kb.append(json.dumps(page, ensure_ascii=False))
+        if blink:
+            bl.append(json.dumps({
+                "text": " " + " ".join(t.strip() for t in page["text"][1:] if not t.startswith("Section::::")),
+                "idx": f"https://en.wikipedia.org/wiki?curid={page['wikipedia_id']}",
+                "title": e.title,
+                "entity": e.title,
+            }, ensure_ascii=False))
+    return "".join(x + "\n" for x in kb).encode("utf-8"), "".join(x + "\n" for x in bl).encode("utf-8")
+
+
+def _init_worker(spec: tuple) -> None:
+    global _worker_universe
+    _worker_universe = KiltUniverse(*spec)
+
+
+def _render_in_worker(task: tuple[int, int, bool]) -> tuple[bytes, bytes]:
+    assert _worker_universe is not None
+    return _render_chunk(_worker_universe, *task)
+
+
 def write_kilt(
     out_dir: str | os.PathLike,
     num_entities: int,
@@ -193,19 +232,22 @@ def write_kilt(
     knobs: Knobs = Knobs(),
     vocab_path: str | os.PathLike | None = None,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> dict[str, Path]:
     """Write a synthetic KILT knowledge source and AIDA files (and BLINK ``entity.jsonl``).
 
     title_drift: fraction of entities whose AIDA gold title is an outdated one (the
       ``wikipedia_id`` still resolves it). missing_gold: fraction of labelled mentions
       whose gold has no KB line. progress: tqdm bar (default: for >= 100k entities).
+    workers: processes rendering KB lines (each line is a pure function of its
+      position, so the output does not depend on this).
     Returns ``{"kb", "train", "dev", "test"[, "blink"], "manifest"}`` paths.
     """
     for name, rate in (("title_drift", title_drift), ("missing_gold", missing_gold)):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {rate}")
-    if min(num_train, num_dev, num_test) < 0:
-        raise ValueError("mention counts must be >= 0")
+    if min(num_train, num_dev, num_test) < 0 or workers < 1:
+        raise ValueError("mention counts must be >= 0 and workers >= 1")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ku = KiltUniverse(seed, num_entities, knobs, vocab_path)
@@ -214,19 +256,22 @@ def write_kilt(
         paths["blink"] = out / BLINK_FILE
     show = num_entities >= 100_000 if progress is None else progress
     counts: dict = {"entities": num_entities}
+    tasks = [(lo, min(lo + _CHUNK, num_entities), blink) for lo in range(0, num_entities, _CHUNK)]
     with contextlib.ExitStack() as stack:
         sinks = {key: JsonlSink(stack, p) for key, p in paths.items()}
-        for p in tqdm(range(num_entities), desc="synthetic KILT entities", unit="ent", disable=not show,
-                      mininterval=2.0):
-            page, e = ku.page(ku.index_at(p))
-            sinks["kb"].write(page)
+        bar = stack.enter_context(tqdm(total=num_entities, desc="synthetic KILT entities", unit="ent",
+                                       disable=not show, mininterval=2.0))
+        if workers > 1:
+            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+                workers, _init_worker, ((seed, num_entities, knobs, vocab_path),)))
+            chunks = pool.imap(_render_in_worker, tasks)
+        else:
+            chunks = (_render_chunk(ku, *task) for task in tasks)
+        for (lo, hi, _), (kb_lines, blink_lines) in zip(tasks, chunks):
+            sinks["kb"].write_encoded(kb_lines, hi - lo)
             if blink:
-                sinks["blink"].write({
-                    "text": " " + " ".join(t.strip() for t in page["text"][1:] if not t.startswith("Section::::")),
-                    "idx": f"https://en.wikipedia.org/wiki?curid={page['wikipedia_id']}",
-                    "title": e.title,
-                    "entity": e.title,
-                })
+                sinks["blink"].write_encoded(blink_lines, hi - lo)
+            bar.update(hi - lo)
         for split, (name, num) in enumerate((("train", num_train), ("dev", num_dev), ("test", num_test))):
             c = {"mentions": num, "missing_gold": 0, "title_drift": 0}
             for k in range(num):

@@ -112,26 +112,27 @@ KILT_DOMAINS: tuple[Domain, ...] = (
     _d("ship", "vessel", "work", "hull launched navy crew tonnage harbour voyage captain sank fleet"),
 )
 
-# Real Zeshel worlds (Logeswaran et al. 2019): split, entity kinds, world words.
-ZESHEL_WORLD_TABLE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    name: (split, tuple(kinds.split(",")), tuple(words.split()))
-    for name, split, kinds, words in (
-        ("american_football", "train", "player,coach,team,season", "touchdown quarterback yards draft playoff stadium defense bowl"),
-        ("doctor_who", "train", "character,episode,planet,species", "tardis companion regeneration alien dalek timeline series doctor"),
-        ("fallout", "train", "character,location,weapon,quest", "wasteland vault radiation settlement raider mutant caps shelter"),
-        ("final_fantasy", "train", "character,summon,ability,location", "crystal summon magic airship chocobo sword spell guardian"),
-        ("military", "train", "officer,battle,unit,aircraft", "regiment battalion squadron infantry artillery brigade garrison fleet"),
-        ("pro_wrestling", "train", "wrestler,event,championship,promotion", "ring tag title match heel feud pin submission"),
-        ("starwars", "train", "character,planet,starship,droid", "jedi empire rebel senate galaxy hyperspace blaster clone"),
-        ("world_of_warcraft", "train", "character,zone,quest,faction", "horde alliance raid dungeon guild orc paladin realm"),
-        ("coronation_street", "val", "character,episode,business,family", "street pub factory neighbour affair wedding cafe soap"),
-        ("elder_scrolls", "val", "character,location,spell,artifact", "daedra tamriel guild dragon shrine dungeon enchanted province"),
-        ("ice_hockey", "val", "player,team,arena,season", "puck goaltender rink defenceman playoffs trade league forward"),
-        ("muppets", "val", "character,episode,song,sketch", "puppet sketch song studio frog pig performer comedy"),
-        ("forgotten_realms", "test", "character,city,deity,spell", "wizard dungeon deity realm elf dwarf magic temple"),
-        ("lego", "test", "set,minifigure,theme,character", "brick minifigure theme piece model builder castle kit"),
-        ("star_trek", "test", "character,starship,species,episode", "starfleet captain federation warp vulcan klingon shuttle bridge"),
-        ("yugioh", "test", "card,character,deck,archetype", "duel monster spell trap deck summon attack effect"),
+# Entity kinds and world words for each real Zeshel world (Logeswaran et al. 2019);
+# which split a world belongs to comes from kb.zeshel.ZESHEL_WORLDS.
+ZESHEL_WORLD_TABLE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    name: (tuple(kinds.split(",")), tuple(words.split()))
+    for name, kinds, words in (
+        ("american_football", "player,coach,team,season", "touchdown quarterback yards draft playoff stadium defense bowl"),
+        ("doctor_who", "character,episode,planet,species", "tardis companion regeneration alien dalek timeline series doctor"),
+        ("fallout", "character,location,weapon,quest", "wasteland vault radiation settlement raider mutant caps shelter"),
+        ("final_fantasy", "character,summon,ability,location", "crystal summon magic airship chocobo sword spell guardian"),
+        ("military", "officer,battle,unit,aircraft", "regiment battalion squadron infantry artillery brigade garrison fleet"),
+        ("pro_wrestling", "wrestler,event,championship,promotion", "ring tag title match heel feud pin submission"),
+        ("starwars", "character,planet,starship,droid", "jedi empire rebel senate galaxy hyperspace blaster clone"),
+        ("world_of_warcraft", "character,zone,quest,faction", "horde alliance raid dungeon guild orc paladin realm"),
+        ("coronation_street", "character,episode,business,family", "street pub factory neighbour affair wedding cafe soap"),
+        ("elder_scrolls", "character,location,spell,artifact", "daedra tamriel guild dragon shrine dungeon enchanted province"),
+        ("ice_hockey", "player,team,arena,season", "puck goaltender rink defenceman playoffs trade league forward"),
+        ("muppets", "character,episode,song,sketch", "puppet sketch song studio frog pig performer comedy"),
+        ("forgotten_realms", "character,city,deity,spell", "wizard dungeon deity realm elf dwarf magic temple"),
+        ("lego", "set,minifigure,theme,character", "brick minifigure theme piece model builder castle kit"),
+        ("star_trek", "character,starship,species,episode", "starfleet captain federation warp vulcan klingon shuttle bridge"),
+        ("yugioh", "card,character,deck,archetype", "duel monster spell trap deck summon attack effect"),
     )
 }
 

@@ -24,10 +24,13 @@ class JsonlSink:
         self.lines = 0
 
     def write(self, obj: dict[str, Any]) -> None:
-        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        self.write_encoded((json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8"), 1)
+
+    def write_encoded(self, data: bytes, lines: int) -> None:
+        """Append ``lines`` already-encoded JSON lines (each ending in a newline)."""
         self._f.write(data)
         self._sha.update(data)
-        self.lines += 1
+        self.lines += lines
 
     def summary(self) -> dict[str, Any]:
         """``{"lines", "sha256"}`` for the manifest (valid once writing is finished)."""

@@ -38,9 +38,16 @@ def mix64(x: int) -> int:
 
 def hash64(*parts: int) -> int:
     """Counter-based hash of a tuple of integers (order-sensitive)."""
-    x = 0x243F6A8885A308D3
+    return _chain(0x243F6A8885A308D3, parts)
+
+
+def _chain(x: int, parts: tuple[int, ...]) -> int:
+    # mix64 inlined: this is the generators' innermost loop.
     for p in parts:
-        x = mix64(x ^ (p & _M64))
+        x = ((x ^ (p & _M64)) + 0x9E3779B97F4A7C15) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        x ^= x >> 31
     return x
 
 
@@ -149,23 +156,33 @@ class Universe:
         # Affine bijections that scatter group ids over the name spaces.
         self._name2 = (1_000_003, hash64(self.base, T_NAME, 2) % (WORD2 * WORD2))
         self._name1 = (7_919_993, hash64(self.base, T_NAME, 1) % WORD3)
+        # Small bounded caches: drawing one page or mention asks for the same block and
+        # group several times; topics recur across the whole KB.
         self.topic_words = functools.lru_cache(maxsize=4096)(self._topic_words)
+        self._block_cached = functools.lru_cache(maxsize=64)(self._block)
+        self.group_titles = functools.lru_cache(maxsize=64)(self._group_titles)
 
     # ---- cheap per-index facts (a few hash calls each) ---------------------------------
     def h(self, *parts: int) -> int:
-        return hash64(self.base, *parts)
+        return _chain(self.base, parts)
+
+    def _block(self, b: int) -> tuple[int, ...]:
+        """Group boundaries in block ``b``: starts, then the block end."""
+        s, end, bounds = b * BLOCK, (b + 1) * BLOCK, []
+        while s < end:
+            bounds.append(s)
+            u = unit(self.h(T_GROUP, s))
+            s = min(s + next((k + 1 for k, c in enumerate(self._size_cdf) if u < c), len(self._size_cdf)), end)
+        bounds.append(end)
+        return tuple(bounds)
 
     def group(self, i: int) -> tuple[int, int]:
         """(start, size) of the name group of ``i``; groups never mix real and phantom."""
-        b0 = (i // BLOCK) * BLOCK
-        s = b0
-        while True:
-            u = unit(self.h(T_GROUP, s))
-            size = next((k + 1 for k, c in enumerate(self._size_cdf) if u < c), len(self._size_cdf))
-            e = min(s + size, b0 + BLOCK)
-            if i < e:
-                break
-            s = e
+        bounds = self._block_cached(i // BLOCK)
+        k = 1
+        while bounds[k] <= i:
+            k += 1
+        s, e = bounds[k - 1], bounds[k]
         if s < self.n < e:
             s, e = (s, self.n) if i < self.n else (self.n, e)
         return s, e - s
@@ -209,7 +226,7 @@ class Universe:
         rng = random.Random(self.h(T_TOPICWORDS, topic))
         return tuple(rng.sample(self.lex.content, self.k.topic_words))
 
-    def group_titles(self, start: int, size: int) -> list[tuple[str, str]]:
+    def _group_titles(self, start: int, size: int) -> tuple[tuple[str, str], ...]:
         """(title, old_title) for each member; member 0 is the primary topic (bare name).
 
         Qualifiers follow Wikipedia: the domain alone when it is unique among the
@@ -240,7 +257,7 @@ class Universe:
                 out.append((f"{name} ({qual} {d.qualifier})", f"{name} ({old} {d.old_qualifier})"))
             else:
                 out.append((f"{name} ({d.qualifier}{qual})", f"{name} ({d.old_qualifier}{old})"))
-        return out
+        return tuple(out)
 
     @staticmethod
     def _old_primary(name: str, d: Domain) -> str:
@@ -267,7 +284,7 @@ class Universe:
         domain words, words of a random other topic, and general noise."""
         other = self.topic_words(rng.randrange(self.num_topics))
         return [*FUNCTION_WORDS, *self.topic_words(e.topic), *e.domain.words, *self.extra_words,
-                *other[:6], *rng.sample(self.lex.content, 10)]
+                *other[:6], *rng.choices(self.lex.content, k=10)]
 
     def description(self, e: Entity, rng: random.Random, links: Sequence[str] = ()) -> list[list[str]]:
         """Paragraphs of tokens; the first introduces ``e`` and holds every signature word.
@@ -330,32 +347,25 @@ class Universe:
 
 
 def _sentences(tokens: list[str], rng: random.Random, capitalize_first: bool = True) -> list[str]:
-    """Cut a token list into capitalised sentences with a few commas; punctuation is a
-    separate token (CoNLL/Zeshel style; KILT paragraphs re-attach it)."""
+    """Cut a token list into capitalised sentences of 8-18 tokens, about half with a
+    comma; punctuation is a separate token (CoNLL/Zeshel style; KILT paragraphs
+    re-attach it)."""
     out: list[str] = []
-    start = capitalize_first
-    until = rng.randint(8, 18)
-    for t in tokens:
-        out.append(t.capitalize() if start and t.islower() else t)
-        start = False
-        until -= 1
-        if until == 0:
-            out.append(".")
-            start = True
-            until = rng.randint(8, 18)
-        elif rng.random() < 0.05:
-            out.append(",")
-    if not start:
+    i, n, first = 0, len(tokens), capitalize_first
+    while i < n:
+        k = 8 + int(rng.random() * 11)
+        sent = tokens[i:i + k]
+        if first and sent[0].islower():
+            sent[0] = sent[0].capitalize()
+        if len(sent) > 4 and rng.random() < 0.5:
+            sent.insert(2 + int(rng.random() * (len(sent) - 3)), ",")
+        out += sent
         out.append(".")
+        i += k
+        first = True
     return out
 
 
 def detokenize(tokens: Sequence[str]) -> str:
     """Tokens -> prose: "," and "." attach to the previous word."""
-    out = []
-    for t in tokens:
-        if t in {",", "."} and out:
-            out[-1] += t
-        else:
-            out.append(t)
-    return " ".join(out)
+    return " ".join(tokens).replace(" ,", ",").replace(" .", ".")

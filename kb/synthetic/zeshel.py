@@ -20,11 +20,14 @@ from tqdm import tqdm
 from dist_nce.artifacts import write_manifest
 from kb.synthetic.lexicon import ZESHEL_WORLD_TABLE, Domain, load_lexicon
 from kb.synthetic.sink import JsonlSink
+from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 from kb.synthetic.universe import (
     T_DOC, T_LINK, T_PERM, T_SPLIT, AffinePermutation, Knobs, Universe, hash64, mix64, unit,
 )
 
-SPLITS = ("train", "val", "test", "heldout_train_seen", "heldout_train_unseen")
+SPLITS = ZESHEL_SPLITS
+_WORLD_SPLIT = {w: split for split, worlds in ZESHEL_WORLDS.items() for w in worlds}
+_WORLD_INDEX = {w: i for i, w in enumerate(_WORLD_SPLIT)}
 MANIFEST_KIND = "synthetic_zeshel"
 SCHEMA_VERSION = 1
 # Zeshel's defaults: mentions are mostly not the page title verbatim.
@@ -52,7 +55,7 @@ class _World:
     def __init__(self, seed: int, world: str, index: int, num_docs: int, num_mentions: int, lexicon, knobs: Knobs):
         if num_docs < 2:
             raise ValueError(f"world {world}: need at least 2 documents, got {num_docs}")
-        split, kinds, words = ZESHEL_WORLD_TABLE[world]
+        split, (kinds, words) = _WORLD_SPLIT[world], ZESHEL_WORLD_TABLE[world]
         domains = [Domain(k, k, "plain", (k, *words)) for k in kinds]
         self.name, self.split, self.index = world, split, index
         self.u = Universe(seed, num_docs, domains, lexicon, knobs, salt=f"zeshel/{world}", extra_words=words)
@@ -145,10 +148,10 @@ def write_zeshel(
       (mentions of a fraction ``heldout_unseen`` of the entities, which never appear as a
       ``train`` label).
     """
-    worlds = list(ZESHEL_WORLD_TABLE) if worlds is None else list(worlds)
-    unknown = [w for w in worlds if w not in ZESHEL_WORLD_TABLE]
+    worlds = list(_WORLD_SPLIT) if worlds is None else list(worlds)
+    unknown = [w for w in worlds if w not in _WORLD_SPLIT]
     if unknown or not worlds or len(set(worlds)) != len(worlds):
-        raise ValueError(f"worlds must be distinct names from {sorted(ZESHEL_WORLD_TABLE)}; got {worlds}")
+        raise ValueError(f"worlds must be distinct names from {list(_WORLD_SPLIT)}; got {worlds}")
     docs = _per_world(entities_per_world, worlds, "entities_per_world")
     ments = _per_world(mentions_per_world, worlds, "mentions_per_world")
     lexicon = load_lexicon(vocab_path)
@@ -164,7 +167,7 @@ def write_zeshel(
         bar = stack.enter_context(tqdm(total=sum(docs.values()), desc="synthetic Zeshel documents",
                                        unit="doc", disable=not show, mininterval=2.0))
         for w in worlds:
-            world = _World(seed, w, list(ZESHEL_WORLD_TABLE).index(w), docs[w], ments[w], lexicon, knobs)
+            world = _World(seed, w, _WORLD_INDEX[w], docs[w], ments[w], lexicon, knobs)
             serial = 0
             with contextlib.ExitStack() as wstack:
                 dsink = JsonlSink(wstack, out / "documents" / f"{w}.json")
