@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--blink", action="store_true", help="also write BLINK entity.jsonl")
     k.add_argument("--title-drift", type=float, default=0.03, help="fraction of outdated AIDA gold titles")
     k.add_argument("--missing-gold", type=float, default=0.0, help="fraction of golds absent from the KB")
+    k.add_argument("--workers", type=int, default=1, help="processes rendering KB lines (same output for any value)")
     _knob_args(k, Knobs())
 
     z = sub.add_parser("zeshel", help="Zeshel documents/ and mentions/ tree")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         paths = write_kilt(args.out, args.entities, args.train, args.dev, args.test, args.seed,
                            blink=args.blink, title_drift=args.title_drift, missing_gold=args.missing_gold,
-                           knobs=_knobs(args, Knobs()), progress=args.entities >= 20_000)
+                           knobs=_knobs(args, Knobs()), progress=args.entities >= 20_000, workers=args.workers)
         entities = args.entities
     else:
         from kb.synthetic.zeshel import write_zeshel
@@ -69,11 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         paths = {"root": root}
         entities = args.entities_per_world * len(args.worlds or ZESHEL_WORLD_TABLE)
     secs = time.perf_counter() - t0
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     report = {
         "paths": {k: str(v) for k, v in paths.items()},
         "seconds": round(secs, 2),
+        "cpu_seconds": round(me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, 2),
         "entities_per_second": round(entities / secs, 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(me.ru_maxrss / 1024, 1),  # this process; workers, if any, are reported below
+        "peak_rss_mib_workers": round(kids.ru_maxrss / 1024, 1),
     }
     print(json.dumps(report, indent=2), file=sys.stderr)
     return 0

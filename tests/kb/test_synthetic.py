@@ -347,8 +347,8 @@ def test_zeshel_worlds_are_disjoint_and_splits_follow_worlds(zeshel_dir):
     assert not titles["starwars"] & titles["lego"]
     n_train_world = 2 * 250
     assert 0.03 < len(_jsonl(zeshel_dir / "mentions" / "heldout_train_seen.json")) / n_train_world < 0.15
-    categories = collections.Counter(r["category"] for s in SPLITS for r in _jsonl(zeshel_dir / "mentions" / f"{s}.json"))
-    assert set(categories) == {"HIGH_OVERLAP", "MULTIPLE_CATEGORIES", "AMBIGUOUS_SUBSTRING", "LOW_OVERLAP"}
+    categories = {r["category"] for s in SPLITS for r in _jsonl(zeshel_dir / "mentions" / f"{s}.json")}
+    assert categories == {"HIGH_OVERLAP", "MULTIPLE_CATEGORIES", "AMBIGUOUS_SUBSTRING", "LOW_OVERLAP"}
 
 
 def test_zeshel_output_parses_with_the_readers(zeshel_dir):
