@@ -7,9 +7,12 @@ dist_nce.train.config import TrainJobConfig; print(describe(TrainJobConfig))"``.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from dist_nce.config import ConfigError
 from dist_nce.index.service_config import ServiceConfig
 from dist_nce.modeling.retriever import RetrieverConfig
 
@@ -33,6 +36,7 @@ class DataConfig:
     synthetic_dev: int = _help("Synthetic AIDA dev mentions.", default=200)
     synthetic_test: int = _help("Synthetic AIDA test mentions.", default=200)
     synthetic_dir: str = _help("Where synthetic source files are written.", default="data/synthetic/aida")
+    synthetic_seed: int = _help("Seed of the synthetic generator (same seed, byte-identical files).", default=0)
     train_split: str = _help("Mention split to train on.", default="train")
     dev_split: str = _help("Mention split for periodic evaluation.", default="dev")
     mention_max_len: int = _help("Mention tokens (32 in BLINK, 128 in the paper).", default=32)
@@ -65,6 +69,7 @@ class NegativesConfig:
         "pipelined: mine each batch P batches ahead with the current mention encoder; per_epoch: the paper's "
         "mode, mine all training mentions at each epoch start.", default="pipelined")
     prefetch: int = _help("P: mining requests kept in flight ahead of the current batch.", default=2)
+    request_size: int = _help("Mentions per mining request in per_epoch mode (batched requests).", default=256)
     adjusted_loss: bool = _help("Use the score-adjusted loss (eq. 6) instead of plain hard NCE (eq. 7).",
                                 default=False)
     temperature: float = _help("Softmax temperature of the NCE loss (1 in the paper).", default=1.0)
@@ -76,6 +81,8 @@ class NegativesConfig:
             raise ValueError(f"negatives.p must be in [0, 100], got {self.p}")
         if self.prefetch < 0:
             raise ValueError("negatives.prefetch must be >= 0")
+        if self.request_size < 1:
+            raise ValueError("negatives.request_size must be >= 1")
 
 
 @dataclass
@@ -122,10 +129,15 @@ class RunConfig:
     max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
                               default=2)
     checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)
+    stop_after_steps: int = _help(
+        "End this job after N steps of the run (with a checkpoint) without finishing it; running the same "
+        "run.name again continues (time-boxed or preemptible clusters). 0 = run to the end.", default=0)
     num_to_keep: int = _help("Checkpoints kept by Ray Train.", default=2)
     log_every_steps: int = _help("TensorBoard/report scalars every N steps.", default=1)
     eval_every_steps: int = _help("Dev recall/accuracy every N steps (0 = only at the end).", default=0)
     eval_k: list[int] = _help("Recall@k cut-offs for dev evaluation.", default_factory=lambda: [1, 10, 64])
+    eval_batch_size: int = _help("Dev mentions per encoder forward / top-k request.", default=64)
+    progress: bool = _help("tqdm progress bar on rank 0.", default=True)
     export: bool = _help("Export model (HF + BLINK layout) and KB snapshot at the end.", default=True)
     evaluate_before: bool = _help("Evaluate the untrained model on dev first (before vs after).", default=True)
 
@@ -142,6 +154,18 @@ class TrainJobConfig:
     run: RunConfig = _help("Ray Train run, checkpoints, logging, exports.", default_factory=RunConfig)
 
     def validate(self) -> None:
+        for name in ("num_workers", "eval_batch_size", "log_every_steps"):
+            if getattr(self.run, name) < 1:
+                raise ValueError(f"run.{name} must be >= 1, got {getattr(self.run, name)}")
+        for name in ("checkpoint_every_steps", "stop_after_steps", "eval_every_steps", "max_failures"):
+            if getattr(self.run, name) < 0:
+                raise ValueError(f"run.{name} must be >= 0, got {getattr(self.run, name)}")
+        if not self.run.eval_k or min(self.run.eval_k) < 1:
+            raise ValueError(f"run.eval_k must be positive cut-offs, got {self.run.eval_k}")
+        if self.optim.epochs < 1 or self.optim.max_steps < 0 or self.optim.batch_size < 1:
+            raise ValueError("optim.epochs and optim.batch_size must be >= 1, optim.max_steps >= 0")
+        if self.refresh.every_steps < 0:
+            raise ValueError("refresh.every_steps must be >= 0")
         if self.optim.batch_size % self.run.num_workers:
             raise ValueError(
                 f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
@@ -152,3 +176,78 @@ class TrainJobConfig:
     @property
     def per_worker_batch(self) -> int:
         return self.optim.batch_size // self.run.num_workers
+
+
+def check_inputs(cfg: TrainJobConfig) -> None:
+    """Raise ConfigError listing every missing input (files, directories, DeepSpeed JSON)
+    named by its config key, so a typo fails in a second, before any cluster work."""
+    from dist_nce.train.engine import load_deepspeed_config
+
+    problems: list[str] = []
+
+    def need(key: str, path: str | None, kind: str) -> bool:
+        if path is None:
+            return True
+        ok = os.path.isdir(path) if kind == "directory" else os.path.isfile(path)
+        if not ok:
+            problems.append(f"{key}: {kind} not found: {path}")
+        return ok
+
+    r = cfg.model.retriever
+    need("model.retriever.mention_model", r.mention_model, "directory")
+    need("model.retriever.entity_model", r.entity_model, "directory")
+    need("model.blink_checkpoint", cfg.model.blink_checkpoint, "file")
+    if cfg.model.init_from and need("model.init_from", cfg.model.init_from, "directory"):
+        need("model.init_from", os.path.join(cfg.model.init_from, "manifest.json"), "file")
+    if cfg.model.blink_checkpoint and cfg.model.init_from:
+        problems.append("model.blink_checkpoint and model.init_from: give one initialisation, not both")
+    if need("deepspeed.config", cfg.deepspeed.config, "file"):
+        try:
+            load_deepspeed_config(cfg.deepspeed.config, cfg.per_worker_batch, cfg.run.num_workers,
+                                  cfg.optim.grad_clip, cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
+        except ConfigError as e:
+            problems.append(f"deepspeed.config: {e}")
+    d = cfg.data
+    manifest = os.path.join(d.prepared_dir, "manifest.json")
+    if os.path.isfile(manifest):
+        splits = json.loads(open(manifest, encoding="utf-8").read()).get("mentions", {})
+        for key in ("train_split", "dev_split"):
+            if getattr(d, key) not in splits:
+                problems.append(f"data.{key}: split {getattr(d, key)!r} not in {manifest} "
+                                f"(prepared splits: {sorted(splits)})")
+    elif d.kilt_knowledge_source or d.zeshel_root:
+        need("data.kilt_knowledge_source", d.kilt_knowledge_source, "file")
+        need("data.aida_dir", d.aida_dir, "directory")
+        need("data.zeshel_root", d.zeshel_root, "directory")
+    elif d.synthetic_entities <= 0:
+        problems.append(f"data.prepared_dir: {d.prepared_dir} is not a prepared KB (no manifest.json) and no "
+                        "source is given: set data.kilt_knowledge_source + data.aida_dir, data.zeshel_root, or "
+                        "data.synthetic_entities > 0")
+    if problems:
+        raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))
+
+
+# Fields holding local paths; resolved on the driver because Ray Train workers run in
+# another working directory.
+PATH_FIELDS = ("data.prepared_dir", "data.kilt_knowledge_source", "data.aida_dir", "data.zeshel_root",
+               "data.synthetic_dir", "model.retriever.mention_model", "model.retriever.entity_model",
+               "model.blink_checkpoint", "model.init_from", "deepspeed.config", "service.shard_dir",
+               "run.storage_path", "run.output_dir")
+
+
+def with_absolute_paths(cfg: TrainJobConfig, base: str | None = None) -> TrainJobConfig:
+    """A copy of ``cfg`` whose local paths are absolute (relative to ``base``, default the cwd).
+    URIs (``s3://...``) and unset paths are left alone."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    base = base or os.getcwd()
+    for dotted in PATH_FIELDS:
+        *parents, name = dotted.split(".")
+        holder = out
+        for p in parents:
+            holder = getattr(holder, p)
+        value = getattr(holder, name)
+        if value and "://" not in value and not os.path.isabs(value):
+            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
+    return out

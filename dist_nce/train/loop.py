@@ -1,0 +1,331 @@
+"""The training worker: what each Ray Train (DeepSpeed) worker runs, as one story.
+
+    data      the prepared store, the training split's eligible mentions, the plan
+    model     the retriever, wrapped in a DeepSpeed engine (ZeRO 0-3, bf16 or fp32)
+    resume    engine + RNG + step + index bookkeeping from ray.train.get_checkpoint()
+    negatives a prefetcher (pipelined) or the epoch's mined negatives (per_epoch)
+    loop      refresh when due -> negatives -> batch -> scores [B, K] -> NCE -> backward -> step
+    finish    final refresh with the final weights, dev evaluation, export, report
+
+``train_func`` is TorchTrainer's ``train_loop_per_worker``; :class:`Worker` takes the Ray
+calls as arguments so one process can run it too (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dist_nce.config import from_dict
+from dist_nce.losses import adjusted_nce_loss, nce_loss
+from dist_nce.text import tokenizer_fingerprint
+from dist_nce.train import checkpoint
+from dist_nce.train.batches import assemble_batch
+from dist_nce.train.config import TrainJobConfig
+from dist_nce.train.engine import build_engine, load_deepspeed_config
+from dist_nce.train.evaluate import evaluate
+from dist_nce.train.model import build_retriever, export_model, full_state_dict, standalone_copy
+from dist_nce.train.pipeline import EpochNegatives, NegativePrefetcher, StepRequest, mention_encoder, mine_epoch
+from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, query_keys, request_seed, sampling, stop_step
+from dist_nce.train.refresh import Publisher, refresh_due
+from dist_nce.train.tb import RunLogger
+
+
+def train_func(config: dict[str, Any]) -> None:
+    """Ray Train entry point; ``config`` = {"job": TrainJobConfig as a dict, "service": NegativeService}."""
+    import ray.train
+    import ray.train.torch
+
+    from dist_nce.runtime import configure_process
+
+    cfg = from_dict(TrainJobConfig, config["job"], source="train_loop_config.job")
+    configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    worker = Worker(cfg, config["service"], ctx.get_world_rank(), ctx.get_world_size(),
+                    ray.train.torch.get_device(), report=ray.train.report, get_checkpoint=ray.train.get_checkpoint)
+    worker.run()
+
+
+class Collectives:
+    """torch.distributed helpers that are no-ops for a single process."""
+
+    def __init__(self, world: int, device: torch.device):
+        self.world, self.device = world, device
+
+    @property
+    def dist(self):
+        import torch.distributed as dist
+
+        return dist if self.world > 1 and dist.is_available() and dist.is_initialized() else None
+
+    def barrier(self) -> None:
+        if self.dist:
+            self.dist.barrier()
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.dist:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.dist:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean(self, values: list[float]) -> list[float]:
+        if not self.dist:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return (t / self.world).tolist()
+
+
+class Worker:
+    def __init__(self, cfg: TrainJobConfig, service: Any, rank: int, world: int, device: torch.device | str,
+                 report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
+        self.cfg, self.service, self.rank, self.world = cfg, service, rank, world
+        self.device = torch.device(device)
+        self.report = report or (lambda metrics, checkpoint=None, **kw: None)
+        self.get_checkpoint = get_checkpoint or (lambda: None)
+        self.comm = Collectives(world, self.device)
+        self.epoch_neg: EpochNegatives | None = None
+        self.prefetcher: NegativePrefetcher | None = None
+
+    # ------------------------------------------------------------------ the story
+
+    def run(self) -> dict[str, Any]:
+        self.load_data()
+        self.build_model()
+        self.resume()
+        self.setup_negatives()
+        if self.cfg.run.evaluate_before and self.state.step == 0 and self.state.dev_before is None:
+            self.state.dev_before = self.evaluate("dev_before", step=0)
+        for step in range(self.state.step, self.end):
+            metrics = self.train_step(step)
+            self.after_step(step, metrics)
+        return self.finish()
+
+    # ------------------------------------------------------------------ setup
+
+    def load_data(self) -> None:
+        from kb.store import EntityStore, MentionTable
+
+        cfg, d = self.cfg, self.cfg.data
+        self.store = EntityStore(d.prepared_dir)
+        self.train = MentionTable(d.prepared_dir, d.train_split)
+        self.dev = MentionTable(d.prepared_dir, d.dev_split)
+        self.train_gold, self.train_len = self.train.gold_rows, self.train.lengths
+        eligible, _ = eligible_mentions(self.train_gold, d.max_train_mentions)
+        self.plan = make_plan(cfg, self.train_gold, self.store.num_entities)
+        if self.plan.num_workers != self.world:
+            raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
+        self.order = DataOrder(self.plan, eligible)
+        self.end = stop_step(self.plan, cfg.run.stop_after_steps)
+        n_dev = min(len(self.dev), d.max_dev_mentions) if d.max_dev_mentions else len(self.dev)
+        self.dev_idx = np.arange(n_dev, dtype=np.int64)
+        self.sampling = sampling(cfg.negatives.mode, cfg.negatives.p, cfg.negatives.num_candidates)
+
+    def build_model(self) -> None:
+        cfg = self.cfg
+        retriever = build_retriever(cfg.model, cfg.optim.seed)
+        want = self.store.manifest["tokenizer_sha256"]
+        if tokenizer_fingerprint(retriever.tokenizer)["sha256"] != want:
+            raise ValueError(f"{cfg.data.prepared_dir} was prepared with another tokenizer than the model's; "
+                             "prepare the KB with the model's tokenizer")
+        ds = load_deepspeed_config(cfg.deepspeed.config, self.plan.per_worker_batch, self.world, cfg.optim.grad_clip,
+                                   cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
+        self.engine, self.optimizer, self.scheduler = build_engine(
+            retriever.to(self.device), ds, cfg.optim.lr, cfg.optim.weight_decay, self.plan.total_steps,
+            cfg.optim.warmup_proportion, dist_init_required=False)
+        checkpoint.install_weights_only_loading(self.engine)
+        self.module = self.engine.module
+        self.zero3 = self.engine.zero_optimization_stage() == 3
+
+    def resume(self) -> None:
+        self.state, resumed = checkpoint.TrainState(), self.get_checkpoint()
+        if resumed is not None:
+            with resumed.as_directory() as d:
+                self.state, self.epoch_neg = checkpoint.load(self.engine, d, self.rank, self.plan.as_dict())
+        self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
+                             self.cfg.run.progress)
+        self.log.write(f"worker {self.rank}/{self.world}: " + (f"resumed at step {self.state.step}" if resumed
+                       else "fresh start") + f"; this job trains steps [{self.state.step}, {self.end}) of "
+                       f"{self.plan.total_steps}")
+
+    def setup_negatives(self) -> None:
+        cfg = self.cfg
+        self.encode = mention_encoder(self.module, self.train.token_ids, self.train_len, self.device)
+        self.publisher = Publisher(self.service, self.module, self.state.book, self.rank, self.zero3,
+                                   wait=cfg.refresh.mode == "sync", barrier=self.comm.barrier)
+        # The shards may serve a version this run's book does not know (published after the
+        # checkpoint we resumed from, or by an earlier run in the same shard_dir): rebuild the
+        # index from the current weights so negatives and bookkeeping agree.
+        served = self.comm.broadcast(self.service.version() if self.rank == 0 else None)
+        if served != self.state.book.version:
+            self.log.write(f"index serves version {served}, this run expects {self.state.book.version}: "
+                           "re-encoding the KB with the current weights")
+            self.state.book.skip_past(served)
+            self.publisher.publish(self.state.step, wait=True)
+        if cfg.negatives.schedule == "pipelined":
+            self.prefetcher = NegativePrefetcher(self.service, self.sampling, self.encode, self.request,
+                                                 self.end, cfg.negatives.prefetch)
+            self.prefetcher.start(self.state.step)
+
+    # ------------------------------------------------------------------ negatives
+
+    def request(self, step: int) -> StepRequest:
+        idx = self.order.mentions(step, self.rank)
+        epoch = self.plan.epoch_of(step)
+        return StepRequest(step, idx, torch.from_numpy(self.train_gold[idx]),
+                           query_keys(epoch, idx, self.plan.split_mentions),
+                           request_seed(self.plan.seed, epoch, step, self.rank))
+
+    def mine_epoch(self, epoch: int) -> float:
+        p = self.plan
+        mentions = self.order.epoch(epoch, self.rank)
+        self.log.write(f"epoch {epoch}: mining {mentions.size} x {self.sampling.num_negatives} negatives per worker")
+        neg, wait = mine_epoch(
+            self.service, self.sampling, self.encode, mentions,
+            gold=lambda idx: torch.from_numpy(self.train_gold[idx]),
+            keys=lambda idx: query_keys(epoch, idx, p.split_mentions),
+            seed=lambda c: request_seed(p.seed, epoch, c, self.rank),
+            request_size=self.cfg.negatives.request_size)
+        self.epoch_neg = neg._replace(epoch=epoch)
+        return wait
+
+    def negatives(self, step: int) -> tuple[np.ndarray, Any, float]:
+        """(mention indices [b], mined negatives, seconds blocked on the service) for ``step``."""
+        if self.prefetcher is not None:
+            req, mined, wait = self.prefetcher.get(step)
+            return req.mentions, mined, wait
+        epoch = self.plan.epoch_of(step)
+        wait = 0.0
+        if self.epoch_neg is None or self.epoch_neg.epoch != epoch:
+            wait = self.mine_epoch(epoch)
+        return self.order.mentions(step, self.rank), self.epoch_neg.step(step % self.plan.steps_per_epoch), wait
+
+    # ------------------------------------------------------------------ one step
+
+    def loss(self, scores: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        n = self.cfg.negatives
+        if n.adjusted_loss:
+            return adjusted_nce_loss(scores, log_q, temperature=n.temperature)
+        return nce_loss(scores, temperature=n.temperature)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        refresh_wait0 = self.publisher.wait_s
+        if refresh_due(self.cfg.refresh, self.cfg.model.freeze_entity_encoder, self.plan, step):
+            self.publisher.publish(step)
+            if self.publisher.wait and self.prefetcher is not None:
+                self.prefetcher.reset(step)  # sync: every batch from here on uses the new index
+        t1 = time.perf_counter()
+        idx, mined, wait = self.negatives(step)
+        t2 = time.perf_counter()
+        batch = assemble_batch(self.train.token_ids(idx), self.train_len[idx], self.store,
+                               torch.from_numpy(self.train_gold[idx]), mined.negatives).to(self.device)
+        t3 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask).float()
+        loss = self.loss(scores, batch.log_q)
+        self.engine.backward(loss)
+        self.engine.step()
+        t4 = time.perf_counter()
+        submit0 = self.prefetcher.submit_s if self.prefetcher else 0.0
+        if self.prefetcher is not None:
+            self.prefetcher.advance(step)
+        t5 = time.perf_counter()
+        self.state.step = step + 1
+        s = scores.detach()
+        return {
+            "train/loss": float(loss.detach()), "train/lr": lr,
+            "train/gold_score": float(s[:, 0].mean()), "train/negative_score": float(s[:, 1:].mean()),
+            "time/step_s": t5 - t0, "time/negatives_wait_s": wait, "time/batch_s": t3 - t2,
+            "time/compute_s": t4 - t3, "time/refresh_s": t1 - t0,
+            "time/refresh_wait_s": self.publisher.wait_s - refresh_wait0,
+            "time/mine_submit_s": (self.prefetcher.submit_s - submit0) if self.prefetcher else 0.0,
+            "index/version": mined.version, "index/staleness": self.state.book.staleness(step, mined.version),
+            "index/published": self.state.book.version,
+        }
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> None:
+        run, done = self.cfg.run, step + 1
+        if done % run.log_every_steps == 0 or done == self.end:
+            mean_keys = ("train/loss", "train/gold_score", "train/negative_score", "time/negatives_wait_s")
+            for k, v in zip(mean_keys, self.comm.mean([metrics[k] for k in mean_keys])):
+                metrics[k] = v
+            self.log.log(step, metrics)
+        self.log.progress({"loss": f"{metrics['train/loss']:.3f}", "v": int(metrics["index/version"]),
+                           "wait": f"{metrics['time/negatives_wait_s']:.2f}s"})
+        if run.eval_every_steps and done % run.eval_every_steps == 0 and done < self.plan.total_steps:
+            self.evaluate("dev", step=step)
+        epoch_end = done % self.plan.steps_per_epoch == 0
+        due = (run.checkpoint_every_steps and done % run.checkpoint_every_steps == 0) or epoch_end
+        if due and done < self.end:  # the last one is saved by finish(), with the final metrics
+            self.save_checkpoint({"step": done, "loss": metrics["train/loss"]})
+
+    # ------------------------------------------------------------------ evaluation, checkpoints, end
+
+    def evaluate(self, name: str, step: int) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        out = evaluate(self.module, self.dev, self.dev_idx, self.service, self.cfg.run.eval_k,
+                       self.cfg.run.eval_batch_size, self.rank, self.world, self.comm.all_gather)
+        if out is not None:
+            out["seconds"] = round(time.perf_counter() - t0, 2)
+            self.log.log(step, {f"{name}/{k}": v for k, v in out.items() if isinstance(v, (int, float))})
+            self.log.write(f"{name} @ step {step}: " + ", ".join(
+                f"{k} {v:.4f}" for k, v in out.items() if k.startswith(("recall", "accuracy"))))
+        return out
+
+    def save_checkpoint(self, metrics: dict[str, Any], suffix: str = "") -> None:
+        """Every rank writes its part; Ray Train merges them into one checkpoint directory
+        (named alike on every rank)."""
+        import tempfile
+
+        from ray.train import Checkpoint
+
+        mid_epoch = self.state.step % self.plan.steps_per_epoch != 0
+        neg = self.epoch_neg if mid_epoch else None  # a new epoch mines afresh
+        with tempfile.TemporaryDirectory(prefix="dist_nce_ckpt_") as tmp:
+            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), neg)
+            self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
+                        checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
+
+    def finish(self) -> dict[str, Any]:
+        cfg, state = self.cfg, self.state
+        done = state.step >= self.plan.total_steps
+        out: dict[str, Any] = {"step": state.step, "done": done, "plan": self.plan.as_dict(),
+                               "dev_before": state.dev_before}
+        if done:
+            if not cfg.model.freeze_entity_encoder:
+                self.publisher.publish(state.step, wait=True)  # the KB snapshot of the final weights
+            out["index_version"] = state.book.version
+            out["dev_after"] = self.evaluate("dev_after", step=state.step)
+            if cfg.run.export:
+                sd = full_state_dict(self.module, self.zero3, self.rank)
+                if self.rank == 0:
+                    out["export"] = export_model(standalone_copy(self.module, sd), cfg.run.output_dir)
+                self.comm.barrier()
+        self.log.close()
+        # Unique even when a finished run is run again (it re-evaluates and re-exports).
+        suffix = self.comm.broadcast(f"_end_{uuid.uuid4().hex[:8]}" if self.rank == 0 else None)
+        self.save_checkpoint(_flat(out), suffix)
+        return out
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a/b": v}; what ray.train.report shows best."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,76 @@
+"""The retriever a run starts from, and the model it exports at the end.
+
+Initialisation (``model`` section): a BLINK biencoder checkpoint, a dist-nce retriever
+directory (``init_from``), or pretrained Hugging Face encoders. The driver (to build
+index version 0) and every worker build the same model: pretrained weights are read
+from disk and learned codes (poly/genpoly) are drawn after seeding torch with the run seed.
+
+Export: ``Retriever.save_pretrained`` (Hugging Face directories + manifest) and, for the
+dual preset, BLINK's ``biencoder`` layout (``modeling.blink.export_blink``). BLINK scores
+every model as dual, so a multi-m or SOM export there would silently be another model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dist_nce.modeling.encoder import Encoder
+from dist_nce.modeling.retriever import Retriever
+from dist_nce.train.config import ModelConfig
+from dist_nce.train.refresh import gathered
+
+MODEL_DIR = "model"
+BLINK_FILE = "biencoder_blink.bin"
+
+
+def build_retriever(cfg: ModelConfig, seed: int) -> Retriever:
+    torch.manual_seed(seed)
+    if cfg.blink_checkpoint:
+        from dist_nce.modeling.blink import load_blink_retriever
+
+        retriever = load_blink_retriever(cfg.blink_checkpoint, cfg.retriever)
+    elif cfg.init_from:
+        retriever = Retriever.from_pretrained(cfg.init_from)
+        if (retriever.config.preset, retriever.config.m) != (cfg.retriever.preset, cfg.retriever.m):
+            raise ValueError(f"model.init_from {cfg.init_from} is {retriever.config.preset}/{retriever.config.m}, "
+                             f"the config asks for {cfg.retriever.preset}/{cfg.retriever.m}")
+    else:
+        retriever = Retriever.build(cfg.retriever)
+    if cfg.freeze_entity_encoder:
+        retriever.entity_side.requires_grad_(False)
+    return retriever
+
+
+def full_state_dict(module: torch.nn.Module, zero3: bool, rank: int) -> dict[str, torch.Tensor] | None:
+    """fp32 CPU copy of the whole model on rank 0 (None elsewhere); a collective under ZeRO-3."""
+    with gathered(list(module.parameters()), zero3):
+        if rank != 0:
+            return None
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in module.state_dict().items()}
+
+
+def standalone_copy(module: Retriever, state: dict[str, torch.Tensor]) -> Retriever:
+    """A plain fp32 Retriever with ``state`` (the engine's module may be bf16 or partitioned)."""
+    copy = Retriever(module.config, Encoder.from_config(module.mention_encoder.config_dict()),
+                     Encoder.from_config(module.entity_encoder.config_dict()), module.tokenizer)
+    copy.load_state_dict(state, strict=True)
+    return copy.eval()
+
+
+def export_model(retriever: Retriever, output_dir: str | Path) -> dict[str, Any]:
+    """Write the final model; returns {"model": dir, "blink": file or None}."""
+    out = Path(output_dir)
+    retriever.save_pretrained(out / MODEL_DIR)
+    paths: dict[str, Any] = {"model": str(out / MODEL_DIR), "blink": None}
+    if retriever.config.preset != "dual":
+        paths["blink_skipped"] = f"preset {retriever.config.preset!r}: BLINK would score it as dual"
+        return paths
+    from dist_nce.modeling.blink import BlinkCheckpointError, export_blink
+
+    try:
+        paths["blink"] = str(export_blink(retriever, out / BLINK_FILE))
+    except BlinkCheckpointError as e:  # e.g. a non-BERT encoder
+        paths["blink_skipped"] = str(e)
+    return paths

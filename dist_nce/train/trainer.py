@@ -1,0 +1,150 @@
+"""Driver side of training: TorchTrainer wiring, the printed plan, the run summary.
+
+The driver owns the NegativeService (created once, index version 0 encoded before
+training) and passes it to the workers in ``train_loop_config``: actor handles pickle,
+so every worker talks to the same shards and no worker creates any.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from dist_nce.config import to_dict
+from dist_nce.train.config import TrainJobConfig
+from dist_nce.train.plan import TrainPlan
+
+
+def use_gpu(cfg: TrainJobConfig) -> bool:
+    """run.use_gpu, or auto-detect: GPUs in the Ray cluster."""
+    if cfg.run.use_gpu is not None:
+        return cfg.run.use_gpu
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def storage_uri(path: str) -> str:
+    """Ray Train wants an absolute local path (or a URI such as s3://...)."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def make_trainer(cfg: TrainJobConfig, service: Any):
+    """A TorchTrainer running :func:`dist_nce.train.loop.train_func` on ``run.num_workers`` workers."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from dist_nce.train.loop import train_func
+
+    gpu = use_gpu(cfg)
+    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {})}
+    return TorchTrainer(
+        train_func,
+        train_loop_config={"job": to_dict(cfg), "service": service},
+        scaling_config=ScalingConfig(num_workers=cfg.run.num_workers, use_gpu=gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=storage_uri(cfg.run.storage_path),
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
+        ),
+    )
+
+
+def fit(cfg: TrainJobConfig, service: Any):
+    """Train (or resume: same run.name and storage_path); returns the ray.train Result."""
+    return make_trainer(cfg, service).fit()
+
+
+def describe_plan(cfg: TrainJobConfig, plan: TrainPlan, ranges: list[tuple[int, int]], version: int,
+                  gpu: bool) -> str:
+    """The derived quantities of a run, printed before it starts."""
+    ds = json.loads(open(cfg.deepspeed.config, encoding="utf-8").read())
+    stage = cfg.deepspeed.zero_stage if cfg.deepspeed.zero_stage is not None else \
+        ds.get("zero_optimization", {}).get("stage", 0)
+    bf16 = cfg.deepspeed.bf16 if cfg.deepspeed.bf16 is not None else ds.get("bf16", {}).get("enabled", False)
+    sizes = [b - a for a, b in ranges]
+    n, neg = cfg.negatives, plan.num_candidates - 1
+    refresh = ("never (frozen entity encoder)" if cfg.model.freeze_entity_encoder else
+               "never" if cfg.refresh.mode == "never" else
+               f"{cfg.refresh.mode}, every {cfg.refresh.every_steps or '-'} steps"
+               f"{', at epoch starts' if cfg.refresh.at_epoch_start else ''}")
+    stop = f" (this job stops after step {cfg.run.stop_after_steps})" if cfg.run.stop_after_steps else ""
+    lines = [
+        f"model: {cfg.model.retriever.preset}{'-' + str(cfg.model.retriever.m) if cfg.model.retriever.m else ''} "
+        f"from {cfg.model.blink_checkpoint or cfg.model.init_from or cfg.model.retriever.mention_model or 'MiniLM'}",
+        f"workers: {plan.num_workers} x DeepSpeed ZeRO-{stage} {'bf16' if bf16 else 'fp32'} on "
+        f"{'GPU (NCCL)' if gpu else 'CPU (gloo)'}",
+        f"global batch: {plan.global_batch} mentions = {plan.num_workers} workers x {plan.per_worker_batch}",
+        f"candidates per mention: K = {plan.num_candidates} = gold + {neg} negatives "
+        f"({plan.n_hard} hard + {plan.n_random} random; mode {n.mode}"
+        f"{f', p={n.p:g}' if n.mode == 'mixed' else ''}; {n.schedule}"
+        f"{f', prefetch {n.prefetch}' if n.schedule == 'pipelined' else ''})",
+        f"entities: {plan.num_entities:,} in {len(ranges)} shards ({min(sizes):,}-{max(sizes):,} per shard)",
+        f"training mentions: {plan.train_mentions:,} of {plan.split_mentions:,} "
+        f"({plan.excluded_missing_gold:,} excluded: gold not in the KB)",
+        f"steps: {plan.steps_per_epoch:,} per epoch x {plan.epochs} epochs = {plan.total_steps:,}{stop}",
+        f"index version: {version}; refresh: {refresh}",
+    ]
+    return "\n".join("  " + line for line in lines)
+
+
+def dev_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    """Before / after / change of every dev metric, as a fixed-width table."""
+    keys = [k for k in (after or before or {}) if k.startswith(("recall@", "accuracy"))]
+    n = (after or before or {}).get("n_mentions", "?")
+    rows = [f"{'dev (' + str(n) + ' mentions)':<22}{'before':>10}{'after':>10}{'change':>10}"]
+    for k in keys:
+        b = None if before is None else before.get(k)
+        a = None if after is None else after.get(k)
+        fmt = lambda v: f"{v:10.4f}" if v is not None else f"{'-':>10}"  # noqa: E731
+        change = f"{a - b:+10.4f}" if a is not None and b is not None else f"{'-':>10}"
+        rows.append(f"{k:<22}{fmt(b)}{fmt(a)}{change}")
+    return "\n".join(rows)
+
+
+def unflatten(metrics: dict[str, Any]) -> dict[str, Any]:
+    """{"a/b": v} -> {"a": {"b": v}} (inverse of the worker's final report flattening)."""
+    out: dict[str, Any] = {}
+    for key, v in metrics.items():
+        cur = out
+        *path, last = key.split("/")
+        for p in path:
+            cur = cur.setdefault(p, {})
+        cur[last] = v
+    return out
+
+
+def plan_for(cfg: TrainJobConfig) -> TrainPlan:
+    """The plan of ``cfg`` over its prepared KB (what the workers will compute too)."""
+    from kb.store import EntityStore, MentionTable
+
+    from dist_nce.train.plan import make_plan
+
+    store = EntityStore(cfg.data.prepared_dir)
+    train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
+    return make_plan(cfg, train.gold_rows, store.num_entities)
+
+
+def kb_snapshot(service: Any, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:
+    """A manifest naming the persisted shard embeddings of the served version (no copy).
+
+    The shards persisted every version they encoded (``dist_nce.index.versions``); after the
+    final refresh the served one is the final model's KB encoding.
+    """
+    from pathlib import Path
+
+    from dist_nce.artifacts import write_manifest
+    from dist_nce.index.versions import shard_dir_name, version_dir_name
+
+    status = service.status()
+    version = min(s["served"] for s in status)
+    root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards").resolve()
+    shards = []
+    for s in status:
+        path = root / shard_dir_name(s["shard"], len(status)) / version_dir_name(version)
+        if version not in s["persisted"]:
+            raise RuntimeError(f"shard {s['shard']}: version {version} is not persisted under {path.parent}")
+        shards.append({"shard": s["shard"], "rows": s["rows"], "path": str(path)})
+    return write_manifest(directory, "kb_snapshot", 1, version=version, prepared_dir=str(Path(
+        cfg.data.prepared_dir).resolve()), retriever=to_dict(cfg.model.retriever), shards=shards)
