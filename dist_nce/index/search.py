@@ -29,10 +29,13 @@ Gumbel-top-k (hard negatives, DESIGN section 5), ``IndexConfig.gumbel``:
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import logging
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,6 +47,7 @@ from dist_nce.negatives import gumbel_noise, gumbel_topk_dense
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
+log = logging.getLogger(__name__)
 
 
 def _help(text: str, default):
@@ -156,14 +160,49 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     return result
 
 
+def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:
+    """Zero-copy [n, d] ``dtype`` tensor over a CPU faiss index's own row-ordered codes.
+
+    Flat (fp32 codes) and SQfp16 (fp16 codes) store row i at bytes [i*c, (i+1)*c), c the
+    code size; HNSW keeps such an index as its ``storage``. Returns None for any other
+    layout. The tensor keeps ``index`` alive (tensor -> numpy -> ctypes buffer -> index;
+    pass the index object that owns the C++ index), so it stays valid even if the caller
+    drops the index first.
+    """
+    import faiss
+
+    owner = index  # the Python object that owns the C++ index (a downcast proxy does not)
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexHNSW):
+        index = faiss.downcast_index(index.storage)
+    if isinstance(index, faiss.IndexScalarQuantizer):
+        if index.sq.qtype != faiss.ScalarQuantizer.QT_fp16 or dtype != torch.float16:
+            return None
+    elif not (isinstance(index, faiss.IndexFlat) and dtype == torch.float32):
+        return None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if n == 0 or index.ntotal != n or index.d != d or index.codes.size() != n * d * itemsize:
+        return None
+    address = faiss.rev_swig_ptr(index.codes.data(), 1).ctypes.data
+    buffer = (ctypes.c_uint8 * (n * d * itemsize)).from_address(address)
+    buffer.owner = owner  # the numpy array below references buffer, the tensor the array
+    numpy_dtype = np.float16 if dtype == torch.float16 else np.float32
+    return torch.from_numpy(np.frombuffer(buffer, dtype=numpy_dtype).reshape(n, d))
+
+
 class ShardIndex:
     """One shard's entity reps and search structure; immutable once built.
 
     A refresh builds a new ShardIndex and swaps the reference (the Ray actor guards the
     swap), so a search always sees one consistent (reps, index, version).
 
-    Memory: the torch reps (in ``config.storage``) are kept beside any faiss index: the
-    exact Gumbel path and the truncation estimate score rows directly.
+    Memory: the exact Gumbel path, the truncation estimate and ``score_rows`` read the
+    torch reps (in ``config.storage``) directly. Where the faiss index keeps the rows
+    in row order and in that dtype -- a CPU flat or HNSW index (Flat or SQfp16 codes)
+    over single-vector (dual) reps -- the torch reps ARE a zero-copy view of the faiss
+    storage, so the vectors are held once (plus 8 bytes per row of faiss owners).
+    Elsewhere a second copy remains: IVF (its lists reorder and interleave the rows),
+    multi-vector reps (faiss holds only the unpadded vectors), faiss on a GPU.
     """
 
     def __init__(self, spec: ScoreSpec, entities: Reps, row_start: int, config: IndexConfig | None = None,
@@ -208,6 +247,18 @@ class ShardIndex:
         if self._on_gpu and cfg.backend == "ivf":
             faiss_backend.set_gpu_nprobe(self._faiss, cfg.nprobe)
         self._owners = mips.owners.cpu()
+        del mips
+        if cfg.backend in ("flat", "hnsw") and not self._on_gpu and self.entities.vecs.dim() == 2:
+            self._share_faiss_storage()
+
+    def _share_faiss_storage(self) -> None:
+        """Replace the torch reps by a view of the faiss codes when they hold the same values."""
+        view = faiss_storage_view(self._faiss, self.num_rows, self.dim, self.entities.vecs.dtype)
+        if view is None or not torch.equal(view, self.entities.vecs):
+            log.warning("ShardIndex: faiss %s storage is not a row-ordered copy of the reps; keeping both "
+                        "(2x memory)", self.config.backend)
+            return
+        self.entities = Reps(view, None)
 
     def _faiss_topk(self, queries: Reps, k: int, gold: Tensor | None) -> ShardResult:
         cfg = self.config

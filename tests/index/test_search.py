@@ -361,3 +361,40 @@ def test_faiss_gpu_path_is_selected_by_config(monkeypatch, backend, storage):
         assert calls == [("clone", 0, "IndexFlat", True)] and idx._on_gpu
     else:
         assert calls == [("clone", 0, "IndexIVFFlat", False), ("nprobe", 2)]
+
+
+@pytest.mark.parametrize("backend,storage", [("flat", "fp32"), ("flat", "fp16"), ("hnsw", "fp32"), ("hnsw", "fp16")])
+def test_cpu_flat_and_hnsw_hold_the_vectors_once(backend, storage):
+    """The torch reps are a view of the faiss codes (no second copy), equal to the reps rounded
+    to the storage dtype, and the exact paths read them as they read a private copy."""
+    import gc
+
+    import faiss
+
+    e, _ = clustered(300, 16, 6, 0.4, seed=19, scale=3.0)
+    q = torch.randn(4, 16, generator=gen(20))
+    gold, keys = torch.tensor([0, 5, -1, 299]), torch.arange(4)
+    cfg = IndexConfig(backend=backend, storage=storage, hnsw_m=8, chunk_rows=64, gumbel="exact")
+    idx = ShardIndex(DUAL, Reps(e), 0, cfg)
+    dtype = torch.float16 if storage == "fp16" else torch.float32
+    codes = faiss.downcast_index(idx._faiss)
+    codes = faiss.downcast_index(codes.storage) if backend == "hnsw" else codes
+    assert idx.entities.vecs.data_ptr() == faiss.rev_swig_ptr(codes.codes.data(), 1).ctypes.data
+    assert idx.entities.vecs.dtype == dtype and torch.equal(idx.entities.vecs, e.to(dtype))
+    reference = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", storage=storage, chunk_rows=64))
+    got, want = idx.gumbel_topk(q, 9, gold, 3, keys), reference.gumbel_topk(q, 9, gold, 3, keys)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.keys, want.keys)
+    rows = torch.tensor([[1, 2, 250]] * 4)
+    assert torch.equal(idx.score_rows(q, rows), reference.score_rows(q, rows))
+    view = idx.entities.vecs
+    del idx, codes
+    gc.collect()
+    torch.randn(300, 16)  # reuse freed memory, if the view's storage had been freed
+    assert torch.equal(view, e.to(dtype))  # the view keeps the faiss index alive
+
+
+def test_ivf_keeps_its_own_copy_of_the_vectors():
+    """IVF lists reorder the rows, so the exact paths keep a row-ordered torch copy."""
+    e, _ = clustered(300, 16, 6, 0.4, seed=21)
+    idx = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="ivf", nlist=8))
+    assert idx.entities.vecs.data_ptr() == e.data_ptr() and torch.equal(idx.entities.vecs, e)
