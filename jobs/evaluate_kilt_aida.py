@@ -43,7 +43,7 @@ from dist_nce.artifacts import ArtifactMismatch, atomic_write_json, write_manife
 from dist_nce.config import ConfigError, from_dict, load_config, parse_overrides, to_dict  # noqa: E402
 from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, kilt_scores, read_jsonl, write_guess_file  # noqa: E402
 from dist_nce.eval.metrics import recall_at_k  # noqa: E402
-from dist_nce.eval.retrieve import build_local_index, retrieve, serve_model  # noqa: E402
+from dist_nce.eval.retrieve import build_local_index, ranked_source_ids, retrieve, serve_model  # noqa: E402
 from dist_nce.index.encode import state_fingerprint, store_fingerprint  # noqa: E402
 from dist_nce.index.service_config import ServiceConfig  # noqa: E402
 from dist_nce.modeling.retriever import Retriever  # noqa: E402
@@ -54,7 +54,9 @@ from kb.prepare import AIDA_FILES  # noqa: E402
 from kb.store import EntityStore, MentionTable  # noqa: E402
 
 KIND, SCHEMA_VERSION = "kilt_aida_eval", 1
-TABLE = [("accuracy", "downstream", "accuracy"), ("KILT-acc", "kilt", "KILT-accuracy"), ("R-prec", "retrieval", "Rprec")]
+# Printed columns: (header, block of kilt_scores, key); then P@1 and R@k from "retrieval".
+TABLE = [("accuracy", "downstream", "accuracy"), ("KILT-acc", "kilt", "KILT-accuracy"),
+         ("R-prec", "retrieval", "Rprec")]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--aida-dir", help="directory of the original AIDA KILT files (default: the store's source)")
     ap.add_argument("--splits", default="dev,test", help="comma-separated mention splits (default dev,test)")
     ap.add_argument("--k", type=int, default=100, help="entities retrieved per mention (provenance length)")
-    ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="k of KILT's precision/recall@k (those above --k are dropped)")
+    ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
+                    help="k of KILT's precision/recall@k (those above --k are dropped)")
     ap.add_argument("--searcher", choices=["service", "local"], default="service",
                     help="service: NegativeService shards on Ray; local: one in-process index")
     ap.add_argument("--snapshot-dir", help="where shards persist embeddings (default <out>/snapshot)")
@@ -98,9 +101,7 @@ def guess_rows(gold_ids: list, table_ids: list[str], rows: np.ndarray, store: En
     where = {m: i for i, m in enumerate(table_ids)}
     pos = np.array([where.get(str(g).strip(), -1) for g in gold_ids], dtype=np.int64)
     picked = np.where(pos[:, None] >= 0, rows[np.maximum(pos, 0)], -1)
-    wiki = store.source_ids(np.maximum(picked, 0).ravel())
-    k = picked.shape[1]
-    ranked = [[w for w, r in zip(wiki[i * k:(i + 1) * k], picked[i]) if r >= 0] for i in range(len(gold_ids))]
+    ranked = ranked_source_ids(store, picked)
     titles = store.titles(np.maximum(picked[:, 0], 0))
     answers = [t if r >= 0 else "" for t, r in zip(titles, picked[:, 0])]
     return ranked, answers, int((pos < 0).sum())

@@ -168,6 +168,15 @@ def retrieve(
     return Retrieved(rows, scores, tuple(sorted(versions)))
 
 
+def ranked_source_ids(store: Any, rows: np.ndarray) -> list[list[str]]:
+    """[N, k] entity rows (-1 = empty) -> per mention the KB source ids (KILT wikipedia_id,
+    Zeshel document_id), best first, empty slots dropped."""
+    rows = np.asarray(rows)
+    n, k = rows.shape
+    ids = store.source_ids(np.where(rows >= 0, rows, 0).ravel())
+    return [[s for s, r in zip(ids[i * k:(i + 1) * k], rows[i]) if r >= 0] for i in range(n)]
+
+
 # --------------------------------------------------------------------------- in-process index
 
 

@@ -36,7 +36,7 @@ import torch
 
 from dist_nce.artifacts import atomic_path
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.eval.retrieve import Retrieved, build_local_index, iter_mention_reps
+from dist_nce.eval.retrieve import Retrieved, build_local_index, iter_mention_reps, ranked_source_ids
 from dist_nce.index.search import IndexConfig, ShardIndex
 from dist_nce.index.topk import merge_results
 from dist_nce.modeling.retriever import Retriever
@@ -130,14 +130,6 @@ def recall_report(result: WorldRetrieval, gold: np.ndarray, ks: Sequence[int] = 
 
 
 # --------------------------------------------------------------------------- candidate files
-
-
-def candidate_documents(store: Any, rows: np.ndarray) -> list[list[str]]:
-    """[N, k] entity rows (-1 = empty) -> per mention the document ids, best first."""
-    rows = np.asarray(rows)
-    ids = store.source_ids(np.where(rows >= 0, rows, 0).ravel())
-    k = rows.shape[1]
-    return [[d for d, r in zip(ids[i * k:(i + 1) * k], rows[i]) if r >= 0] for i in range(rows.shape[0])]
 
 
 def write_candidates(path: str | Path, mention_ids: Sequence[str], candidates: Sequence[Sequence[str]]) -> None:
@@ -288,7 +280,7 @@ def evaluate_retriever_split(
     indexes = build_world_indexes(retriever, store, ranges, index_config, progress=progress)
     result = retrieve_worlds(retriever, mentions, indexes, k, batch_size, progress)
     if candidates_path is not None:
-        write_candidates(candidates_path, mentions.mention_ids, candidate_documents(store, result.own.rows))
+        write_candidates(candidates_path, mentions.mention_ids, ranked_source_ids(store, result.own.rows))
     return {"split": mentions.split, "k": k, "worlds": {w: list(ab) for w, ab in ranges.items()},
             **recall_report(result, mentions.gold_rows, sorted({*RECALL_KS, k}))}
 

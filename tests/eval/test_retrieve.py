@@ -43,7 +43,8 @@ def brute_force(r: Retriever, store: EntityStore, mentions: MentionTable) -> np.
     def encode(fn, ids, lengths):
         ids = torch.from_numpy(ids.astype(np.int64))
         with torch.no_grad():
-            return fn(ids, torch.arange(ids.shape[1])[None] < torch.tensor(np.asarray(lengths), dtype=torch.int64)[:, None])
+            real = torch.arange(ids.shape[1])[None] < torch.tensor(np.asarray(lengths), dtype=torch.int64)[:, None]
+            return fn(ids, real)
     rows = np.arange(len(store))
     e = encode(r.encode_entities, store.token_ids(rows), store.lengths(rows))
     x = encode(r.encode_mentions, mentions.token_ids(np.arange(len(mentions))), mentions.lengths)

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dist_nce.eval.zeshel import (
-    CandidateFileError, build_world_indexes, candidate_documents, candidate_rows, evaluate_reranker_split,
+    CandidateFileError, build_world_indexes, candidate_rows, evaluate_reranker_split,
     evaluate_retriever_split, read_candidates, read_tfidf_candidates, recall_report, rerank, retrieve_worlds,
     split_world_ranges, write_candidates,
 )
+from dist_nce.eval.retrieve import ranked_source_ids
 from dist_nce.modeling.encoder import load_transformer
 from dist_nce.modeling.reranker import Reranker, RerankerConfig
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
@@ -117,7 +118,7 @@ def test_candidates_file_round_trip(zeshel, retriever, tmp_path):
     assert list(read) == mentions.mention_ids
     assert all(len(v) == PER_WORLD for v in read.values())
     cands = candidate_rows(read, mentions, store, k=64)
-    assert candidate_documents(store, cands.rows) == list(read.values())
+    assert ranked_source_ids(store, cands.rows) == list(read.values())
     np.testing.assert_array_equal(cands.rows[np.arange(len(mentions)), cands.gold_pos], mentions.gold_rows)
     assert cands.n_gold_not_in_candidates == 0 and cands.n_unknown_documents == 0
     write_candidates(tmp_path / "again.jsonl", list(read), list(read.values()))
