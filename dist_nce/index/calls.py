@@ -118,6 +118,19 @@ class FanOut:
                 for i, a in enumerate(answers) if a.version != version}
         return [redo[i].get(deadline) if i in redo else a for i, a in enumerate(answers)]
 
+    def _reask_newest(self, answers: list, version: int, deadline: float | None) -> list:
+        """Ask the shards behind for ``version``, which a shard ahead already serves, so their
+        refresh to it is under way or queued: a shard waits for a refresh it is running, and
+        one whose refresh has not started yet is asked again until ``wait_version_s``."""
+        give_up = time.monotonic() + self.policy.wait_version_s
+        while True:
+            try:
+                return self._reask(answers, version, min(_remaining(give_up), 30.0), deadline)
+            except RayTaskError as e:
+                if not isinstance(cause(e), VersionUnavailable) or time.monotonic() >= give_up:
+                    raise
+            time.sleep(0.05)
+
     def _align(self, answers: list, deadline: float | None) -> list:
         versions = [a.version for a in answers]
         if len(set(versions)) == 1:
@@ -127,7 +140,7 @@ class FanOut:
         except RayTaskError as e:
             if not isinstance(cause(e), VersionUnavailable):
                 raise
-            answers = self._reask(answers, max(versions), self.policy.wait_version_s, deadline)
+            answers = self._reask_newest(answers, max(versions), deadline)
         final = [a.version for a in answers]
         if len(set(final)) != 1:  # cannot happen unless a shard broke its contract
             raise RuntimeError(f"{self.method}: shards answered from versions {final} after alignment")

@@ -182,27 +182,30 @@ class EntityShard:
         if version < 0:
             raise ValueError(f"shard {self.shard}: versions are >= 0, got {version}")
         with self._refresh_lock:
-            fp = state_fingerprint(state)
             with self._cond:
                 if version < self._served:
                     raise ValueError(f"shard {self.shard}: refresh to version {version}, but version "
                                      f"{self._served} is served already; versions must increase")
-                if version == self._served and self._held[version].fingerprint == fp:
-                    return version
-            if self._persisted_with(version, fp):
-                self._install(version, self._load(version))
-                return version
-            with self._cond:
-                self._target = version
+                self._target = version  # queries asking for this version wait instead of failing
             try:
-                index = self._encode(state, version, fp)
+                return self._refresh(state, version)
             finally:
                 with self._cond:
                     self._target = None
                     self._cond.notify_all()
-            self._encodes += 1
-            self._install(version, _Version(index, fp, "encoded"))
+
+    def _refresh(self, state: dict[str, Any], version: int) -> int:
+        fp = state_fingerprint(state)
+        with self._cond:
+            if version == self._served and self._held[version].fingerprint == fp:
+                return version
+        if self._persisted_with(version, fp):
+            self._install(version, self._load(version))
             return version
+        index = self._encode(state, version, fp)
+        self._encodes += 1
+        self._install(version, _Version(index, fp, "encoded"))
+        return version
 
     def _persisted_with(self, version: int, fingerprint: str) -> bool:
         if version not in self.versions.versions():
