@@ -1,11 +1,11 @@
 """Evaluate a retriever on KILT AIDA: top-k over ALL entities of a prepared KB, KILT guess files, KILT scores.
 
-    .venv/bin/python jobs/evaluate_kilt_aida.py --model runs/aida/retriever \
+    .venv/bin/python jobs/evaluate_kilt_aida.py --model runs/aida/retriever \\
         --store data/prepared/kilt --out runs/aida/eval
 
     ray start --head --disable-usage-stats          # once; then, from the repository root:
-    RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/evaluate_kilt_aida.py --model $PWD/runs/aida/retriever \
+    RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python jobs/evaluate_kilt_aida.py --model $PWD/runs/aida/retriever \\
         --store $PWD/data/prepared/kilt --out $PWD/runs/aida/eval --set num_shards=8
 
 (``ray job submit`` runs the job in a copy of the working directory: give absolute paths.)
@@ -13,8 +13,10 @@
 1. The KB's entity embeddings come from the NegativeService shards (``--set key=value``
    sets any ``ServiceConfig`` field, e.g. ``num_shards``, ``num_gpus``, ``index.backend``).
    The shards persist them under ``--snapshot-dir`` (default ``<out>/snapshot``); a later
-   run with the same model and store reloads them instead of re-encoding. A snapshot of
-   other weights is never used (its encoder fingerprint differs): a new version is encoded.
+   run with the same model and store reloads them instead of re-encoding (so does
+   ``--snapshot-dir <out of jobs/encode_kb.py>/shards``, with the same ``num_shards``). A
+   snapshot of other weights is never used (its encoder fingerprint differs): a new
+   version is encoded beside it.
    ``--searcher local`` encodes and searches in this process instead (small KBs).
 2. Each split's mentions (default dev and test) are retrieved over all entities, top
    ``--k`` (100). ``<out>/<split>_guess.jsonl`` gets one line per id of the ORIGINAL
@@ -131,7 +133,9 @@ def open_searcher(args: argparse.Namespace, retriever: Retriever, store: EntityS
     from dist_nce.runtime import init_ray
 
     init_ray()
-    service = NegativeService.create(args.store, retriever.config, cfg, args.out)
+    # d and the tokenizer from the retriever directory itself, not the model dirs it was built from.
+    service = NegativeService.create(args.store, retriever.config, cfg, args.out, dim=retriever.hidden_size,
+                                     tokenizer_sha256=tokenizer_fingerprint(retriever.tokenizer)["sha256"])
     stack.callback(service.shutdown)
     print(f"KB: {service.num_entities:,} entities in {service.num_shards} shards of ~"
           f"{service.num_entities // service.num_shards:,}; snapshot dir {cfg.shard_dir}")
