@@ -78,7 +78,11 @@ def build_world_indexes(
     retriever: Retriever, store: Any, ranges: Mapping[str, tuple[int, int]], config: IndexConfig | None = None,
     batch_size: int = 256, progress: bool = True,
 ) -> dict[str, ShardIndex]:
-    """One in-process index per world (its rows encoded once)."""
+    """One in-process index per world (its rows encoded once), all held at once: for SOM
+    that is rows x entity_max_len x d values in the storage dtype, so large splits want a GPU.
+
+    In process because ``NegativeService.topk`` searches the whole KB and cannot be
+    restricted to a world's rows; Zeshel worlds are small (10k-35k entities)."""
     return {w: build_local_index(retriever, store, config, rows=ab, batch_size=batch_size, progress=progress)
             for w, ab in ranges.items()}
 
