@@ -18,12 +18,12 @@ from typing import Mapping, Sequence
 from tqdm import tqdm
 
 from dist_nce.artifacts import write_manifest
-from kb.synthetic.lexicon import ZESHEL_WORLD_TABLE, Domain, load_lexicon
+from kb.synthetic.lexicon import ZESHEL_WORLD_TABLE, Domain, Lexicon, load_lexicon
 from kb.synthetic.sink import JsonlSink
-from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 from kb.synthetic.universe import (
     T_DOC, T_LINK, T_PERM, T_SPLIT, AffinePermutation, Knobs, Universe, hash64, mix64, unit,
 )
+from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 
 SPLITS = ZESHEL_SPLITS
 _WORLD_SPLIT = {w: split for split, worlds in ZESHEL_WORLDS.items() for w in worlds}
@@ -52,7 +52,10 @@ def _hex_id(key: int) -> str:
 
 
 class _World:
-    def __init__(self, seed: int, world: str, index: int, num_docs: int, num_mentions: int, lexicon, knobs: Knobs):
+    """One world laid out as Zeshel documents: ids, document order, links per document."""
+
+    def __init__(self, seed: int, world: str, index: int, num_docs: int, num_mentions: int,
+                 lexicon: Lexicon, knobs: Knobs):
         if num_docs < 2:
             raise ValueError(f"world {world}: need at least 2 documents, got {num_docs}")
         split, (kinds, words) = _WORLD_SPLIT[world], ZESHEL_WORLD_TABLE[world]
