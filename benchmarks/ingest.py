@@ -14,6 +14,10 @@ in Python lists and writes one Arrow file at the end. At 1M entities it would ta
 about an hour here, so by default it runs on a prefix (``--baseline-entities``) and its
 rate is compared per entity; the table says so.
 
+Wall-clock rates depend on what else runs on the machine, so each run also reports
+the CPU seconds of its process tree (``getrusage`` of waited-for children) and the mean
+load average while it ran.
+
 Results: a printed table and ``benchmarks/results/ingest.json``.
 """
 from __future__ import annotations
@@ -48,9 +52,14 @@ def synthetic_kilt(data_dir: Path, entities: int, seed: int) -> Path:
 
 
 def measure(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd``; wall seconds and peak RSS of its process tree (sum) and of its largest process."""
+    """Run ``cmd``; wall seconds, CPU seconds of the whole process tree, the mean 1-minute
+    load average while it ran, and peak RSS of the tree (sum) and of its largest process."""
+    import resource
+
     import psutil
 
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loads = []
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -68,12 +77,17 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
             peak_tree, peak_single = max(peak_tree, sum(rss)), max(peak_single, max(rss, default=0))
         except psutil.Error:
             pass
+        loads.append(os.getloadavg()[0])
         time.sleep(0.1)
     out, err = proc.communicate()
     seconds = time.perf_counter() - t0
+    # Waited-for descendants (pool workers joined by the job) are included in RUSAGE_CHILDREN.
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (usage.ru_utime - usage0.ru_utime) + (usage.ru_stime - usage0.ru_stime)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_tree_mib": round(peak_tree / 2**20, 1),
+    return {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2),
+            "load_avg_1m": round(sum(loads) / max(len(loads), 1), 2), "peak_rss_tree_mib": round(peak_tree / 2**20, 1),
             "peak_rss_single_mib": round(peak_single / 2**20, 1), "stdout": out}
 
 
@@ -166,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         run.pop("stdout")
         run["entities_per_s"] = round(run["entities"] / run["seconds"], 1)
+        run["entities_per_cpu_s"] = round(run["entities"] / run["cpu_seconds"], 1)
         run["speedup_vs_baseline"] = round(run["entities_per_s"] / runs[0]["entities_per_s"], 2)
     same = agreement(work / f"store-w{args.workers[0]}", work / "baseline.arrow", min(base_n, 20_000))
     result = {
@@ -176,15 +191,18 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version()},
         "runs": runs,
     }
-    header = f"{'run':<28}{'entities':>10}{'seconds':>10}{'ent/s':>10}{'x base':>8}{'tree RSS':>11}{'max proc':>10}"
+    header = (f"{'run':<28}{'entities':>10}{'wall s':>9}{'ent/s':>8}{'x base':>8}{'CPU s':>9}{'ent/CPU s':>10}"
+              f"{'load':>6}{'tree RSS':>11}{'max proc':>10}")
     print("\n" + header + "\n" + "-" * len(header))
     for run in runs:
-        print(f"{run['name']:<28}{run['entities']:>10,}{run['seconds']:>10.1f}{run['entities_per_s']:>10.0f}"
-              f"{run['speedup_vs_baseline']:>8.2f}{run['peak_rss_tree_mib']:>8.0f}MiB{run['peak_rss_single_mib']:>7.0f}MiB")
+        print(f"{run['name']:<28}{run['entities']:>10,}{run['seconds']:>9.1f}{run['entities_per_s']:>8.0f}"
+              f"{run['speedup_vs_baseline']:>8.2f}{run['cpu_seconds']:>9.1f}{run['entities_per_cpu_s']:>10.0f}"
+              f"{run['load_avg_1m']:>6.1f}{run['peak_rss_tree_mib']:>8.0f}MiB{run['peak_rss_single_mib']:>7.0f}MiB")
     if base_n < args.entities:
         print(f"(the baseline ran on the first {base_n:,} of {args.entities:,} entities; rates compare per entity)")
     print(f"token ids identical to the baseline's on {100 * same:.2f}% of the first {min(base_n, 20_000):,} "
-          f"entities; load average at start {load:.1f} on {os.cpu_count()} cores")
+          f"entities; {os.cpu_count()} cores; 'load' is the mean 1-minute load average during the run "
+          "(other processes share the machine: ent/CPU s is the contention-free rate)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.json}")
