@@ -4,6 +4,8 @@ Sources (exactly one KB; mentions where the source has them)::
 
     python -m kb.prepare --kilt-ks kilt_knowledgesource.json --aida-dir AIDA/ --out data/kilt
     python -m kb.prepare --zeshel-root zeshel/ --zeshel-strip-title --mention-max-len 128 --out data/zeshel
+    python -m kb.prepare --zeshel-root zeshel/ --zeshel-worlds train \\
+        --zeshel-splits train,heldout_train_seen,heldout_train_unseen --out data/zeshel_train
     python -m kb.prepare --blink-entities entity.jsonl --aida-dir AIDA/ --out data/blink
 
 Entity files are cut into byte-range chunks that ``--workers`` processes parse and
@@ -63,6 +65,13 @@ class PrepareConfig:
     entity_max_len: int = field(default=128, metadata=_h("entity tokens"))
     zeshel_strip_title: bool = field(default=False, metadata=_h(
         "drop the title that starts every Zeshel document from the description"))
+    zeshel_worlds: str | None = field(default=None, metadata=_h(
+        "comma-separated Zeshel worlds whose documents become the entities (a split name train/val/test "
+        "stands for its worlds); default: every documents/<world>.json. Mentions whose gold is in another "
+        "world are kept and counted as missing gold"))
+    zeshel_splits: str | None = field(default=None, metadata=_h(
+        "comma-separated Zeshel mention splits to read (default: train, val, test and the heldout splits "
+        "present)"))
     workers: int = field(default=1, metadata=_h("parallel worker processes"))
     chunk_size: str = field(default="32M", metadata=_h("bytes of input per chunk (suffix K/M/G allowed)"))
     rows_per_part: int = field(default=1 << 18, metadata=_h("entity rows per Arrow part file"))
@@ -81,8 +90,10 @@ class PrepareConfig:
                              f"(got {len(kb_sources)})")
         if self.aida_dir and self.zeshel_root:
             raise ValueError("--aida-dir goes with --kilt-ks or --blink-entities, not --zeshel-root")
-        if self.zeshel_strip_title and not self.zeshel_root:
-            raise ValueError("--zeshel-strip-title applies to --zeshel-root only")
+        for name in ("zeshel_strip_title", "zeshel_worlds", "zeshel_splits"):
+            if getattr(self, name) and not self.zeshel_root:
+                raise ValueError(f"--{name.replace('_', '-')} applies to --zeshel-root only")
+        self.zeshel_world_list, self.zeshel_split_list  # noqa: B018 - validates the names
         for name in ("mention_max_len", "entity_max_len", "workers", "rows_per_part"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,6 +102,39 @@ class PrepareConfig:
     @property
     def chunk_bytes(self) -> int:
         return parse_size(self.chunk_size)
+
+    @property
+    def zeshel_world_list(self) -> list[str] | None:
+        """The selected worlds (split names expanded, order kept, no repeats), or None for all."""
+        from kb.zeshel import ZESHEL_WORLDS
+
+        if self.zeshel_worlds is None:
+            return None
+        worlds: list[str] = []
+        for item in _items(self.zeshel_worlds, "zeshel_worlds"):
+            for w in ZESHEL_WORLDS.get(item, [item]):
+                if w not in worlds:
+                    worlds.append(w)
+        return worlds
+
+    @property
+    def zeshel_split_list(self) -> list[str] | None:
+        from kb.zeshel import ZESHEL_SPLITS
+
+        if self.zeshel_splits is None:
+            return None
+        splits = list(dict.fromkeys(_items(self.zeshel_splits, "zeshel_splits")))
+        unknown = [s for s in splits if s not in ZESHEL_SPLITS]
+        if unknown:
+            raise ValueError(f"zeshel_splits: unknown split(s) {unknown}; expected some of {list(ZESHEL_SPLITS)}")
+        return splits
+
+
+def _items(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{what}: expected a comma-separated list, got {text!r}")
+    return items
 
 
 def parse_size(text: str | int) -> int:
@@ -124,7 +168,16 @@ def _entity_files(cfg: PrepareConfig) -> list[tuple[str, Path, str | None]]:
         return [("blink", _require_file(cfg.blink_entities, "BLINK entity.jsonl"), None)]
     from kb.zeshel import document_paths
 
-    return [("zeshel", p, p.stem) for p in document_paths(cfg.zeshel_root)]
+    worlds = cfg.zeshel_world_list
+    if worlds is not None:
+        # A split name stands for those of its worlds that have documents (a tree may hold a
+        # subset, as synthetic ones do); a world named explicitly must have them.
+        named = set(_items(cfg.zeshel_worlds, "zeshel_worlds"))
+        doc_dir = Path(cfg.zeshel_root) / "documents"
+        worlds = [w for w in worlds if w in named or (doc_dir / f"{w}.json").is_file()]
+        if not worlds:
+            raise FileNotFoundError(f"{doc_dir}: no document file for any world of {cfg.zeshel_worlds!r}")
+    return [("zeshel", p, p.stem) for p in document_paths(cfg.zeshel_root, worlds)]
 
 
 def _mention_sources(cfg: PrepareConfig) -> list[tuple[str, str, Path, list[Path]]]:
@@ -139,8 +192,9 @@ def _mention_sources(cfg: PrepareConfig) -> list[tuple[str, str, Path, list[Path
         from kb.zeshel import ZESHEL_SPLITS, document_paths
 
         root = Path(cfg.zeshel_root)
-        splits = [s for s in ZESHEL_SPLITS if (root / "mentions" / f"{s}.json").is_file()]
-        missing = [s for s in ("train", "val", "test") if s not in splits]
+        chosen = cfg.zeshel_split_list
+        splits = [s for s in chosen or ZESHEL_SPLITS if (root / "mentions" / f"{s}.json").is_file()]
+        missing = [s for s in chosen or ("train", "val", "test") if s not in splits]
         if missing:
             raise FileNotFoundError(f"{root / 'mentions'}: missing {', '.join(s + '.json' for s in missing)}")
         docs = document_paths(root)
@@ -198,12 +252,23 @@ def _skipped(chunks: list[Chunk], assembly_bad: BadRecordLog) -> dict:
     return {"count": count, "listed": min(len(records), SKIPPED_LIST_CAP), "records": records[:SKIPPED_LIST_CAP]}
 
 
+def _zeshel_selection(cfg: PrepareConfig) -> dict:
+    """The world/split selection, only when one is made (so stores prepared before these
+    options existed keep their spec)."""
+    out = {}
+    if cfg.zeshel_worlds is not None:
+        out["zeshel_worlds"] = cfg.zeshel_world_list
+    if cfg.zeshel_splits is not None:
+        out["zeshel_splits"] = cfg.zeshel_split_list
+    return out
+
+
 def _spec(cfg: PrepareConfig, fingerprints: list, tokenizer_fp: dict) -> dict:
     """Everything the store's content depends on (not how it was computed)."""
     return {"sources": fingerprints, "tokenizer_sha256": tokenizer_fp["sha256"],
             "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
             "zeshel_strip_title": cfg.zeshel_strip_title, "on_bad_record": cfg.on_bad_record,
-            "version": INGEST_VERSION}
+            "version": INGEST_VERSION, **_zeshel_selection(cfg)}
 
 
 def _check_existing(out: Path, spec: dict, overwrite: bool) -> dict | None:
@@ -260,7 +325,8 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
     fields = {
         "source": {"format": entity_tasks[0].reader if entity_tasks else "none",
                    "entity_files": [str(p) for _, p, _ in _entity_files(cfg)],
-                   "aida_dir": cfg.aida_dir, "zeshel_root": cfg.zeshel_root, "files": fingerprints},
+                   "aida_dir": cfg.aida_dir, "zeshel_root": cfg.zeshel_root, "files": fingerprints,
+                   **_zeshel_selection(cfg)},
         "tokenizer": tok_fp, "tokenizer_sha256": tok_fp["sha256"],
         "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
         "zeshel_strip_title": cfg.zeshel_strip_title,
