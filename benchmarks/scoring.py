@@ -19,31 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import sys
-import time
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dist_nce.artifacts import atomic_write_json  # noqa: E402
+from benchmarks.common import machine_info, median_time, save_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec, entity_reps, mention_reps, score_all  # noqa: E402
 from dist_nce.runtime import configure_threads  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scoring.json")
-
-
-def _timeit(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float, torch.Tensor]:
-    out = fn()  # warm-up (allocator, lazy kernels)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def _lengths_mask(n: int, t: int, lo: int, g: torch.Generator) -> torch.Tensor:
@@ -120,9 +106,9 @@ def run(quick: bool, batch: int, dim: int, seq: int, repeats: int) -> list[dict]
             e = entity_reps(spec, F.to(dtype), fmask)
             n_loop = min(w["n_loop"], n)
             e_loop = Reps(e.vecs[:n_loop], None if e.mask is None else e.mask[:n_loop])
-            t_fast, s_fast = _timeit(lambda: score_all(spec, m, e), repeats)
-            t_loop, s_loop = _timeit(lambda: _loop(spec, m, e_loop), 1)
-            t_unf, s_unf = _timeit(lambda: _unfused(spec, m, e), 1)
+            t_fast, s_fast = median_time(lambda: score_all(spec, m, e), repeats)
+            t_loop, s_loop = median_time(lambda: _loop(spec, m, e_loop), 1)
+            t_unf, s_unf = median_time(lambda: _unfused(spec, m, e), 1)
             scale = s_unf.abs().max().item()
             row = dict(
                 preset=w["preset"], m=w["m"], dtype=str(dtype).replace("torch.", ""), batch=batch, entities=n,
@@ -169,14 +155,12 @@ def main(argv: list[str] | None = None) -> None:
           f"scores/s = mention-entity pairs per second")
     print(HEADER)
     rows = run(args.quick, args.batch, args.dim, args.seq, args.repeats)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    atomic_write_json(args.out, dict(
-        benchmark="scoring", torch=torch.__version__, threads=torch.get_num_threads(),
-        machine=platform.machine(), processor=platform.processor(), cpu_count=os.cpu_count(),
+    out = save_results("scoring", dict(
+        benchmark="scoring", threads=torch.get_num_threads(), **machine_info(),
         load_average_before=load_before, load_average_after=os.getloadavg()[0],
         batch=args.batch, dim=args.dim, seq=args.seq, quick=args.quick, rows=rows,
-    ))
-    print(f"wrote {args.out}")
+    ), args.out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

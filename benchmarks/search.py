@@ -23,41 +23,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import sys
 import time
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dist_nce.artifacts import atomic_write_json  # noqa: E402
+from benchmarks.common import clustered, machine_info, median_time, save_results  # noqa: E402
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
 from dist_nce.index.topk import ShardResult, merge_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
 from dist_nce.runtime import configure_process  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "search.json")
 DUAL = ScoreSpec.preset("dual")
-
-
-def clustered(n: int, d: int, clusters: int, seed: int, scale: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.nn.functional.normalize(torch.randn(clusters, d, generator=g), dim=1)
-    x = centres[torch.randint(0, clusters, (n,), generator=g)] + 0.5 / d ** 0.5 * torch.randn(n, d, generator=g)
-    return scale * torch.nn.functional.normalize(x, dim=1)
-
-
-def timed(fn: Callable[[], ShardResult], repeats: int) -> tuple[float, ShardResult]:
-    out = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def recall(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -113,7 +92,7 @@ def main() -> None:
                                            candidates=1024, tail_sample=4096)
     built = {name: build(cfg) for name, cfg in configs.items()}
     for name, (idx, b) in built.items():
-        sec, res = timed(lambda: idx.topk(queries, k, gold), args.repeats)
+        sec, res = median_time(lambda: idx.topk(queries, k, gold), args.repeats)
         extra = {}
         if "fp16" in name:  # exactness: the fp16-rounded vectors' exact scores
             dec = (queries @ ents.half().float().T).gather(1, res.ids)
@@ -121,18 +100,18 @@ def main() -> None:
         add(f"topk {name}", sec, res, b, **extra)
 
     flat_idx = built["torch fp32"][0]
-    sec, flat_g = timed(lambda: flat_idx.gumbel_topk(queries, k, gold, 7, qkeys), args.repeats)
+    sec, flat_g = median_time(lambda: flat_idx.gumbel_topk(queries, k, gold, 7, qkeys), args.repeats)
     add("gumbel exact (torch, 1 shard)", sec, flat_g, built["torch fp32"][1])
     splits = [0, n // 7, n // 3, (2 * n) // 3, n]
     shards = [ShardIndex(DUAL, Reps(ents[a:b]), a, IndexConfig(backend="torch"))
               for a, b in zip(splits[:-1], splits[1:])]
-    sec_sh, merged = timed(lambda: merge_results([s.gumbel_topk(queries, k, gold, 7, qkeys) for s in shards], k),
-                           args.repeats)
+    sec_sh, merged = median_time(
+        lambda: merge_results([s.gumbel_topk(queries, k, gold, 7, qkeys) for s in shards], k), args.repeats)
     identical = bool(torch.equal(merged.ids, flat_g.ids) and torch.equal(merged.keys, flat_g.keys))
     add("gumbel exact (4 shards + merge)", sec_sh, merged, 0.0, identical_to_flat=identical)
     for name in [c for c in built if c.startswith(("ivf", "hnsw"))]:
         idx = built[name][0]
-        sec, res = timed(lambda: idx.gumbel_topk(queries, k, gold, 7, qkeys), args.repeats)
+        sec, res = median_time(lambda: idx.gumbel_topk(queries, k, gold, 7, qkeys), args.repeats)
         cand = idx.topk(queries, 1024, gold).ids
         inside = torch.zeros_like(exact_scores, dtype=torch.bool).scatter(1, cand.clamp(min=0), cand >= 0)
         true_out = torch.exp(torch.logsumexp(exact_scores.masked_fill(inside, float("-inf")), 1)
@@ -144,8 +123,7 @@ def main() -> None:
     base = rows[0]["qps"]
     for r in rows:
         r["speed_vs_flat_fp32"] = r["qps"] / base
-    meta.update(n=n, d=args.d, batch=args.batch, k=k, threads=torch.get_num_threads(), torch=torch.__version__,
-                machine=platform.machine(), processor=platform.processor())
+    meta.update(n=n, d=args.d, batch=args.batch, k=k, threads=torch.get_num_threads(), **machine_info())
     print(f"N={n} d={args.d} B={args.batch} k={k} (1 thread)")
     print(f"{'search':44s} {'q/s':>8s} {'x flat':>7s} {'recall':>7s} {'max err':>9s} {'build s':>8s}  notes")
     for r in rows:
@@ -154,9 +132,7 @@ def main() -> None:
         rec = f"{r['recall']:7.3f}" if "recall" in r else f"{'-':>7s}"
         print(f"{r['backend']:44s} {r['qps']:8.1f} {r['speed_vs_flat_fp32']:7.2f} {rec} "
               f"{r['max_score_err']:9.2e} {r['build_s']:8.2f}  {notes if notes else ''}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    atomic_write_json(RESULTS, {"meta": meta, "rows": rows})
-    print(f"wrote {RESULTS}")
+    print(f"wrote {save_results('search', {'meta': meta, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""What the benchmarks share: timing, the machine's GEMM peak, machine info, JSON, tables,
+synthetic vectors, and a real NegativeService over synthetic vectors.
+
+Benchmarks compare against a baseline timed in the same run (the machine may be shared:
+read the ratios, and the load average saved beside them). A benchmark imports this
+module after putting the repository root on ``sys.path``:
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from benchmarks.common import median_time, save_results  # noqa: E402
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """(median seconds of ``repeats`` calls after ``warmup`` untimed ones, the last output)."""
+    out = None
+    for _ in range(warmup):  # allocator, lazy kernels, BLAS thread start
+        out = fn()
+    times = []
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def gemm_gflops(threads: int, size: int = 2048, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """This machine's GEMM rate: GFLOP/s of ``torch.mm`` of two [size, size] matrices on ``threads``
+    threads (2 size^3 FLOPs per product). The process's thread count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=g).to(dtype), torch.randn(size, size, generator=g).to(dtype)
+        seconds, _ = median_time(lambda: torch.mm(a, b), repeats)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * size ** 3 / seconds / 1e9
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def machine_info(**extra: Any) -> dict:
+    """CPU count, RAM, library versions, threads and load average, for the JSON of a run."""
+    import psutil
+
+    info = {"machine": platform.machine(), "processor": platform.processor() or platform.uname().machine,
+            "cpu_count": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2 ** 30, 1),
+            "available_ram_gib": round(psutil.virtual_memory().available / 2 ** 30, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+            "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
+    for name in ("faiss", "ray", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:  # pragma: no cover - all are project dependencies
+            info[name] = None
+    info.update(extra)
+    return info
+
+
+def save_results(name: str, payload: dict, path: str | os.PathLike | None = None) -> Path:
+    """Write ``payload`` atomically to ``path`` or benchmarks/results/<name>.json; return the path."""
+    from dist_nce.artifacts import atomic_write_json
+
+    out = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, payload)
+    return out
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Print ``rows`` under ``columns`` = (key, header, format spec such as ">9.1f" or "<30s");
+    a missing or None value prints as '-'."""
+    layout = []
+    for _, header, spec in columns:
+        align, width = re.match(r"([<>^]?)(\d*)", spec).groups()
+        layout.append((align or ">") + str(max(int(width or 0), len(header))))
+    print("  ".join(format(h, w) for (_, h, _), w in zip(columns, layout)))
+    for row in rows:
+        print("  ".join(format("-", w) if row.get(k) is None else format(format(row[k], s), w)
+                        for (k, _, s), w in zip(columns, layout)))
+
+
+# --------------------------------------------------------------------------- synthetic vectors
+
+
+def clustered(n: int, d: int, clusters: int, seed: int, scale: float = 1.0, noise: float = 0.5,
+              block_rows: int = 1 << 18, centres: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, d] float32 vectors of norm ``scale`` around ``clusters`` random unit centres.
+
+    Clustered, not iid: approximate indexes and hard negatives need structure. Generated
+    ``block_rows`` at a time (no per-row Python), so millions of rows cost one pass.
+    ``centres`` [clusters, d] lets several calls (shards, queries) share one geometry.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if centres is None:
+        centres = torch.nn.functional.normalize(torch.randn(clusters, d, generator=g), dim=1)
+    out = torch.empty((n, d), dtype=torch.float32)
+    for a in range(0, n, block_rows):
+        b = min(a + block_rows, n)
+        x = centres[torch.randint(0, centres.shape[0], (b - a,), generator=g)]
+        x += noise / d ** 0.5 * torch.randn(b - a, d, generator=g)
+        out[a:b] = scale * torch.nn.functional.normalize(x, dim=1)
+    return out
+
+
+def unit_centres(clusters: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(clusters, d, generator=g), dim=1)
+
+
+# --------------------------------------------------------------------------- a service over synthetic vectors
+
+VECTOR_STORE_TOKENIZER = "none: synthetic vectors, no text"
+
+
+def write_vector_store(directory: str | os.PathLike, n: int, rows_per_part: int = 1 << 18) -> Path:
+    """A prepared store of ``n`` text-less entity rows (one [CLS] token each), for services whose
+    shards are handed vectors instead of encoding text. Arrow columns are built vectorised."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from dist_nce.artifacts import write_manifest
+    from kb.store import ENTITIES_DIR, KIND, SCHEMA_VERSION, entity_schema, part_file, token_array, write_arrow
+
+    directory = Path(directory)
+    (directory / ENTITIES_DIR).mkdir(parents=True, exist_ok=True)
+    schema, parts = entity_schema(1), []
+    for i, a in enumerate(range(0, n, rows_per_part)):
+        rows = np.arange(a, min(a + rows_per_part, n), dtype=np.int64)
+        names = pc.cast(pa.array(rows), pa.string())
+        table = pa.table({"row_id": rows, "source_id": names, "title": names,
+                          "world": pa.nulls(len(rows), pa.string()), "line": rows + 1,
+                          "length": np.ones(len(rows), np.int32),
+                          "token_ids": token_array(np.full((len(rows), 1), 101, np.int32))}, schema=schema)
+        write_arrow(directory / ENTITIES_DIR / part_file(i), table)
+        parts.append(part_file(i))
+    write_manifest(directory, KIND, SCHEMA_VERSION, entity_max_len=1, mention_max_len=1,
+                   tokenizer_sha256=VECTOR_STORE_TOKENIZER, source={"synthetic_vectors": True},
+                   entities={"count": n, "rows_per_part": rows_per_part, "parts": parts}, mentions={})
+    return directory
+
+
+def vector_service(root: str | os.PathLike, n: int, d: int, shard_vectors: Callable[[int, int, int], torch.Tensor],
+                   config: Any, storage_dtype: str = "float32", reuse: bool = False) -> tuple[Any, float]:
+    """A real NegativeService (dual score) whose shards serve synthetic vectors as version 0.
+
+    ``shard_vectors(i, a, b)`` returns shard i's rows [a, b) as [b - a, d]; they are written
+    as each shard's persisted version 0 (the format a shard writes after encoding), which
+    the shards reload at start instead of encoding. ``config``: a ServiceConfig whose
+    ``shard_dir`` is ignored (``<root>/shards``). ``reuse`` keeps vectors already written by
+    an earlier call with the same root. Returns (service, seconds from create() until
+    every shard serves version 0: reload + index build, in parallel).
+    """
+    import dataclasses
+
+    from dist_nce.index.service import NegativeService, even_ranges
+    from dist_nce.index.shard import EntityShard
+    from dist_nce.modeling.retriever import RetrieverConfig
+    from dist_nce.modeling.scoring import Reps
+
+    root = Path(root)
+    store = root / "store"
+    if not (reuse and (store / "manifest.json").exists()):
+        write_vector_store(store, n)
+    config = dataclasses.replace(config, shard_dir=str(root / "shards"))
+    retriever = RetrieverConfig(preset="dual", storage_dtype=storage_dtype)
+    threads = torch.get_num_threads()
+    for i, (a, b) in enumerate(even_ranges(n, config.num_shards)):
+        # A plain (non-actor) EntityShard gives the exact persisted layout and identity the actor expects.
+        shard = EntityShard(str(store), (a, b), i, config.num_shards, retriever, config, str(root / "shards"), d)
+        if not (reuse and 0 in shard.versions.valid_versions()):
+            vecs = shard_vectors(i, a, b).to(getattr(torch, storage_dtype))
+            shard.versions.save(0, Reps(vecs), encoder_fingerprint="synthetic-vectors")
+            del vecs
+        del shard
+    torch.set_num_threads(threads)  # EntityShard pinned this process to config.threads
+    t0 = time.perf_counter()
+    service = NegativeService.create(str(store), retriever, config, str(root), dim=d,
+                                     tokenizer_sha256=VECTOR_STORE_TOKENIZER)
+    if service.version() != 0:
+        raise RuntimeError(f"shards did not reload the synthetic version 0: {service.status()}")
+    return service, time.perf_counter() - t0
+
+
+def process_memory(pid: int) -> dict:
+    """Resident memory of process ``pid`` in MiB: rss now, peak (VmHWM), uss (private pages)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    full = proc.memory_full_info()
+    peak = None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    except OSError:  # not Linux
+        pass
+    return {"rss_mib": full.rss / 2 ** 20, "uss_mib": full.uss / 2 ** 20, "peak_rss_mib": peak}

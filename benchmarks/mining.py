@@ -1,0 +1,232 @@
+"""Mining throughput: the NegativeService (S Ray shard actors) against in-process search.
+
+On N clustered synthetic entities x d (default 1M x 128; queries are noisy copies of
+their gold entity), in ONE run and with the SAME total threads (S shard processes of
+one thread each against one process of S threads), it times batches of B queries for
+
+- top-k (k = K-1 = 63): an in-process faiss flat index (the baseline), an in-process
+  torch brute-force top-k, and ``NegativeService.topk`` over S faiss-flat shards;
+- hard-negative mining (exact Gumbel-top-k, K-1 = 63): the in-process exact sampler
+  (``ShardIndex.gumbel_topk``, the baseline) and ``NegativeService.mine``;
+
+each service row with P requests in flight (a trainer keeps P batches in flight).
+Reported: queries/s, the ratio to the in-process baseline, the Ray overhead (service
+time minus in-process time per query, and as a fraction of the in-process time), and
+the achieved GFLOP/s (2 B N d per search) against this machine's fp32 GEMM peak
+(``torch.mm`` of 2048^2 matrices on 1 and S threads) measured in the same run.
+
+Diagnostics printed beside the table: one shard's share of the work timed in-process on
+one thread (what each actor computes: service time minus it is the cost of Ray, the
+merge and any imbalance), a no-op fan-out round trip, and agreement of the service's
+answers with the in-process ones.
+
+Methods are timed round-robin (repeat 1 of every method, then repeat 2, ...) and the
+median is kept, so load from other processes spreads over all rows alike. Prints a
+table; writes benchmarks/results/mining.json.
+
+    .venv/bin/python benchmarks/mining.py                    # N=1M, d=128, S=2: ~5-8 minutes
+    .venv/bin/python benchmarks/mining.py --n 100000 --calls 2 --repeats 1   # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import faiss
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import (clustered, gemm_gflops, machine_info, median_time, print_table,  # noqa: E402
+                               save_results, unit_centres, vector_service)
+from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
+from dist_nce.index.service import even_ranges  # noqa: E402
+from dist_nce.index.service_config import ServiceConfig  # noqa: E402
+from dist_nce.index.topk import merge_results  # noqa: E402
+from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
+from dist_nce.negatives import hard_negatives  # noqa: E402
+from dist_nce.runtime import configure_process, init_ray  # noqa: E402
+
+DUAL = ScoreSpec.preset("dual")
+
+
+def pipelined(submit: Callable[[int], Any], calls: int, in_flight: int) -> float:
+    """Seconds to answer ``calls`` requests keeping up to ``in_flight`` of them submitted."""
+    t0 = time.perf_counter()
+    pending: collections.deque = collections.deque()
+    for j in range(calls):
+        pending.append(submit(j))
+        if len(pending) >= in_flight:
+            pending.popleft().result()
+    while pending:
+        pending.popleft().result()
+    return time.perf_counter() - t0
+
+
+class _Done:
+    """An in-process answer, shaped like a service future."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1_000_000, help="entities")
+    ap.add_argument("--d", type=int, default=128, help="dimension")
+    ap.add_argument("--shards", type=int, default=2, help="S shard actors (1 thread each)")
+    ap.add_argument("--batch", type=int, default=128, help="B queries per request")
+    ap.add_argument("--k", type=int, default=63, help="K-1 negatives")
+    ap.add_argument("--calls", type=int, default=4, help="requests per timed repeat (top-k: 4x this)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (median)")
+    ap.add_argument("--in-flight", default="1,4", help="comma-separated P values for the service rows")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
+    args = ap.parse_args(argv)
+    S, B, k = args.shards, args.batch, args.k
+    flights = [int(p) for p in args.in_flight.split(",")]
+    configure_process(threads=S)  # the in-process baselines get the service's total threads
+    load_before = os.getloadavg()[0]
+    peak = {1: gemm_gflops(1), S: gemm_gflops(S)}
+    print(f"fp32 GEMM peak (torch.mm 2048^2): {peak[1]:.1f} GFLOP/s on 1 thread, {peak[S]:.1f} on {S}; "
+          f"load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
+
+    # ---- data: clustered entities; each query is a noisy copy of its gold entity
+    clusters = max(16, args.n // 500)
+    centres = unit_centres(clusters, args.d, seed=0)
+    t0 = time.perf_counter()
+    ents = clustered(args.n, args.d, clusters, seed=1, scale=4.0, centres=centres)
+    topk_calls = 4 * args.calls
+    g = torch.Generator().manual_seed(2)
+    gold = torch.randint(0, args.n, (topk_calls, B), generator=g)
+    noise = torch.randn(topk_calls, B, args.d, generator=g) * 0.5 / args.d ** 0.5
+    queries = 4.0 * torch.nn.functional.normalize(ents[gold] / 4.0 + noise, dim=-1)
+    qkeys = torch.arange(topk_calls * B).view(topk_calls, B)
+    print(f"data: {args.n:,} x {args.d} clustered ({clusters} clusters) in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+
+    # ---- in-process: one index on S threads; S row partitions on S Python threads of 1 BLAS thread
+    # each (the service's partition without Ray); the service: S actors x 1 thread
+    flat = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="flat"))
+    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch"))
+    ranges = even_ranges(args.n, S)
+    parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, IndexConfig(backend="flat")) for a, b in ranges]
+    pool = ThreadPoolExecutor(S)
+    init_ray(num_cpus=os.cpu_count())
+    root = tempfile.mkdtemp(prefix="dist-nce-mining-")
+    cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S), threads=1,
+                        max_concurrency=max(4, max(flights)), index=IndexConfig(backend="flat"))
+    service, start_s = vector_service(root, args.n, args.d, lambda i, a, b: ents[a:b], cfg)
+    print(f"service: {S} shards serving in {start_s:.1f} s (reload + faiss build)", flush=True)
+
+    def partitioned(search: Callable[[ShardIndex, int], Any], finish: Callable[[list], Any]):
+        def run(j: int) -> _Done:
+            def one(part: ShardIndex):
+                faiss.omp_set_num_threads(1)  # faiss's OpenMP threads are per calling thread
+                return search(part, j)
+            return _Done(finish(list(pool.map(one, parts))))
+        return run
+
+    def in_process(fn: Callable[[int], Any]) -> Callable[[int], _Done]:
+        return lambda j: _Done(fn(j))
+
+    one, many = f"1 process x {S} threads", f"{S} partitions x 1 thread, no Ray"
+    # name -> (group, submit, requests per repeat, in flight, BLAS threads per search)
+    methods: dict[str, tuple] = {
+        f"topk: faiss flat, {one} (baseline)": (
+            "topk", in_process(lambda j: flat.topk(queries[j], k, gold[j])), topk_calls, 1, S),
+        f"topk: torch brute force, {one}": (
+            "topk", in_process(lambda j: brute.topk(queries[j], k, gold[j])), topk_calls, 1, S),
+        f"topk: faiss flat, {many}": (
+            "topk", partitioned(lambda part, j: part.topk(queries[j], k, gold[j]),
+                                lambda res: merge_results(res, k)), topk_calls, 1, 1),
+        **{f"topk: service S={S}, P={p}": (
+            "topk", lambda j: service.topk(queries[j], k, gold[j]), topk_calls, p, 1) for p in flights},
+        f"gumbel: exact, {one} (baseline)": ("gumbel", in_process(lambda j: hard_negatives(
+            flat.gumbel_topk(queries[j], k, gold[j], 11, qkeys[j]), k)), args.calls, 1, S),
+        f"gumbel: exact, {many}": (
+            "gumbel", partitioned(lambda part, j: part.gumbel_topk(queries[j], k, gold[j], 11, qkeys[j]),
+                                  lambda res: hard_negatives(merge_results(res, k), k)), args.calls, 1, 1),
+        **{f"gumbel: service mine S={S}, P={p}": ("gumbel", lambda j: service.mine(
+            queries[j], gold[j], k, 0, 11, qkeys[j]), args.calls, p, 1) for p in flights},
+    }
+    times: dict[str, list[float]] = {name: [] for name in methods}
+
+    def threads(n: int) -> None:
+        torch.set_num_threads(n)
+        faiss.omp_set_num_threads(n)
+
+    for name, (_, submit, _, p, t) in methods.items():  # warm-up: one request each
+        threads(t)
+        pipelined(submit, 1, p)
+    for rep in range(args.repeats):
+        for name, (_, submit, calls, p, t) in methods.items():
+            threads(t)
+            times[name].append(pipelined(submit, calls, p))
+        print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
+    threads(S)
+
+    # ---- agreement of the service's answers with the in-process ones (same data, same seeds)
+    svc_topk = service.topk(queries[0], k, gold[0]).result()
+    ref_topk = flat.topk(queries[0], k, gold[0])
+    svc_mine = service.mine(queries[0], gold[0], k, 0, 11, qkeys[0]).result()
+    ref_mine = flat.gumbel_topk(queries[0], k, gold[0], 11, qkeys[0])
+    pool.shutdown()
+    agreement = {"topk_ids_equal_fraction": float((svc_topk.ids == ref_topk.ids).float().mean()),
+                 "gumbel_ids_equal_fraction": float((svc_mine.negatives.ids == ref_mine.ids).float().mean())}
+    noop_s, _ = median_time(lambda: service.status(), 10)
+
+    flops = 2 * B * args.n * args.d  # per request of B queries
+    rows, base, no_ray = [], {}, {}
+    for name, (group, _, calls, p, t) in methods.items():
+        per_request = statistics.median(times[name]) / calls
+        gflops = flops / per_request / 1e9
+        row = {"method": name, "group": group, "in_flight": p, "requests": calls, "batch": B,
+               "blas_threads_per_search": t, "qps": B / per_request, "ms_per_query": 1e3 * per_request / B,
+               "gflops": gflops, "fraction_of_gemm_peak": gflops / peak[S], "seconds_all": times[name]}
+        if "baseline" in name:
+            base[group] = row
+        if "no Ray" in name:
+            no_ray[group] = row
+        rows.append(row)
+    for row in rows:
+        b = base[row["group"]]
+        row["x_baseline"] = row["qps"] / b["qps"]
+        if "service" in row["method"]:
+            row["ray_overhead_ms_per_query"] = row["ms_per_query"] - b["ms_per_query"]
+            row["ray_overhead_fraction"] = row["ray_overhead_ms_per_query"] / b["ms_per_query"]
+            row["overhead_vs_no_ray_ms_per_query"] = row["ms_per_query"] - no_ray[row["group"]]["ms_per_query"]
+            row["overhead_vs_no_ray_fraction"] = (row["overhead_vs_no_ray_ms_per_query"]
+                                                  / no_ray[row["group"]]["ms_per_query"])
+    service.shutdown()
+
+    print(f"\nN={args.n:,} d={args.d} B={B} k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
+          f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print_table(rows, [("method", "method", "<56s"), ("qps", "q/s", ">8.1f"), ("x_baseline", "x base", ">6.2f"),
+                       ("ms_per_query", "ms/q", ">7.2f"), ("ray_overhead_ms_per_query", "-base ms/q", ">8.2f"),
+                       ("ray_overhead_fraction", "-base frac", ">6.2f"),
+                       ("overhead_vs_no_ray_ms_per_query", "-noRay ms/q", ">8.2f"),
+                       ("overhead_vs_no_ray_fraction", "-noRay frac", ">6.2f"), ("gflops", "GFLOP/s", ">8.1f"),
+                       ("fraction_of_gemm_peak", f"of {S}-thr peak", ">6.2f")])
+    print(f"no-op fan-out round trip (status of {S} shards): {1e3 * noop_s:.1f} ms; agreement with "
+          f"in-process: {agreement}")
+    out = save_results("mining", {
+        "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "k": k,
+        "gemm_peak_gflops": {str(t): v for t, v in peak.items()}, "service_start_s": start_s,
+        "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,
+        "machine": machine_info(threads_in_process=S, threads_per_shard=1, load_average_before=load_before),
+    }, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
