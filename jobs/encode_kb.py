@@ -147,7 +147,9 @@ def run(args) -> dict:
         handle = service.refresh(state, 0)
         with tqdm(total=service.num_entities, unit="ent", desc="encode", disable=not args.progress) as bar:
             while not handle.done():
-                bar.update(sum(d for d, _ in handle.progress()) - bar.n)
+                progress = handle.progress()
+                bar.set_postfix_str(" ".join(f"s{i}:{d}/{t}" for i, (d, t) in enumerate(progress)), refresh=False)
+                bar.update(sum(d for d, _ in progress) - bar.n)
                 time.sleep(0.5)
             handle.wait()
             bar.update(service.num_entities - bar.n)

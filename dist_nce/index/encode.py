@@ -122,9 +122,16 @@ def _kept(encoder: EntityEncoder) -> int | None:
 
 def state_fingerprint(state: dict[str, Any]) -> str:
     """A digest of an entity-encoder state (``EntityEncoder.state()``): config, spec and every
-    weight's name, dtype, shape and bytes. Two states with equal fingerprints encode alike."""
+    weight's name, dtype, shape and bytes. Two states with equal fingerprints encode alike.
+
+    Hugging Face bookkeeping in the config (``_name_or_path``, ``transformers_version``, ...)
+    is left out: it says where a model was loaded from, not how it encodes, and changes
+    when a retriever is saved and loaded again.
+    """
     h = hashlib.blake2b(digest_size=16)
-    meta = {k: state[k] for k in ("format", "transformer_config", "spec", "trim_padding")}
+    config = {k: v for k, v in state["transformer_config"].items()
+              if not k.startswith("_") and k != "transformers_version"}
+    meta = {"config": config, **{k: state[k] for k in ("format", "spec", "trim_padding")}}
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     for name in sorted(state["weights"]):
         t = state["weights"][name].detach().cpu().contiguous()
