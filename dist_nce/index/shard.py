@@ -187,6 +187,7 @@ class EntityShard:
                     raise ValueError(f"shard {self.shard}: refresh to version {version}, but version "
                                      f"{self._served} is served already; versions must increase")
                 self._target = version  # queries asking for this version wait instead of failing
+                self._progress = [0, self.store.num_entities]
             try:
                 return self._refresh(state, version)
             finally:
@@ -218,7 +219,6 @@ class EntityShard:
     def _encode(self, state: dict[str, Any], version: int, fingerprint: str) -> ShardIndex:
         encoder = self._encoder_for(state)
         autocast = autocast_dtype(self.config.encode_dtype, self.device)
-        self._progress = [0, self.store.num_entities]
         t0 = time.perf_counter()
         reps = encode_rows(encoder, self.store, self.config.encode_batch_size, self.device, autocast,
                            self.storage_dtype, progress=self._set_progress)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.index.encode import encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
+from dist_nce.index.encode import autocast_dtype, encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
 from dist_nce.index.search import IndexConfig
 from dist_nce.index.service_config import ServiceConfig
 from dist_nce.index.shard import EntityShard, NoIndexError, VersionUnavailable
@@ -104,6 +104,20 @@ def test_encode_rows_equals_encoding_each_row_alone(store_dir, tiny_model_dir, p
         assert reps.mask[row].tolist() == [True] * real + [False] * (width - real)
         torch.testing.assert_close(vec[:real], alone.vecs[0, :real], atol=2e-5, rtol=1e-4)
         assert not vec[real:].any(), "padded positions are stored as zeros"
+
+
+def test_bf16_autocast_encoding_stays_close_to_fp32(store_dir, tiny_model_dir):
+    store = EntityStore(store_dir).slice(0, 30)
+    encoder = EntityEncoder.from_state(entity_state(tiny_model_dir))
+    cpu = torch.device("cpu")
+    exact = encode_rows(encoder, store, 8, cpu, None, "float32").vecs
+    fast = encode_rows(encoder, store, 8, cpu, torch.bfloat16, "float32").vecs
+    # bf16 keeps 8 mantissa bits; through two layers the reps stay within a few 1e-2 relative.
+    rel = (fast - exact).norm(dim=1) / exact.norm(dim=1)
+    assert float(rel.max()) < 0.05
+    assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) is torch.bfloat16
+    with pytest.raises(ValueError, match="encode_dtype"):
+        autocast_dtype("int8", cpu)
 
 
 def test_length_sorted_batches_cover_every_row_once_longest_first():
