@@ -12,7 +12,8 @@ nor duplicate anything.
 come from two versions. :class:`FanOut` makes them agree: it asks the shards that are
 AHEAD for the oldest version seen (each shard keeps ``keep_versions`` versions in memory
 and reloads older persisted ones); if one of them no longer has it, it asks the shards
-that are BEHIND for the newest version, waiting for their running refresh to finish.
+that are BEHIND for the newest version, waiting for their refresh to it (running, or
+still queued behind another one) to finish.
 Correctness does not rest on timing: answers are merged only once every one of them
 reports the same version, else the call fails loudly.
 """
@@ -79,7 +80,10 @@ class ShardCall:
                     raise TimeoutError(f"shard {self.shard} {self.method}: not done before the caller's "
                                        "timeout (still running; call result() again)") from e
                 failure: BaseException = e  # past call_timeout_s: treat the shard as stuck
-                ray.cancel(self.ref)
+                try:
+                    ray.cancel(self.ref)  # best effort: a running threaded-actor task is not interrupted
+                except Exception:  # noqa: BLE001 - the re-submission below is what matters
+                    pass
             except RayActorError as e:
                 failure = e
             if self.attempts > self.policy.retries:
