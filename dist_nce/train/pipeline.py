@@ -6,8 +6,10 @@ Two schedules (``negatives.schedule``):
   encodes the mentions of batch ``t + P`` with the CURRENT mention encoder (no grad,
   eval mode) and sends them to ``service.mine``, which returns a future at once. Just
   before step ``t`` it collects batch ``t``'s future, so the shards search while the
-  worker trains and the only blocking ``result()`` sits between steps. The negatives of a
-  batch are therefore mined with weights P steps old (P = 0 is synchronous mining).
+  worker trains and the only blocking ``result()`` sits between steps. Batch t is thus
+  mined with the weights after step t - P, P - 1 updates older than the weights it
+  trains (P = 0: synchronous mining; P = 1 leaves nothing to overlap with; P = 2 overlaps
+  one whole step).
 * **per_epoch** (:func:`mine_epoch`, the paper's mode): at each epoch start all of the
   worker's mentions for the epoch are encoded and mined in batched requests, and the
   epoch trains on them.

@@ -1,0 +1,31 @@
+"""Shared set-up of the Ray tests: a prepared synthetic KB for the tiny test config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dist_nce.config import load_config
+from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_CONFIG = REPO / "configs" / "aida" / "test_tiny.yaml"
+
+
+def tiny_overrides(root: Path, model_dir: str) -> list[str]:
+    """--set overrides pointing configs/aida/test_tiny.yaml at ``root`` and the tiny model."""
+    return [f"model.retriever.mention_model={model_dir}", f"data.prepared_dir={root / 'prepared'}",
+            f"data.synthetic_dir={root / 'synthetic'}"]
+
+
+def tiny_config(root: Path, model_dir: str, run_dir: Path, *extra: str) -> TrainJobConfig:
+    cfg = load_config(TrainJobConfig, TEST_CONFIG, [
+        *tiny_overrides(root, model_dir), f"run.output_dir={run_dir / 'out'}",
+        f"run.storage_path={run_dir / 'ray'}", *extra])
+    return with_absolute_paths(cfg, str(REPO))
+
+
+def prepare_tiny(root: Path, model_dir: str) -> TrainJobConfig:
+    from dist_nce.train.data import ensure_prepared
+
+    cfg = tiny_config(root, model_dir, root / "unused")
+    ensure_prepared(cfg.data, model_dir, log=lambda s: None)
+    return cfg
