@@ -261,26 +261,29 @@ def run_chunks(
                     break
         else:
             ctx = multiprocessing.get_context("spawn")
-            with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker) as pool:
+            pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker)
+            try:
                 futures = {pool.submit(fn, tasks[i]): i for i in todo}
                 pending = set(futures)
-                try:
-                    while pending:
-                        done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                        for fut in done:
-                            if not fut.cancelled():
-                                finish(futures[fut], fut.result())
-                        if bads:
-                            # Drop the chunks after the first failing one; those before it still
-                            # run (one may hold an earlier bad line), so the error reported is the
-                            # same as with one worker. Running chunks finish and keep their markers.
-                            first_bad = min(i for i, _ in bads)
-                            for fut in pending:
-                                if futures[fut] > first_bad:
-                                    fut.cancel()
-                except BaseException:
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise
+                while pending:
+                    done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                    for fut in done:
+                        if not fut.cancelled():
+                            finish(futures[fut], fut.result())
+                    if bads:
+                        # Drop the chunks after the first failing one; those before it still
+                        # run (one may hold an earlier bad line), so the error reported is the
+                        # same as with one worker. Running chunks finish and keep their markers.
+                        first_bad = min(i for i, _ in bads)
+                        for fut in pending:
+                            if futures[fut] > first_bad:
+                                fut.cancel()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            # Every result is in: let the workers' interpreter teardown (seconds with torch
+            # imported) overlap with assembly instead of waiting for it.
+            pool.shutdown(wait=False)
     finally:
         bar.close()
     if bads:
