@@ -1,0 +1,1 @@
+"""Zeshel (zero-shot entity linking) on top of the shared trainer: data, retriever evaluation, grid."""

@@ -1,0 +1,65 @@
+"""The two prepared Zeshel stores a run needs (driver side), prepared once and reused.
+
+``data.prepared_dir`` gets the train worlds' documents and the train/heldout mentions,
+``zeshel.eval_store`` the val and test worlds' documents and mentions (see
+:mod:`dist_nce.zeshel.config`). A synthetic tree is generated first when configured.
+Both steps resume when interrupted and do nothing when already done (``kb.prepare``
+refuses a directory prepared from other inputs).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from dist_nce.zeshel.config import EVAL_STORE_SPLITS, TRAIN_STORE_SPLITS, ZeshelRetrieverConfig
+
+
+def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = print) -> str | None:
+    """Generate the synthetic Zeshel tree if it is the configured source and not there yet."""
+    z = cfg.zeshel
+    if cfg.data.zeshel_root or z.synthetic_entities_per_world <= 0:
+        return cfg.data.zeshel_root
+    out = Path(z.synthetic_dir)
+    if not (out / "manifest.json").exists():
+        from kb.synthetic import write_zeshel
+
+        log(f"generating synthetic Zeshel: {len(z.synthetic_worlds)} worlds x {z.synthetic_entities_per_world:,} "
+            f"documents, {z.synthetic_mentions_per_world:,} mentions per world -> {out}")
+        write_zeshel(out, z.synthetic_worlds, z.synthetic_entities_per_world, z.synthetic_mentions_per_world,
+                     z.synthetic_seed)
+    return str(out)
+
+
+def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg: ZeshelRetrieverConfig,
+                  log: Callable[[str], None] = print) -> str:
+    """Prepare the store of ``worlds`` with those of ``splits`` the tree has (kb.prepare finds
+    a store already prepared from the same inputs and leaves it; one from others is an error)."""
+    from kb.prepare import PrepareConfig, prepare, summarize
+
+    fresh = not (Path(out) / "manifest.json").exists()
+    present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
+    d = cfg.data
+    if fresh:
+        log(f"preparing {out}: {worlds} worlds, mentions {', '.join(present)} (entity max {d.entity_max_len}, "
+            f"mention max {d.mention_max_len} tokens)")
+    prepare(PrepareConfig(out=out, zeshel_root=root, zeshel_worlds=worlds, zeshel_splits=",".join(present),
+                          zeshel_strip_title=cfg.zeshel.strip_title, model_dir=cfg.model.retriever.mention_model,
+                          mention_max_len=d.mention_max_len, entity_max_len=d.entity_max_len,
+                          workers=d.prepare_workers, progress=False), log=log if fresh else lambda _: None)
+    if fresh:
+        log(summarize(out))
+    return out
+
+
+def ensure_zeshel_stores(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = print) -> tuple[str, str]:
+    """(train store, eval store), preparing whichever is missing."""
+    root = ensure_synthetic(cfg, log)
+    missing = [p for p in (cfg.data.prepared_dir, cfg.zeshel.eval_store) if not (Path(p) / "manifest.json").exists()]
+    if missing and root is None:
+        raise FileNotFoundError(f"not prepared: {', '.join(missing)}; set data.zeshel_root or "
+                                "zeshel.synthetic_entities_per_world")
+    if root is None:
+        return cfg.data.prepared_dir, cfg.zeshel.eval_store
+    train = prepare_store(root, cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS, cfg, log)
+    evaluation = prepare_store(root, cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS, cfg, log)
+    return train, evaluation

@@ -1,0 +1,70 @@
+"""Train a Zeshel retriever (dual, poly-m, multi-m, SOM) with random, hard or mixed-p negatives.
+
+The same trainer and NegativeService as jobs/aida_finetune.py; the shards serve only the
+TRAINING worlds' entities, so every negative is a train-world entity (as in the paper).
+After training: top-64 recall on val and test, labelled ``own_world`` (each mention
+among its own world's entities: the Zeshel protocol) and ``split_union`` (among all
+entities of the split's worlds), macro over worlds and micro; and the reranker's
+candidates files ``<run.output_dir>/candidates/candidates_{train,val,test}.json``
+(``{"mention_id", "candidates": [document_id, ...]}`` per line, best first).
+
+Without a cluster (starts a local Ray; synthetic data is generated on first use)::
+
+    .venv/bin/python jobs/zeshel_retriever.py --config configs/zeshel/retriever_tiny_cpu.yaml
+    .venv/bin/python jobs/zeshel_retriever.py --config configs/zeshel/retriever_tiny_cpu.yaml \\
+        --set model.retriever.preset=som --set service.index.backend=torch --set negatives.mode=hard
+
+On a Ray cluster, the paper's setting (BERT-base, 128 tokens, K = 64; one row of Table 1
+per --set combination, or all of them with jobs/zeshel_grid.py)::
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- python jobs/zeshel_retriever.py \\
+        --config configs/zeshel/retriever_paper_gpu.yaml --set data.zeshel_root=/mnt/shared/zeshel \\
+        --set negatives.mode=mixed --set negatives.p=50
+
+(with token auth, as ``ray start`` sets it up by default, prefix ``RAY_AUTH_MODE=token``).
+Running the same command again resumes the run from its last checkpoint. Give absolute
+paths under ``--working-dir .``. Every config field: ``--help-config``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
+
+from dist_nce.config import ConfigError, describe, load_config  # noqa: E402
+from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="experiment YAML (configs/zeshel/retriever_*.yaml)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no evaluation progress bars")
+    ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
+    args = ap.parse_args(argv)
+    if args.help_config:
+        print(describe(ZeshelRetrieverConfig))
+        return 0
+    if not args.config:
+        ap.error("--config is required")
+    try:  # every key and input path checked before any data or cluster work
+        cfg = absolute(load_config(ZeshelRetrieverConfig, args.config, args.set))
+        check_zeshel_inputs(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from dist_nce.runtime import configure_process
+    from dist_nce.zeshel.run import SUMMARY, run_retriever
+
+    configure_process(threads=None)
+    summary = run_retriever(cfg, progress=args.progress, log=lambda s: print(s, flush=True))
+    state = "finished" if summary["done"] else f"stopped at step {summary['step']} (run again to continue)"
+    print(f"{state} in {summary['seconds']} s; summary: {Path(cfg.run.output_dir) / SUMMARY}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
