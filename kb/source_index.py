@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+_BLOCK = 1 << 20
+
 
 
 def fixed_width_keys(ids: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
@@ -37,11 +39,33 @@ def fixed_width_keys(ids: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
     body = data[offsets[0] : offsets[-1]]
     if (body == 0).any():
         raise ValueError("source ids must not contain NUL bytes")
-    out = np.zeros((n, max(width, 1)), dtype=np.uint8)
-    row = np.repeat(np.arange(n), lengths)
-    col = np.arange(len(body)) - np.repeat(offsets[:-1] - offsets[0], lengths)
-    out[row, col] = body
-    return out.view(f"S{max(width, 1)}").reshape(n)
+    width = max(width, 1)
+    out = np.zeros((n, width), dtype=np.uint8)
+    starts = offsets[:-1] - offsets[0]
+    # One fancy-indexed copy per distinct id length (at most ``width`` of them), in
+    # blocks so the index arrays stay small for millions of ids.
+    for length in np.unique(lengths):
+        if length == 0:
+            continue
+        rows = np.flatnonzero(lengths == length)
+        for a in range(0, len(rows), _BLOCK):
+            r = rows[a:a + _BLOCK]
+            out[r, :length] = body[starts[r, None] + np.arange(length)]
+    return out.view(f"S{width}").reshape(n)
+
+
+def argsort_keys(keys: np.ndarray) -> np.ndarray:
+    """Stable argsort of ``S<w>`` keys in byte order, equal to ``np.argsort(keys,
+    kind="stable")`` but sorting big-endian uint64 words (several times faster than
+    numpy's string sort at millions of keys)."""
+    n, width = len(keys), keys.dtype.itemsize
+    words = -(-width // 8)
+    mat = np.zeros((n, 8 * words), dtype=np.uint8)
+    mat[:, :width] = keys.view(np.uint8).reshape(n, width)
+    cols = mat.view(">u8")  # [n, words]; big-endian, so integer order is byte order
+    if words == 1:
+        return np.argsort(cols[:, 0], kind="stable")
+    return np.lexsort(cols.T[::-1])  # lexsort is stable; its last key is the primary one
 
 
 def sort_source_keys(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -49,7 +73,7 @@ def sort_source_keys(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.nd
     argsort of ``keys``, so ``keys[order]`` is sorted and equal ids keep row order."""
     width = int(pc.max(pc.binary_length(ids)).as_py() or 1) if len(ids) else 1
     keys = fixed_width_keys(ids, width)
-    return keys, np.argsort(keys, kind="stable")
+    return keys, argsort_keys(keys)
 
 
 def source_index_table(sorted_keys: np.ndarray, rows: np.ndarray) -> pa.Table:

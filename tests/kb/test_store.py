@@ -15,7 +15,7 @@ import pytest
 
 from dist_nce.artifacts import ArtifactMismatch
 from kb.prepare import PrepareConfig, prepare
-from kb.source_index import SourceIndex, build_source_index, fixed_width_keys
+from kb.source_index import SourceIndex, argsort_keys, build_source_index, fixed_width_keys
 from kb.store import EntityStore, MentionTable, read_arrow
 
 N_ENTITIES = 157
@@ -233,3 +233,19 @@ def test_source_index_against_dict_reference():
         first.setdefault(sid, row)  # duplicates: the lowest row wins
     queries = [str(q) for q in range(-5, 520)] + ["ABCDEF0123456789", "ABCDEF012345678", "0" + ids[0]]
     np.testing.assert_array_equal(index.lookup(queries), [first.get(q, -1) for q in queries])
+
+
+@pytest.mark.parametrize("width", [3, 8, 13])
+def test_argsort_keys_equals_numpy_string_sort(width):
+    rng = np.random.default_rng(width)
+    alphabet = np.frombuffer("09AFaf\u00e9\u4e2d".encode(), dtype=np.uint8)  # includes bytes >= 0x80
+    ids = []
+    for _ in range(2000):
+        n = int(rng.integers(1, width + 1))
+        ids.append(bytes(rng.choice(alphabet[alphabet > 0], size=n)))
+    ids += ids[:300]  # duplicates: stability matters
+    keys = np.array(ids, dtype=f"S{width}")
+    np.testing.assert_array_equal(argsort_keys(keys), np.argsort(keys, kind="stable"))
+    text = pa.array([k.decode("latin-1") for k in ids])  # any str; fixed_width_keys re-encodes as UTF-8
+    built = fixed_width_keys(text, 2 * width)
+    assert built.tolist() == [k.decode("latin-1").encode() for k in ids]
