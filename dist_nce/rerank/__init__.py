@@ -1,0 +1,1 @@
+"""Training and evaluating the joint cross-encoder reranker over fixed candidate sets."""

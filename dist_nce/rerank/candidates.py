@@ -1,0 +1,66 @@
+"""The reranker's candidate sets: training rows with the gold first, candidate files by format.
+
+Training (paper, section 5; the authors' data loader does the same): the reranker is
+trained with the NCE loss over a mention's C retrieved candidates, gold at index 0
+(``losses.nce_loss``). A gold the retriever missed is inserted: it takes the place of the
+LOWEST-ranked candidate, or an empty slot when the list is shorter than C, so every
+training example still has C candidates at most and the retriever's best ones are kept.
+
+Evaluation never inserts the gold: a mention whose gold is not among its candidates is
+simply wrong (unnormalized accuracy) and outside the normalized-accuracy denominator.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from dist_nce.eval.metrics import PAD
+from dist_nce.eval.zeshel import CANDIDATES_KEY, TFIDF_KEY, read_candidates
+
+Format = Literal["retriever", "tfidf"]
+
+
+def gold_first(rows: np.ndarray, gold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Training candidates: the gold in column 0, the others in their retrieved order.
+
+    Args:
+        rows: int [N, C] candidate entity rows, best first, -1 = empty slot.
+        gold: int [N] gold rows, all >= 0 (mentions without a gold in the KB are not trained on).
+
+    Returns:
+        (cands int64 [N, C], inserted bool [N]): ``cands[:, 0] == gold``; where the gold was
+        missing (``inserted``) it displaced the last real candidate of a full row, or filled
+        an empty slot. Empty slots stay -1 and go last.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    gold = np.asarray(gold, dtype=np.int64)
+    if rows.ndim != 2 or gold.shape != (rows.shape[0],):
+        raise ValueError(f"expected rows [N, C] and gold [N], got {rows.shape} and {gold.shape}")
+    if rows.shape[1] < 2:
+        raise ValueError(f"need C >= 2 candidates per mention (gold + a negative), got {rows.shape[1]}")
+    if (gold < 0).any():
+        raise ValueError(f"gold row -1 at mention {int(np.flatnonzero(gold < 0)[0])}: mentions without a gold "
+                         "in the KB cannot be trained on; filter them first")
+    inserted = ~(rows == gold[:, None]).any(axis=1)
+    others = (rows != gold[:, None]) & (rows != PAD)
+    # A stable sort on "not an other" keeps the others in retrieved order, in front.
+    order = np.argsort(~others, axis=1, kind="stable")[:, : rows.shape[1] - 1]
+    picked = np.take_along_axis(rows, order, axis=1)
+    picked = np.where(np.take_along_axis(others, order, axis=1), picked, PAD)
+    return np.concatenate([gold[:, None], picked], axis=1), inserted
+
+
+def candidates_path(directory: str | Path, split: str, fmt: Format) -> Path:
+    """``candidates_<split>.json`` (jobs/zeshel_retriever.py) or Zeshel's ``tfidf_candidates/<split>.json``."""
+    return Path(directory) / (f"candidates_{split}.json" if fmt == "retriever" else f"{split}.json")
+
+
+def read_split_candidates(directory: str | Path, split: str, fmt: Format) -> tuple[dict[str, list[str]], Path]:
+    """mention_id -> ranked document ids of ``split``, and the file read."""
+    path = candidates_path(directory, split, fmt)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {fmt} candidates for split {split!r}"
+                                + (" (written by jobs/zeshel_retriever.py)" if fmt == "retriever" else ""))
+    return read_candidates(path, CANDIDATES_KEY if fmt == "retriever" else TFIDF_KEY), path

@@ -1,0 +1,158 @@
+"""The reranker job's typed configuration (``jobs/zeshel_reranker.py``).
+
+Optimisation and DeepSpeed sections are the retriever trainer's own dataclasses
+(:class:`~dist_nce.train.config.OptimConfig`, :class:`~dist_nce.train.config.DeepSpeedConfig`),
+so the two jobs read alike.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from dist_nce.config import ConfigError
+from dist_nce.modeling.reranker import RerankerConfig
+from dist_nce.train.config import DeepSpeedConfig, OptimConfig
+from kb.zeshel import ZESHEL_SPLITS
+
+
+def _help(text: str, **kw):
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class RerankDataConfig:
+    train_store: str = _help("Prepared store holding the training split (the retriever's data.prepared_dir).",
+                             default="data/prepared/zeshel_train")
+    eval_store: str = _help("Prepared store holding the evaluation splits (the retriever's zeshel.eval_store).",
+                            default="data/prepared/zeshel_eval")
+    candidates_dir: str = _help(
+        "Directory of candidates_<split>.json (format retriever) or Zeshel's tfidf_candidates/ (format tfidf).",
+        default="runs/zeshel/candidates")
+    candidates_format: Literal["retriever", "tfidf"] = _help(
+        "retriever: {mention_id, candidates} lines from jobs/zeshel_retriever.py; tfidf: Zeshel's "
+        "{mention_id, tfidf_candidates} lines.", default="retriever")
+    train_split: str = _help("Split the reranker trains on.", default="train")
+    eval_splits: list[str] = _help("Splits evaluated after training (accuracy macro over worlds).",
+                                   default_factory=lambda: ["val", "test"])
+    num_candidates: int = _help("C: candidates per mention in training and evaluation (64 in the paper).",
+                                default=64)
+    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", default=0)
+    max_eval_mentions: int = _help("Evaluate only the first N mentions of each split (0 = all).", default=0)
+
+    def validate(self) -> None:
+        if self.num_candidates < 2:
+            raise ValueError(f"data.num_candidates must be >= 2, got {self.num_candidates}")
+        bad = [s for s in [self.train_split, *self.eval_splits] if s not in ZESHEL_SPLITS]
+        if bad:
+            raise ValueError(f"data: unknown Zeshel splits {bad}; expected some of {list(ZESHEL_SPLITS)}")
+
+
+@dataclass
+class RerankModelConfig:
+    reranker: RerankerConfig = _help("Cross-encoder: model directory, pair length L, head.",
+                                     default_factory=RerankerConfig)
+    init_from: Optional[str] = _help("A reranker directory (Reranker.save_pretrained) to start from.",
+                                     default=None)
+
+
+@dataclass
+class RerankRunConfig:
+    name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
+                      default="zeshel_reranker")
+    storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
+                              default="runs/ray_results")
+    output_dir: str = _help("Exported reranker, TensorBoard, metrics.jsonl, summary.json.",
+                            default="runs/zeshel_reranker")
+    num_workers: int = _help("Ray Train (DeepSpeed) workers.", default=1)
+    use_gpu: Optional[bool] = _help("Train on GPUs (default: auto-detect).", default=None)
+    cpus_per_worker: float = _help("CPUs per training worker.", default=1.0)
+    gpus_per_worker: float = _help("GPUs per training worker.", default=1.0)
+    max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
+                              default=2)
+    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)
+    stop_after_steps: int = _help("End this job after N steps of the run (with a checkpoint); running it "
+                                  "again continues. 0 = run to the end.", default=0)
+    num_to_keep: int = _help("Checkpoints kept by Ray Train.", default=2)
+    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", default=1)
+    eval_batch_size: int = _help("Mentions per reranker forward in evaluation (x C pairs).", default=2)
+    progress: bool = _help("tqdm progress bar on rank 0.", default=True)
+
+
+@dataclass
+class RerankJobConfig:
+    data: RerankDataConfig = _help("Stores and candidate files.", default_factory=RerankDataConfig)
+    model: RerankModelConfig = _help("The cross-encoder.", default_factory=RerankModelConfig)
+    optim: OptimConfig = _help("Optimisation (paper: lr 2e-5, 3 epochs, batch 4, warm-up 0.2).",
+                               default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = _help("DeepSpeed engine.", default_factory=DeepSpeedConfig)
+    run: RerankRunConfig = _help("Ray Train run, checkpoints, logging, export.", default_factory=RerankRunConfig)
+
+    def validate(self) -> None:
+        if self.run.num_workers < 1 or self.run.eval_batch_size < 1 or self.run.log_every_steps < 1:
+            raise ValueError("run.num_workers, run.eval_batch_size and run.log_every_steps must be >= 1")
+        if self.optim.epochs < 1 or self.optim.batch_size < 1 or self.optim.max_steps < 0:
+            raise ValueError("optim.epochs and optim.batch_size must be >= 1, optim.max_steps >= 0")
+        if self.optim.batch_size % self.run.num_workers:
+            raise ValueError(f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
+                             f"{self.run.num_workers}")
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.optim.batch_size // self.run.num_workers
+
+
+PATH_FIELDS = ("data.train_store", "data.eval_store", "data.candidates_dir", "model.reranker.model",
+               "model.init_from", "deepspeed.config", "run.storage_path", "run.output_dir")
+
+
+def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> RerankJobConfig:
+    """A copy whose local paths are absolute (Ray Train workers run in another directory)."""
+    out = copy.deepcopy(cfg)
+    base = base or os.getcwd()
+    for dotted in PATH_FIELDS:
+        *parents, name = dotted.split(".")
+        holder = out
+        for p in parents:
+            holder = getattr(holder, p)
+        value = getattr(holder, name)
+        if value and "://" not in value and not os.path.isabs(value):
+            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
+    return out
+
+
+def check_inputs(cfg: RerankJobConfig) -> None:
+    """Raise ConfigError listing every missing input by its config key (before any cluster work)."""
+    from dist_nce.rerank.candidates import candidates_path
+    from dist_nce.train.engine import load_deepspeed_config
+
+    problems: list[str] = []
+    d = cfg.data
+    for key, store, splits in (("data.train_store", d.train_store, [d.train_split]),
+                               ("data.eval_store", d.eval_store, d.eval_splits)):
+        manifest = os.path.join(store, "manifest.json")
+        if not os.path.isfile(manifest):
+            problems.append(f"{key}: not a prepared store (no manifest.json): {store}")
+            continue
+        have = json.loads(open(manifest, encoding="utf-8").read()).get("mentions", {})
+        problems += [f"{key}: split {s!r} not in {store} (prepared splits: {sorted(have)})" for s in splits
+                     if s not in have]
+    for split in dict.fromkeys([d.train_split, *d.eval_splits]):
+        path = candidates_path(d.candidates_dir, split, d.candidates_format)
+        if not path.is_file():
+            problems.append(f"data.candidates_dir: {path} not found ({d.candidates_format} candidates of {split})")
+    for key, path in (("model.reranker.model", cfg.model.reranker.model), ("model.init_from", cfg.model.init_from)):
+        if path and not os.path.isdir(path):
+            problems.append(f"{key}: directory not found: {path}")
+    if not os.path.isfile(cfg.deepspeed.config):
+        problems.append(f"deepspeed.config: file not found: {cfg.deepspeed.config}")
+    else:
+        try:
+            load_deepspeed_config(cfg.deepspeed.config, cfg.per_worker_batch, cfg.run.num_workers,
+                                  cfg.optim.grad_clip, cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
+        except ConfigError as e:
+            problems.append(f"deepspeed.config: {e}")
+    if problems:
+        raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))

@@ -1,0 +1,222 @@
+"""The reranker's training worker (each Ray Train / DeepSpeed worker runs it), as one story.
+
+    data      the training set (candidates file -> rows, gold first) and the plan
+    model     the cross-encoder in a DeepSpeed engine (ZeRO 0-3, bf16 or fp32)
+    resume    engine + RNG + step from ray.train.get_checkpoint()
+    loop      batch -> pairs [b, C, L] -> scores [b, C] -> NCE (gold at 0) -> backward -> step
+    finish    evaluation on val/test (ranks split the mentions), export, final report
+
+Unlike the retriever there is no negative service: the candidates are fixed by the
+retriever that wrote them. The engine, checkpoint files, TensorBoard logger and data
+order are the retriever trainer's (``dist_nce.train``), reused as they are.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from dist_nce.artifacts import atomic_write_json
+from dist_nce.config import from_dict
+from dist_nce.eval.metrics import PAD
+from dist_nce.eval.zeshel import rerank, reranker_report
+from dist_nce.losses import nce_loss
+from dist_nce.modeling.reranker import Reranker, build_pairs
+from dist_nce.rerank.config import RerankJobConfig
+from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
+from dist_nce.train import checkpoint
+from dist_nce.train.engine import build_engine, load_deepspeed_config
+from dist_nce.train.evaluate import rank_slice
+from dist_nce.train.loop import Collectives
+from dist_nce.train.model import full_state_dict
+from dist_nce.train.plan import stop_step
+from dist_nce.train.tb import RunLogger
+
+MODEL_DIR = "reranker"
+# The worker's final result (plan, per-split reports, export); nested, so a file rather than a
+# ray.train.report metric.
+RESULT_FILE = "result.json"
+
+
+def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
+    """Pretrained encoder + a new score layer (seeded), or a saved reranker (``init_from``)."""
+    torch.manual_seed(seed)
+    if cfg.model.init_from:
+        return Reranker.from_pretrained(cfg.model.init_from)
+    return Reranker.build(cfg.model.reranker)
+
+
+def train_func(config: dict[str, Any]) -> None:
+    """Ray Train entry point; ``config`` = {"job": RerankJobConfig as a dict}."""
+    import ray.train
+    import ray.train.torch
+
+    from dist_nce.runtime import configure_process
+
+    cfg = from_dict(RerankJobConfig, config["job"], source="train_loop_config.job")
+    configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    RerankWorker(cfg, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
+                 report=ray.train.report, get_checkpoint=ray.train.get_checkpoint).run()
+
+
+def candidate_scores(engine: Any, reranker: Reranker, mention_tokens: np.ndarray, entity_tokens: np.ndarray,
+                     cands: np.ndarray, device: torch.device) -> torch.Tensor:
+    """scores [b, C] of the pairs (mention, candidate); empty slots (-1) get -inf.
+
+    mention_tokens [b, Tm], entity_tokens [b, C, Te]: prepared-store rows; ``engine`` is the
+    DeepSpeed engine (or the module itself) whose forward takes Pairs.
+    """
+    pairs = build_pairs(mention_tokens, entity_tokens, reranker.special_ids, reranker.config.max_len)
+    scores = engine(type(pairs)(*(t.to(device) for t in pairs))).float()
+    return scores.masked_fill(torch.from_numpy(cands < 0).to(scores.device), float("-inf"))
+
+
+def evaluate_sets(module: Reranker, sets: Sequence[EvalSet], num_candidates: int, batch_size: int, rank: int = 0,
+                  world: int = 1, all_gather: Callable[[Any], list[Any]] | None = None, progress: bool = False
+                  ) -> dict[str, Any] | None:
+    """Accuracy of the reranker on each set; every rank calls it, rank 0 gets {split: report}.
+
+    Only mentions whose gold is among the candidates are scored: any other is wrong
+    whatever the reranker picks (prediction -1), so skipping them changes no metric. Each
+    rank reranks an equal-length slice of those mentions (``rank_slice``: equal forwards,
+    as ZeRO-3 requires) and rank 0 gathers the predictions.
+    """
+    out: dict[str, Any] = {}
+    was_training = module.training
+    try:
+        for s in sets:
+            hits = np.flatnonzero(s.candidates.gold_pos >= 0).astype(np.int64)
+            mine, n_real = rank_slice(hits, rank, world)
+            pred = rerank(module, MentionRows(s.mentions, mine), s.store, s.candidates.rows[mine], batch_size,
+                          progress=progress and rank == 0)[:n_real]
+            parts = all_gather(pred) if world > 1 else [pred]
+            if rank == 0:
+                full = np.full(len(s.candidates.gold_pos), PAD, dtype=np.int64)
+                full[hits] = np.concatenate(parts)
+                out[s.split] = {"candidates_file": s.source, **reranker_report(
+                    full, s.candidates, np.asarray(s.mentions.gold_rows), s.worlds, num_candidates)}
+    finally:
+        module.train(was_training)
+    return out if rank == 0 else None
+
+
+class RerankWorker:
+    def __init__(self, cfg: RerankJobConfig, rank: int, world: int, device: torch.device | str,
+                 report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, torch.device(device)
+        self.report = report or (lambda metrics, checkpoint=None, **kw: None)
+        self.get_checkpoint = get_checkpoint or (lambda: None)
+        self.comm = Collectives(world, self.device)
+
+    def run(self) -> dict[str, Any]:
+        self.build()
+        self.resume()
+        for step in range(self.state.step, self.end):
+            self.after_step(step, self.train_step(step))
+        return self.finish()
+
+    def build(self) -> None:
+        from dist_nce.text import tokenizer_fingerprint
+
+        cfg = self.cfg
+        reranker = build_reranker(cfg, cfg.optim.seed)
+        sha = tokenizer_fingerprint(reranker.tokenizer)["sha256"]
+        self.train = load_training_set(cfg, sha)
+        self.plan = make_plan(cfg, self.train)
+        if self.plan.num_workers != self.world:
+            raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
+        self.order = data_order(self.plan)
+        self.end = stop_step(self.plan, cfg.run.stop_after_steps)  # type: ignore[arg-type]
+        self.eval_sets = load_eval_sets(cfg, sha)
+        ds = load_deepspeed_config(cfg.deepspeed.config, self.plan.per_worker_batch, self.world, cfg.optim.grad_clip,
+                                   cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
+        self.engine, self.optimizer, _ = build_engine(
+            reranker.to(self.device), ds, cfg.optim.lr, cfg.optim.weight_decay, self.plan.total_steps,
+            cfg.optim.warmup_proportion, dist_init_required=False)
+        checkpoint.install_weights_only_loading(self.engine)
+        self.module: Reranker = self.engine.module
+        self.zero3 = self.engine.zero_optimization_stage() == 3
+
+    def resume(self) -> None:
+        self.state, resumed = checkpoint.TrainState(), self.get_checkpoint()
+        if resumed is not None:
+            with resumed.as_directory() as d:
+                self.state, _ = checkpoint.load(self.engine, d, self.rank, self.plan.as_dict())
+        self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
+                             self.cfg.run.progress)
+        self.log.write(f"reranker worker {self.rank}/{self.world}: " + (
+            f"resumed at step {self.state.step}" if resumed else "fresh start")
+            + f"; this job trains steps [{self.state.step}, {self.end}) of {self.plan.total_steps}")
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        pos = self.order.mentions(step, self.rank)
+        cands = self.train.cands[pos]
+        m_tok = self.train.mentions.token_ids(self.train.mention_idx[pos])
+        e_tok = self.train.store.token_ids(np.where(cands >= 0, cands, 0))
+        lr = self.optimizer.param_groups[0]["lr"]
+        scores = candidate_scores(self.engine, self.module, m_tok, e_tok, cands, self.device)
+        loss = nce_loss(scores)  # eq. 7 over the C candidates, gold in column 0
+        self.engine.backward(loss)
+        self.engine.step()
+        self.state.step = step + 1
+        s = scores.detach()
+        real = torch.from_numpy(cands[:, 1:] >= 0).to(s.device)
+        return {"train/loss": float(loss.detach()), "train/lr": lr,
+                "train/accuracy": float((s.argmax(dim=1) == 0).float().mean()),
+                "train/gold_score": float(s[:, 0].mean()),
+                "train/negative_score": float(s[:, 1:][real].mean()) if bool(real.any()) else 0.0,
+                "train/gold_inserted": float(self.train.inserted[pos].mean()),
+                "time/step_s": time.perf_counter() - t0}
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> None:
+        run, done = self.cfg.run, step + 1
+        if done % run.log_every_steps == 0 or done == self.end:
+            keys = ("train/loss", "train/accuracy", "train/gold_score")
+            for k, v in zip(keys, self.comm.mean([metrics[k] for k in keys])):
+                metrics[k] = v
+            self.log.log(step, metrics)
+        self.log.progress({"loss": f"{metrics['train/loss']:.3f}"})
+        epoch_end = done % self.plan.steps_per_epoch == 0
+        if ((run.checkpoint_every_steps and done % run.checkpoint_every_steps == 0) or epoch_end) and done < self.end:
+            self.save_checkpoint({"step": done, "loss": metrics["train/loss"]})
+
+    def save_checkpoint(self, metrics: dict[str, Any], suffix: str = "") -> None:
+        import tempfile
+
+        from ray.train import Checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="dist_nce_rerank_ckpt_") as tmp:
+            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict())
+            self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
+                        checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
+
+    def finish(self) -> dict[str, Any]:
+        cfg = self.cfg
+        done = self.state.step >= self.plan.total_steps
+        out: dict[str, Any] = {"step": self.state.step, "done": done, "plan": self.plan.as_dict()}
+        if done:
+            t0 = time.perf_counter()
+            out["eval"] = evaluate_sets(self.module, self.eval_sets, cfg.data.num_candidates, cfg.run.eval_batch_size,
+                                        self.rank, self.world, self.comm.all_gather, cfg.run.progress)
+            if self.rank == 0:
+                self.log.write(f"evaluated {', '.join(s.split for s in self.eval_sets)} in "
+                               f"{time.perf_counter() - t0:.1f} s")
+            sd = full_state_dict(self.module, self.zero3, self.rank)
+            if self.rank == 0:
+                final = build_reranker(cfg, cfg.optim.seed)
+                final.load_state_dict(sd, strict=True)
+                final.save_pretrained(Path(cfg.run.output_dir) / MODEL_DIR)
+                out["export"] = str(Path(cfg.run.output_dir) / MODEL_DIR)
+            self.comm.barrier()
+        if self.rank == 0:
+            atomic_write_json(Path(cfg.run.output_dir) / RESULT_FILE, out)
+        self.log.close()
+        suffix = self.comm.broadcast(f"_end_{uuid.uuid4().hex[:8]}" if self.rank == 0 else None)
+        self.save_checkpoint({"step": self.state.step, "done": done}, suffix)
+        return out

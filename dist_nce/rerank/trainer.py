@@ -1,0 +1,74 @@
+"""Driver side of reranker training: TorchTrainer wiring, the printed plan, the result table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dist_nce.config import to_dict
+from dist_nce.rerank.config import RerankJobConfig
+from dist_nce.rerank.data import RerankPlan, TrainingSet
+
+
+def use_gpu(cfg: RerankJobConfig) -> bool:
+    if cfg.run.use_gpu is not None:
+        return cfg.run.use_gpu
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def fit(cfg: RerankJobConfig):
+    """Train (or resume: same run.name and storage_path) on ``run.num_workers`` workers; the ray.train Result."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from dist_nce.rerank.loop import train_func
+    from dist_nce.train.trainer import storage_uri
+
+    gpu = use_gpu(cfg)
+    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {})}
+    return TorchTrainer(
+        train_func,
+        train_loop_config={"job": to_dict(cfg)},
+        scaling_config=ScalingConfig(num_workers=cfg.run.num_workers, use_gpu=gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        run_config=RunConfig(name=cfg.run.name, storage_path=storage_uri(cfg.run.storage_path),
+                             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep)),
+    ).fit()
+
+
+def describe_plan(cfg: RerankJobConfig, plan: RerankPlan, ts: TrainingSet, gpu: bool) -> str:
+    ds = json.loads(Path(cfg.deepspeed.config).read_text())
+    stage = cfg.deepspeed.zero_stage if cfg.deepspeed.zero_stage is not None else \
+        ds.get("zero_optimization", {}).get("stage", 0)
+    bf16 = cfg.deepspeed.bf16 if cfg.deepspeed.bf16 is not None else ds.get("bf16", {}).get("enabled", False)
+    r = cfg.model.reranker
+    c = ts.candidates
+    lines = [
+        f"model: joint cross-encoder ({r.head} head) from {cfg.model.init_from or r.model or 'MiniLM'}, pairs of "
+        f"L = {r.max_len} tokens",
+        f"workers: {plan.num_workers} x DeepSpeed ZeRO-{stage} {'bf16' if bf16 else 'fp32'} on "
+        f"{'GPU (NCCL)' if gpu else 'CPU (gloo)'}",
+        f"global batch: {plan.global_batch} mentions = {plan.num_workers} workers x {plan.per_worker_batch}, "
+        f"C = {plan.num_candidates} candidates each ({plan.global_batch * plan.num_candidates} pairs per step)",
+        f"candidates: {cfg.data.candidates_format} ({ts.source}); {c.n_unknown_documents:,} unknown document ids "
+        f"dropped, {c.n_truncated:,} lists cut to C",
+        f"training mentions: {plan.train_mentions:,} of {plan.split_mentions:,} ({plan.excluded_missing_gold:,} "
+        f"excluded: gold not in the KB); gold inserted for {plan.gold_inserted:,} the retriever missed",
+        f"steps: {plan.steps_per_epoch:,} per epoch x {plan.epochs} epochs = {plan.total_steps:,}",
+    ]
+    return "\n".join("  " + line for line in lines)
+
+
+def accuracy_table(reports: dict[str, Any]) -> str:
+    """split x (U.Acc, N.Acc) macro over worlds and micro, with the candidates' recall@C."""
+    lines = [f"{'split':<8}{'mentions':>9}{'U.Acc macro':>13}{'N.Acc macro':>13}{'U.Acc micro':>13}"
+             f"{'N.Acc micro':>13}{'cand. recall':>14}"]
+    for split, rep in reports.items():
+        u, n = rep["unnormalized_accuracy"], rep["normalized_accuracy"]
+        rec = next(v for k, v in rep.items() if k.startswith("candidate_recall@"))
+        lines.append(f"{split:<8}{rep['n_mentions']:>9}{u['macro']:>13.4f}{n['macro']:>13.4f}{u['micro']:>13.4f}"
+                     f"{n['micro']:>13.4f}{rec['macro']:>14.4f}")
+    return "\n".join(lines)
