@@ -85,14 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=1_000_000, help="entities")
     ap.add_argument("--d", type=int, default=128, help="dimension")
     ap.add_argument("--shards", type=int, default=2, help="S shard actors (1 thread each)")
-    ap.add_argument("--batch", type=int, default=128, help="B queries per request")
+    ap.add_argument("--batch", type=int, default=128, help="B queries per top-k request")
+    ap.add_argument("--gumbel-batch", type=int, default=32, help="queries per exact Gumbel request (it costs "
+                    "~10x a top-k per query here)")
     ap.add_argument("--k", type=int, default=63, help="K-1 negatives")
-    ap.add_argument("--calls", type=int, default=4, help="requests per timed repeat (top-k: 4x this)")
+    ap.add_argument("--calls", type=int, default=4, help="requests per timed repeat and method")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (median)")
     ap.add_argument("--in-flight", default="1,4", help="comma-separated P values for the service rows")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
     args = ap.parse_args(argv)
-    S, B, k = args.shards, args.batch, args.k
+    S, B, Bg, k = args.shards, args.batch, min(args.gumbel_batch, args.batch), args.k
     flights = [int(p) for p in args.in_flight.split(",")]
     configure_process(threads=S)  # the in-process baselines get the service's total threads
     load_before = os.getloadavg()[0]
@@ -105,12 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     centres = unit_centres(clusters, args.d, seed=0)
     t0 = time.perf_counter()
     ents = clustered(args.n, args.d, clusters, seed=1, scale=4.0, centres=centres)
-    topk_calls = 4 * args.calls
+    topk_calls = args.calls
     g = torch.Generator().manual_seed(2)
     gold = torch.randint(0, args.n, (topk_calls, B), generator=g)
     noise = torch.randn(topk_calls, B, args.d, generator=g) * 0.5 / args.d ** 0.5
     queries = 4.0 * torch.nn.functional.normalize(ents[gold] / 4.0 + noise, dim=-1)
     qkeys = torch.arange(topk_calls * B).view(topk_calls, B)
+    gq, ggold, gkeys = queries[:, :Bg], gold[:, :Bg], qkeys[:, :Bg]  # the Gumbel requests
     print(f"data: {args.n:,} x {args.d} clustered ({clusters} clusters) in {time.perf_counter() - t0:.1f} s",
           flush=True)
 
@@ -152,12 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         **{f"topk: service S={S}, P={p}": (
             "topk", lambda j: service.topk(queries[j], k, gold[j]), topk_calls, p, 1) for p in flights},
         f"gumbel: exact, {one} (baseline)": ("gumbel", in_process(lambda j: hard_negatives(
-            flat.gumbel_topk(queries[j], k, gold[j], 11, qkeys[j]), k)), args.calls, 1, S),
+            flat.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, S),
         f"gumbel: exact, {many}": (
-            "gumbel", partitioned(lambda part, j: part.gumbel_topk(queries[j], k, gold[j], 11, qkeys[j]),
+            "gumbel", partitioned(lambda part, j: part.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]),
                                   lambda res: hard_negatives(merge_results(res, k), k)), args.calls, 1, 1),
         **{f"gumbel: service mine S={S}, P={p}": ("gumbel", lambda j: service.mine(
-            queries[j], gold[j], k, 0, 11, qkeys[j]), args.calls, p, 1) for p in flights},
+            gq[j], ggold[j], k, 0, 11, gkeys[j]), args.calls, p, 1) for p in flights},
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
 
@@ -178,20 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     # ---- agreement of the service's answers with the in-process ones (same data, same seeds)
     svc_topk = service.topk(queries[0], k, gold[0]).result()
     ref_topk = flat.topk(queries[0], k, gold[0])
-    svc_mine = service.mine(queries[0], gold[0], k, 0, 11, qkeys[0]).result()
-    ref_mine = flat.gumbel_topk(queries[0], k, gold[0], 11, qkeys[0])
+    svc_mine = service.mine(gq[0], ggold[0], k, 0, 11, gkeys[0]).result()
+    ref_mine = flat.gumbel_topk(gq[0], k, ggold[0], 11, gkeys[0])
     pool.shutdown()
     agreement = {"topk_ids_equal_fraction": float((svc_topk.ids == ref_topk.ids).float().mean()),
                  "gumbel_ids_equal_fraction": float((svc_mine.negatives.ids == ref_mine.ids).float().mean())}
     noop_s, _ = median_time(lambda: service.status(), 10)
 
-    flops = 2 * B * args.n * args.d  # per request of B queries
     rows, base, no_ray = [], {}, {}
     for name, (group, _, calls, p, t) in methods.items():
+        batch = B if group == "topk" else Bg
         per_request = statistics.median(times[name]) / calls
-        gflops = flops / per_request / 1e9
-        row = {"method": name, "group": group, "in_flight": p, "requests": calls, "batch": B,
-               "blas_threads_per_search": t, "qps": B / per_request, "ms_per_query": 1e3 * per_request / B,
+        gflops = 2 * batch * args.n * args.d / per_request / 1e9  # 2 B N d per search
+        row = {"method": name, "group": group, "in_flight": p, "requests": calls, "batch": batch,
+               "blas_threads_per_search": t, "qps": batch / per_request, "ms_per_query": 1e3 * per_request / batch,
                "gflops": gflops, "fraction_of_gemm_peak": gflops / peak[S], "seconds_all": times[name]}
         if "baseline" in name:
             base[group] = row
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                                                   / no_ray[row["group"]]["ms_per_query"])
     service.shutdown()
 
-    print(f"\nN={args.n:,} d={args.d} B={B} k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
+    print(f"\nN={args.n:,} d={args.d} B={B} (Gumbel: {Bg}) k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
           f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print_table(rows, [("method", "method", "<56s"), ("qps", "q/s", ">8.1f"), ("x_baseline", "x base", ">6.2f"),
                        ("ms_per_query", "ms/q", ">7.2f"), ("ray_overhead_ms_per_query", "-base ms/q", ">8.2f"),
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"no-op fan-out round trip (status of {S} shards): {1e3 * noop_s:.1f} ms; agreement with "
           f"in-process: {agreement}")
     out = save_results("mining", {
-        "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "k": k,
+        "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
         "gemm_peak_gflops": {str(t): v for t, v in peak.items()}, "service_start_s": start_s,
         "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,
         "machine": machine_info(threads_in_process=S, threads_per_shard=1, load_average_before=load_before),

@@ -1,0 +1,226 @@
+"""KILT scale on one machine: 5.9M synthetic entities across S shard actors.
+
+5,903,530 clustered synthetic entity vectors (the KILT knowledge source's size) x d=64
+fp32 (or d=128 fp16 with ``--dtype fp16``: the same bytes) are written as each shard's
+persisted version 0, generated one shard at a time in blocks (no per-row Python), and S
+EntityShard actors of a real NegativeService reload them and build a faiss flat index.
+Reported:
+
+- build: vector generation + write, and service start until every shard serves (reload +
+  index build, shards in parallel);
+- memory per shard: RSS of each actor process (psutil), its peak (VmHWM), and RSS minus
+  the RSS of an EMPTY shard process (same code, no vectors: the interpreter, torch,
+  faiss, Ray), against the raw bytes of the shard's vectors (target <= 1.3x);
+- mining time for 18,395 AIDA-train-size queries with K-1 = 63 negatives, side by side:
+  exact Gumbel-top-k (brute force: a score and a Gumbel key for every (query, entity)
+  pair, ~1.1e11 of them) and faiss flat mode (faiss top-N candidates, then Gumbel within
+  them plus the tail estimate). The exact mode times ``--exact-queries`` queries and
+  extrapolates linearly; flat mode runs until all queries are done or ``--flat-budget-s``
+  passes, then extrapolates. Extrapolated figures are LABELLED in the table and JSON.
+
+Queries are noisy copies of cluster centres (the driver never holds the 5.9M vectors);
+each gets a random gold row, excluded as in training. Prints tables and writes
+benchmarks/results/scale.json.
+
+    .venv/bin/python benchmarks/scale.py                     # 5.9M x 64 fp32, 4 shards: ~10 minutes
+    .venv/bin/python benchmarks/scale.py --entities 500000   # smaller
+    .venv/bin/python benchmarks/scale.py --dtype fp16 --d 128
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import (clustered, machine_info, print_table, process_memory, save_results,  # noqa: E402
+                               unit_centres, vector_service)
+from dist_nce.index.search import IndexConfig  # noqa: E402
+from dist_nce.index.service_config import ServiceConfig  # noqa: E402
+from dist_nce.runtime import configure_process, init_ray  # noqa: E402
+
+KILT_ENTITIES = 5_903_530
+AIDA_TRAIN = 18_395
+
+
+def empty_shard_memory(store: str, config: ServiceConfig, d: int, storage_dtype: str) -> dict:
+    """Memory of a shard process holding no vectors: the per-process floor to subtract."""
+    import ray
+
+    from dist_nce.index.shard import start_shard
+    from dist_nce.modeling.retriever import RetrieverConfig
+
+    with tempfile.TemporaryDirectory(prefix="dist-nce-empty-shard-") as root:
+        # num_cpus=0: the serving shards hold every CPU Ray was given; this one only has to start.
+        handle = start_shard(store, (0, 1), 0, 1, RetrieverConfig(preset="dual", storage_dtype=storage_dtype),
+                             dataclasses.replace(config, num_cpus=0), root, d)
+        status = ray.get(handle.status.remote())
+        mem = process_memory(status["pid"])
+        ray.kill(handle, no_restart=True)
+    return mem
+
+
+def run_queries(mine: Callable[[int], Any], batches: int, in_flight: int, budget_s: float | None) -> tuple[int, float]:
+    """Submit batches 0, 1, ... keeping ``in_flight`` pending, until all are done or ``budget_s``
+    passes; (batches answered, seconds)."""
+    t0 = time.perf_counter()
+    pending: collections.deque = collections.deque()
+    done = submitted = 0
+    while done < batches:
+        over = budget_s is not None and time.perf_counter() - t0 > budget_s
+        while not over and submitted < batches and len(pending) < in_flight:
+            pending.append(mine(submitted))
+            submitted += 1
+        if not pending:
+            break
+        pending.popleft().result()
+        done += 1
+    return done, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entities", type=int, default=KILT_ENTITIES)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="vector storage (faiss Flat / SQfp16)")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=AIDA_TRAIN, help="queries to mine for (AIDA train)")
+    ap.add_argument("--k", type=int, default=63, help="K-1 negatives")
+    ap.add_argument("--batch", type=int, default=128, help="queries per mine() request")
+    ap.add_argument("--in-flight", type=int, default=2, help="mine() requests kept in flight")
+    ap.add_argument("--exact-queries", type=int, default=512, help="queries timed in exact Gumbel mode")
+    ap.add_argument("--flat-budget-s", type=float, default=150.0, help="seconds of flat-mode mining before "
+                    "extrapolating")
+    ap.add_argument("--candidates", type=int, default=1024, help="flat mode: faiss top-N before Gumbel")
+    ap.add_argument("--workdir", default=None, help="where vectors are persisted (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the workdir (reuse it with --workdir next time)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale.json)")
+    args = ap.parse_args(argv)
+    n, d, S, B = args.entities, args.d, args.shards, args.batch
+    configure_process(threads=1)
+    itemsize = 4 if args.dtype == "fp32" else 2
+    raw = n * d * itemsize
+    need = 2 * raw + S * 600 * 2 ** 20  # build peak (reps + faiss copy) plus the processes' floor
+    avail = psutil.virtual_memory().available
+    load_before = os.getloadavg()[0]
+    print(f"{n:,} x {d} {args.dtype} = {raw / 2 ** 30:.2f} GiB over {S} shards; {avail / 2 ** 30:.1f} GiB "
+          f"available; load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
+    if avail < need:
+        sys.exit(f"scale.py: needs about {need / 2 ** 30:.1f} GiB free, {avail / 2 ** 30:.1f} GiB available; "
+                 "use --entities to run smaller")
+
+    storage_dtype = {"fp32": "float32", "fp16": "float16"}[args.dtype]
+    clusters = max(16, n // 500)
+    centres = unit_centres(clusters, d, seed=0)
+    root = args.workdir or tempfile.mkdtemp(prefix="dist-nce-scale-")
+    reuse = args.workdir is not None
+    init_ray(num_cpus=os.cpu_count())
+    index = IndexConfig(backend="flat", storage=args.dtype, gumbel="exact")
+    cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, max_concurrency=4, index=index)
+
+    gen_s = [0.0]
+
+    def shard_vectors(i: int, a: int, b: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = clustered(b - a, d, clusters, seed=1000 + i, scale=4.0, centres=centres)
+        gen_s[0] += time.perf_counter() - t0
+        return out
+
+    t0 = time.perf_counter()
+    service, start_exact = vector_service(root, n, d, shard_vectors, cfg, storage_dtype=storage_dtype, reuse=reuse)
+    write_s = time.perf_counter() - t0 - start_exact
+    print(f"vectors: generated in {gen_s[0]:.1f} s, generated + written in {write_s:.1f} s; service (exact "
+          f"mode) serving after {start_exact:.1f} s", flush=True)
+
+    # ---- memory per shard
+    floor = empty_shard_memory(str(os.path.join(root, "store")), cfg, d, storage_dtype)
+    mem_rows = []
+    for status in service.status():
+        a, b = status["rows"]
+        mem = process_memory(status["pid"])
+        shard_raw = (b - a) * d * itemsize / 2 ** 20
+        extra = mem["rss_mib"] - floor["rss_mib"]
+        mem_rows.append({"shard": status["shard"], "rows": f"[{a:,}, {b:,})", "raw_mib": shard_raw, **mem,
+                         "empty_shard_rss_mib": floor["rss_mib"], "rss_minus_empty_mib": extra,
+                         "ratio_rss_minus_empty": extra / shard_raw, "ratio_rss": mem["rss_mib"] / shard_raw,
+                         "ratio_peak_minus_empty": (mem["peak_rss_mib"] - floor["rss_mib"]) / shard_raw
+                         if mem["peak_rss_mib"] else None})
+
+    # ---- queries: noisy cluster centres, a random gold row each
+    g = torch.Generator().manual_seed(7)
+    batches = -(-args.queries // B)
+    q = centres[torch.randint(0, clusters, (batches * B,), generator=g)]
+    q = 4.0 * torch.nn.functional.normalize(q + 0.5 / d ** 0.5 * torch.randn(q.shape, generator=g), dim=1)
+    q = q.view(batches, B, d)
+    gold = torch.randint(0, n, (batches, B), generator=g)
+    qkeys = torch.arange(batches * B).view(batches, B)
+
+    def miner(svc) -> Callable[[int], Any]:
+        return lambda j: svc.mine(q[j], gold[j], args.k, 0, 3, qkeys[j])
+
+    mine_rows = []
+
+    def record(mode: str, svc, batches_wanted: int, budget: float | None, start_s: float) -> None:
+        run_queries(miner(svc), 1, 1, None)  # warm-up
+        done, seconds = run_queries(miner(svc), batches_wanted, args.in_flight, budget)
+        measured = done * B
+        per_query = seconds / measured
+        full = per_query * args.queries
+        mine_rows.append({"mode": mode, "queries_measured": measured, "seconds_measured": seconds,
+                          "qps": 1 / per_query, "queries": args.queries, "minutes_for_all": full / 60,
+                          "extrapolated": measured < args.queries, "service_start_s": start_s,
+                          "label": f"extrapolated from {measured:,} queries" if measured < args.queries else
+                          "measured"})
+        print(f"{mode}: {measured:,} queries in {seconds:.1f} s", flush=True)
+
+    exact_batches = min(batches, max(1, -(-args.exact_queries // B)))
+    record("exact Gumbel (brute force)", service, exact_batches, None, start_exact)
+    service.shutdown()
+
+    cand = {"gumbel": "candidates", "candidates": args.candidates, "tail_sample": 1024}
+    cfg_flat = dataclasses.replace(cfg, index=dataclasses.replace(index, **cand))
+    service, start_flat = vector_service(root, n, d, shard_vectors, cfg_flat, storage_dtype=storage_dtype,
+                                         reuse=True)
+    record(f"faiss flat (top-{args.candidates} + Gumbel)", service, batches, args.flat_budget_s, start_flat)
+    trunc = service.mine(q[0], gold[0], args.k, 0, 3, qkeys[0]).result().truncation
+    mine_rows[-1]["truncation_mean"] = float(trunc.mean()) if trunc is not None else None
+    service.shutdown()
+    for row in mine_rows:
+        row["x_exact"] = mine_rows[0]["minutes_for_all"] / row["minutes_for_all"]
+
+    print(f"\n{n:,} entities x {d} {args.dtype}, {S} shards x 1 thread; load average {load_before:.1f} -> "
+          f"{os.getloadavg()[0]:.1f}; empty shard process: {floor['rss_mib']:.0f} MiB RSS")
+    print_table(mem_rows, [("shard", "shard", ">5d"), ("rows", "rows", "<24s"), ("raw_mib", "raw MiB", ">8.0f"),
+                           ("rss_mib", "RSS MiB", ">8.0f"), ("peak_rss_mib", "peak MiB", ">8.0f"),
+                           ("rss_minus_empty_mib", "RSS-empty", ">9.0f"),
+                           ("ratio_rss_minus_empty", "(RSS-empty)/raw", ">6.2f"),
+                           ("ratio_peak_minus_empty", "(peak-empty)/raw", ">6.2f"), ("ratio_rss", "RSS/raw", ">6.2f")])
+    print()
+    print_table(mine_rows, [("mode", "mining mode", "<34s"), ("queries_measured", "timed q", ">8d"),
+                            ("qps", "q/s", ">8.1f"), ("minutes_for_all", f"min for {args.queries:,} q", ">8.1f"),
+                            ("x_exact", "x exact", ">7.1f"), ("service_start_s", "start s", ">7.1f"),
+                            ("label", "", "<36s")])
+    out = save_results("scale", {
+        "benchmark": "scale", "entities": n, "d": d, "dtype": args.dtype, "shards": S, "k": args.k,
+        "batch": B, "in_flight": args.in_flight, "raw_bytes": raw, "vector_generation_s": gen_s[0],
+        "vector_generate_and_write_s": write_s, "empty_shard_memory": floor, "memory": mem_rows,
+        "mining": mine_rows,
+        "machine": machine_info(threads_per_shard=1, load_average_before=load_before),
+    }, args.out)
+    print(f"wrote {out}")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
