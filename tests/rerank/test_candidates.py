@@ -1,0 +1,64 @@
+"""Gold insertion for reranker training, against a per-row list reference."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dist_nce.rerank.candidates import candidates_path, gold_first, read_split_candidates
+
+
+def reference(row: list[int], gold: int) -> list[int]:
+    """The paper's loader, on one list: append the gold if missing, gold first, cut to C."""
+    c = len(row)
+    xs = [x for x in row if x != -1]
+    if gold not in xs:
+        xs.append(gold)
+    xs = [gold] + [x for x in xs if x != gold]
+    return (xs + [-1] * c)[:c]
+
+
+def test_matches_reference_on_random_rows():
+    rng = np.random.default_rng(0)
+    n, c = 300, 6
+    rows = np.stack([rng.permutation(20)[:c] for _ in range(n)])
+    short = rng.random(n) < 0.3  # lists shorter than C end in empty slots
+    for i in np.flatnonzero(short):
+        rows[i, rng.integers(1, c):] = -1
+    gold = np.where(rng.random(n) < 0.5, rows[np.arange(n), rng.integers(0, c, n)], rng.integers(0, 20, n))
+    gold = np.where(gold < 0, 19, gold)
+    got, inserted = gold_first(rows, gold)
+    for i in range(n):
+        assert got[i].tolist() == reference(rows[i].tolist(), int(gold[i])), (rows[i], gold[i])
+        assert inserted[i] == (gold[i] not in rows[i])
+    assert inserted.any() and (~inserted).any() and short.any()
+
+
+def test_cases():
+    rows = np.array([[5, 7, 9], [5, 7, 9], [5, -1, -1], [9, 5, 7]])
+    got, inserted = gold_first(rows, np.array([7, 3, 3, 7]))
+    assert got.tolist() == [[7, 5, 9],  # present: moved to the front, order of the rest kept
+                            [3, 5, 7],  # missing, full list: the lowest-ranked (9) drops out
+                            [3, 5, -1],  # missing, short list: fills an empty slot, nothing drops
+                            [7, 9, 5]]
+    assert inserted.tolist() == [False, True, True, False]
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="gold row -1 at mention 1"):
+        gold_first(np.array([[1, 2], [3, 4]]), np.array([1, -1]))
+    with pytest.raises(ValueError, match="C >= 2"):
+        gold_first(np.array([[1], [3]]), np.array([1, 3]))
+    with pytest.raises(ValueError, match=r"rows \[N, C\] and gold \[N\]"):
+        gold_first(np.array([1, 2]), np.array([1]))
+
+
+def test_candidate_files_by_format(tmp_path):
+    (tmp_path / "candidates_val.json").write_text(json.dumps({"mention_id": "m", "candidates": ["a", "b"]}) + "\n")
+    (tmp_path / "val.json").write_text(json.dumps({"mention_id": "m", "tfidf_candidates": ["c"]}) + "\n")
+    assert read_split_candidates(tmp_path, "val", "retriever")[0] == {"m": ["a", "b"]}
+    assert read_split_candidates(tmp_path, "val", "tfidf") == ({"m": ["c"]}, tmp_path / "val.json")
+    assert candidates_path(tmp_path, "test", "tfidf").name == "test.json"
+    with pytest.raises(FileNotFoundError, match="candidates_test.json: no retriever candidates for split 'test'"):
+        read_split_candidates(tmp_path, "test", "retriever")

@@ -1,0 +1,147 @@
+"""Reranker data (training set, plan, evaluation sets) and its sharded evaluation, without Ray.
+
+Synthetic Zeshel; the train store holds ONE train world, so the other train world's
+mentions have no gold in it (excluded from training, counted).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.eval.zeshel import evaluate_reranker_split, read_candidates, read_tfidf_candidates
+from dist_nce.modeling.encoder import load_transformer
+from dist_nce.modeling.reranker import Reranker, RerankerConfig
+from dist_nce.rerank.config import RerankJobConfig
+from dist_nce.rerank.data import data_order, load_eval_sets, load_training_set, make_plan
+from dist_nce.rerank.loop import candidate_scores, evaluate_sets
+from dist_nce.text import load_tokenizer
+from kb.prepare import PrepareConfig, prepare
+from kb.store import EntityStore, MentionTable
+from kb.synthetic import write_zeshel
+
+C = 6
+
+
+def _write(path, key, lists):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"mention_id": m, key: docs}) + "\n" for m, docs in lists.items()))
+
+
+def _lists(store: EntityStore, mentions: MentionTable, rng: np.random.Generator) -> dict[str, list[str]]:
+    """Per mention: C document ids of its world (plus one unknown id), the gold among them about half the time."""
+    out = {}
+    ranges = store.world_ranges()
+    for mid, world, gold in zip(mentions.mention_ids, mentions.worlds, mentions.gold_rows):
+        a, b = ranges.get(world, (0, len(store)))
+        rows = [int(r) for r in rng.permutation(np.arange(a, b)) if r != gold][:C]
+        if gold >= 0 and rng.random() < 0.5:
+            rows[int(rng.integers(C))] = int(gold)
+        out[mid] = store.source_ids(rows) + ["NOT-A-DOCUMENT"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("rerank_data")
+    write_zeshel(root / "src", ["starwars", "military", "muppets", "lego"], 25, 16, seed=2)
+    common = dict(zeshel_root=str(root / "src"), model_dir=tiny_model_dir, entity_max_len=32, mention_max_len=32,
+                  progress=False)
+    prepare(PrepareConfig(out=str(root / "train"), zeshel_worlds="starwars", zeshel_splits="train", **common),
+            log=lambda _: None)
+    prepare(PrepareConfig(out=str(root / "eval"), zeshel_worlds="val,test", zeshel_splits="val,test", **common),
+            log=lambda _: None)
+    rng = np.random.default_rng(0)
+    for store_dir, splits in (("train", ["train"]), ("eval", ["val", "test"])):
+        store = EntityStore(root / store_dir)
+        for split in splits:
+            lists = _lists(store, MentionTable(root / store_dir, split), rng)
+            _write(root / "cands" / f"candidates_{split}.json", "candidates", lists)
+            _write(root / "tfidf" / f"{split}.json", "tfidf_candidates", {m: d[::-1] for m, d in lists.items()})
+    return root
+
+
+def config(root, fmt="retriever", **data) -> RerankJobConfig:
+    cfg = RerankJobConfig()
+    cfg.data.train_store, cfg.data.eval_store = str(root / "train"), str(root / "eval")
+    cfg.data.candidates_dir = str(root / ("cands" if fmt == "retriever" else "tfidf"))
+    cfg.data.candidates_format, cfg.data.num_candidates = fmt, C
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    cfg.optim.batch_size, cfg.optim.epochs = 4, 2
+    return cfg
+
+
+def test_training_set_and_plan(setup):
+    ts = load_training_set(config(setup))
+    gold = ts.mentions.gold_rows
+    worlds = np.array(ts.mentions.worlds)
+    # military's mentions have no gold in a starwars-only store: excluded, counted.
+    assert set(worlds[gold < 0]) == {"military"} and (gold[ts.mention_idx] >= 0).all()
+    assert np.array_equal(ts.cands[:, 0], gold[ts.mention_idx]) and ts.cands.shape[1] == C
+    had_gold = ts.candidates.gold_pos[ts.mention_idx] >= 0
+    assert np.array_equal(ts.inserted, ~had_gold) and ts.inserted.any() and had_gold.any()
+    assert ts.candidates.n_unknown_documents == len(ts.mentions)  # one per line, dropped
+    plan = make_plan(config(setup), ts)
+    assert plan.excluded_missing_gold == int((gold < 0).sum()) and plan.train_mentions == len(ts.mention_idx)
+    assert plan.gold_inserted == int(ts.inserted.sum())
+    assert plan.total_steps == 2 * (plan.train_mentions // 4)
+    order = data_order(plan)
+    seen = np.concatenate([order.mentions(s, 0) for s in range(plan.steps_per_epoch)])
+    assert len(set(seen.tolist())) == len(seen) == plan.steps_per_epoch * 4  # each example once per epoch
+    small = make_plan(config(setup, max_train_mentions=10), load_training_set(config(setup, max_train_mentions=10)))
+    assert small.train_mentions + small.excluded_missing_gold == 10
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_model_dir):
+    torch.manual_seed(0)
+    r = Reranker(RerankerConfig(model=tiny_model_dir, max_len=48, head="cls", dropout=0.0),
+                 load_transformer(tiny_model_dir), load_tokenizer(tiny_model_dir)).eval()
+    with torch.no_grad():  # spread a random tiny BERT's near-equal scores (see tests/eval)
+        for p in r.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return r
+
+
+@pytest.mark.parametrize("fmt", ["retriever", "tfidf"])
+def test_sharded_evaluation_equals_reranking_every_mention(setup, reranker, fmt):
+    """Skipping mentions whose gold is not a candidate, and splitting the rest over 2 ranks,
+    gives eval.zeshel's report over all mentions."""
+    cfg = config(setup, fmt)
+    sets = load_eval_sets(cfg)
+    assert [s.split for s in sets] == ["val", "test"]
+    if fmt == "tfidf":
+        assert sets[0].source.endswith("tfidf/val.json")
+    sent: list = []
+    assert evaluate_sets(reranker, sets, C, 1, rank=1, world=2, all_gather=lambda p: sent.append(p) or [p, p]) is None
+    got = evaluate_sets(reranker, sets, C, 1, rank=0, world=2, all_gather=lambda p: [p, sent.pop(0)])
+    for s in sets:
+        raw = read_tfidf_candidates(s.source) if fmt == "tfidf" else read_candidates(s.source)
+        want = evaluate_reranker_split(reranker, s.store, s.mentions, raw, C, s.source, batch_size=1, progress=False)
+        mine = got[s.split]
+        for key in ("unnormalized_accuracy", "normalized_accuracy", f"candidate_recall@{C}"):
+            assert mine[key] == want[key], key
+        assert 0 < mine["n_gold_not_in_candidates"] < mine["n_mentions"]
+        u, n, r = (mine[k]["micro"] for k in ("unnormalized_accuracy", "normalized_accuracy", f"candidate_recall@{C}"))
+        assert u == pytest.approx(n * r)
+
+
+def test_max_eval_mentions(setup):
+    sets = load_eval_sets(config(setup, max_eval_mentions=5))
+    assert all(len(s.candidates.gold_pos) == 5 and s.candidates.n_extra_mentions > 0 for s in sets)
+    full = MentionTable(setup / "eval", "val")
+    assert sets[0].mentions.mention_ids == full.mention_ids[:5]
+    assert np.array_equal(sets[0].mentions.token_ids([4]), full.token_ids([4]))
+
+
+def test_empty_slots_score_minus_inf(setup, reranker):
+    ts = load_training_set(config(setup))
+    cands = ts.cands[:2].copy()
+    cands[1, 3:] = -1
+    scores = candidate_scores(reranker, reranker, ts.mentions.token_ids(ts.mention_idx[:2]),
+                              ts.store.token_ids(np.maximum(cands, 0)), cands, torch.device("cpu"))
+    assert scores.shape == (2, C) and torch.isinf(scores[1, 3:]).all() and torch.isfinite(scores[0]).all()
+    assert torch.isfinite(scores[1, :3]).all()
