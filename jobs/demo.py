@@ -41,8 +41,14 @@ def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> 
 def _start_head(bin_dir: Path, port: int, dash: int, env: dict[str, str]) -> subprocess.Popen:
     """``ray start --head --block`` in its own process group, so that stopping it ends
     exactly this cluster (``ray stop`` would end every Ray on the machine)."""
+    # Every listening port is chosen free, so the demo runs beside another Ray on the machine
+    # (the defaults, e.g. the agent's 52365, would collide with it).
+    agent_ports = [f"--{name}={free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port", "ray-client-server-port")]
     cmd = [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
-           "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"]
+           *agent_ports, "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+           "--disable-usage-stats"]
     print("$ " + " ".join(cmd), flush=True)
     head = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 180
@@ -61,13 +67,43 @@ def _start_head(bin_dir: Path, port: int, dash: int, env: dict[str, str]) -> sub
 
 
 def _stop_head(head: subprocess.Popen) -> None:
+    # SIGTERM to `ray start --block` alone: it drains the node and stops the processes it
+    # started; the group kill only sweeps up anything left behind.
     if head.poll() is None:
-        os.killpg(head.pid, signal.SIGTERM)
+        head.send_signal(signal.SIGTERM)
         try:
-            head.wait(timeout=60)
+            head.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    head.wait()
+
+
+def _submit_and_follow(bin_dir: Path, dash: int, config: str, overrides: list[str], env: dict[str, str]) -> int:
+    """``ray job submit`` (retried while the fresh head's job agent is still starting), then
+    ``ray job logs --follow`` and the final ``ray job status``; returns 0 if it SUCCEEDED."""
+    address = f"--address=http://127.0.0.1:{dash}"
+    job_id = f"dist_nce_demo_{int(time.time())}"
+    submit = ["job", "submit", address, f"--submission-id={job_id}", "--no-wait", "--working-dir", ".", "--",
+              "python", "jobs/aida_finetune.py", "--config", config]
+    for o in overrides:
+        submit += ["--set", o]
+    for attempt in range(30):
+        if _ray(bin_dir, *submit, env=env, check=False).returncode == 0:
+            break
+        print("the head's job agent is not up yet; retrying in 5 s", flush=True)
+        time.sleep(5)
+    else:
+        return 1
+    _ray(bin_dir, "job", "logs", address, "--follow", job_id, env=env, check=False)
+    status = subprocess.run([str(bin_dir / "ray"), "job", "status", address, job_id], env=env, cwd=ROOT,
+                            capture_output=True, text=True)
+    said = (status.stdout + status.stderr).strip()
+    print(said.splitlines()[-1] if said else "ray job status printed nothing", flush=True)
+    return 0 if "SUCCEEDED" in said else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,11 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     head = _start_head(bin_dir, port, dash, env)
     try:
-        submit = ["job", "submit", f"--address=http://127.0.0.1:{dash}", "--working-dir", ".", "--",
-                  "python", "jobs/aida_finetune.py", "--config", args.config]
-        for o in overrides:
-            submit += ["--set", o]
-        rc = _ray(bin_dir, *submit, env=env, check=False).returncode
+        rc = _submit_and_follow(bin_dir, dash, args.config, overrides, env)
     finally:
         _stop_head(head)
     if rc != 0:
