@@ -1,0 +1,168 @@
+"""A grid of Zeshel retriever runs (architectures x negatives), tabulated like the paper's Table 1.
+
+Pure pieces used by ``jobs/zeshel_grid.py``: the rows file, each row's config, the
+results table (Markdown), the hard/mixed-versus-random comparison and a bar chart.
+
+A rows file (``configs/zeshel/table1_rows.yaml``, ``configs/zeshel/grid_tiny_rows.yaml``)::
+
+    rows:
+      - name: dual_hard
+        set: [model.retriever.preset=dual, negatives.mode=hard, service.index.backend=flat]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from dist_nce.config import ConfigError, load_config
+from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
+
+EVAL_SPLITS = ("val", "test")
+
+
+@dataclass(frozen=True)
+class GridRow:
+    name: str
+    overrides: tuple[str, ...]
+
+
+def load_rows(path: str | Path) -> list[GridRow]:
+    """Rows of a rows file; a malformed entry is a ConfigError naming the file and the row."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{path}: expected a top-level 'rows:' list")
+    out: list[GridRow] = []
+    for i, row in enumerate(rows):
+        ok = isinstance(row, dict) and set(row) == {"name", "set"} and isinstance(row["name"], str) and \
+            isinstance(row["set"], list) and all(isinstance(s, str) and "=" in s for s in row["set"])
+        if not ok:
+            raise ConfigError(f"{path}: rows[{i}]: expected {{name: str, set: [key=value, ...]}}, got {row!r}")
+        if row["name"] in {r.name for r in out}:
+            raise ConfigError(f"{path}: rows[{i}]: name {row['name']!r} used twice")
+        out.append(GridRow(row["name"], tuple(row["set"])))
+    return out
+
+
+def row_config(base: str | Path, row: GridRow, out_dir: str | Path, overrides: Sequence[str] = ()
+               ) -> ZeshelRetrieverConfig:
+    """The base config + the grid's overrides + the row's, run under ``<out_dir>/<row>`` (absolute paths).
+
+    Every row shares the base's prepared stores (``data.prepared_dir``, ``zeshel.eval_store``).
+    """
+    run_dir = Path(out_dir) / row.name
+    where = [f"run.name=zeshel_grid_{row.name}", f"run.output_dir={run_dir}"]
+    return absolute(load_config(ZeshelRetrieverConfig, base, [*overrides, *row.overrides, *where]))
+
+
+def labels(cfg: ZeshelRetrieverConfig) -> tuple[str, str]:
+    """(architecture, negatives) as the paper names them: ("multi-8", "mixed-50")."""
+    r, n = cfg.model.retriever, cfg.negatives
+    arch = f"{r.preset}-{r.m}" if r.m else r.preset
+    neg = f"mixed-{n.p:g}" if n.mode == "mixed" else n.mode
+    return arch, neg
+
+
+def cell(name: str, cfg: ZeshelRetrieverConfig, summary: dict[str, Any], losses: Sequence[float] = (),
+         negatives: str | None = None) -> dict[str, Any]:
+    """One grid cell: labels, top-k recall (own world and split union; macro over worlds and micro),
+    and the mean training loss over the first and the last tenth of the steps."""
+    arch, neg = labels(cfg)
+    neg = negatives or neg
+    k = cfg.zeshel.k
+    out: dict[str, Any] = {"name": name, "architecture": arch, "negatives": neg, "k": k,
+                           "done": summary.get("done"), "seconds": summary.get("seconds")}
+    for split in EVAL_SPLITS:
+        rep = (summary.get("zeshel") or {}).get(split)
+        for setting in ("own_world", "split_union"):
+            for how in ("macro", "micro"):
+                value = rep[setting][f"recall@{k}"][how] if rep and setting in rep else math.nan
+                out[f"{split}/{setting}/{how}"] = value
+    if losses:
+        tenth = max(1, len(losses) // 10)
+        out["loss_first"] = sum(losses[:tenth]) / tenth
+        out["loss_last"] = sum(losses[-tenth:]) / tenth
+    return out
+
+
+def _fmt(v: float) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.2f}"
+
+
+def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
+    """Table 1's layout: one row per (architecture, negatives), top-k recall in percent,
+    own-world macro over worlds first (the paper's number), then the split-union macro."""
+    k = cells[0]["k"] if cells else 64
+    head = (f"| architecture | negatives | val R@{k} (own world) | test R@{k} (own world) | "
+            f"val R@{k} (split union) | test R@{k} (split union) |")
+    lines = [head, "|" + "---|" * 6]
+    for c in cells:
+        lines.append(f"| {c['architecture']} | {c['negatives']} | " + " | ".join(
+            _fmt(c[f"{s}/{setting}/macro"]) for setting in ("own_world", "split_union") for s in EVAL_SPLITS) + " |")
+    return "\n".join(lines)
+
+
+def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each architecture with a random row: does each other negative type beat random?
+
+    Compared on own-world macro recall, val and test separately; ``beats_random`` needs both.
+    """
+    out = []
+    by_arch: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in cells:
+        by_arch.setdefault(c["architecture"], {})[c["negatives"]] = c
+    for arch, negs in by_arch.items():
+        base = negs.get("random")
+        if base is None:
+            continue
+        for neg, c in negs.items():
+            if neg == "random":
+                continue
+            delta = {s: c[f"{s}/own_world/macro"] - base[f"{s}/own_world/macro"] for s in EVAL_SPLITS}
+            out.append({"architecture": arch, "negatives": neg, **{f"delta_{s}": d for s, d in delta.items()},
+                        "beats_random": all(d > 0 for d in delta.values())})
+    return out
+
+
+def comparison_text(rows: Sequence[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"- {r['architecture']}: {r['negatives']} vs random: val {100 * r['delta_val']:+.2f}, test "
+        f"{100 * r['delta_test']:+.2f} points -> {'beats' if r['beats_random'] else 'does not beat'} random"
+        for r in rows)
+
+
+def plot(cells: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:
+    """Grouped bars: own-world macro recall@k per architecture, one bar per negative type, val and test panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    archs = list(dict.fromkeys(c["architecture"] for c in cells))
+    negs = list(dict.fromkeys(c["negatives"] for c in cells))
+    k = cells[0]["k"]
+    fig, axes = plt.subplots(1, len(EVAL_SPLITS), figsize=(5 * len(EVAL_SPLITS), 4), sharey=True)
+    width = 0.8 / len(negs)
+    for ax, split in zip(axes, EVAL_SPLITS):
+        for j, neg in enumerate(negs):
+            xs, ys = [], []
+            for i, arch in enumerate(archs):
+                c = next((c for c in cells if c["architecture"] == arch and c["negatives"] == neg), None)
+                if c is not None and not math.isnan(c[f"{split}/own_world/macro"]):
+                    xs.append(i + (j - (len(negs) - 1) / 2) * width)
+                    ys.append(100 * c[f"{split}/own_world/macro"])
+            bars = ax.bar(xs, ys, width, label=neg)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks(range(len(archs)), archs)
+        ax.set_title(f"{split} worlds")
+        ax.set_ylabel(f"top-{k} recall, own world, macro (%)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(title="negatives")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
