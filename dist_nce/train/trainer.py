@@ -127,24 +127,23 @@ def plan_for(cfg: TrainJobConfig) -> TrainPlan:
 
 
 def kb_snapshot(service: Any, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:
-    """A manifest naming the persisted shard embeddings of the served version (no copy).
-
-    The shards persisted every version they encoded (``dist_nce.index.versions``); after the
-    final refresh the served one is the final model's KB encoding.
-    """
+    """Export the KB encoded with the final weights (``index.export.export_snapshot``: embeddings.npy,
+    ids.txt, manifest) from the version the shards serve and persisted after the final refresh."""
     from pathlib import Path
 
-    from dist_nce.artifacts import write_manifest
+    from kb.store import EntityStore
+
+    from dist_nce.index.export import export_snapshot
     from dist_nce.index.versions import shard_dir_name, version_dir_name
 
     status = service.status()
     version = min(s["served"] for s in status)
-    root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards").resolve()
-    shards = []
+    root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards")
+    parts = []
     for s in status:
         path = root / shard_dir_name(s["shard"], len(status)) / version_dir_name(version)
         if version not in s["persisted"]:
             raise RuntimeError(f"shard {s['shard']}: version {version} is not persisted under {path.parent}")
-        shards.append({"shard": s["shard"], "rows": s["rows"], "path": str(path)})
-    return write_manifest(directory, "kb_snapshot", 1, version=version, prepared_dir=str(Path(
-        cfg.data.prepared_dir).resolve()), retriever=to_dict(cfg.model.retriever), shards=shards)
+        parts.append((tuple(s["rows"]), path))
+    return export_snapshot(directory, EntityStore(cfg.data.prepared_dir), parts, version=version,
+                           model=str(Path(cfg.run.output_dir) / "model"), retriever=to_dict(cfg.model.retriever))
