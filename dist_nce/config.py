@@ -114,7 +114,7 @@ def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
             f"{_join(where, str(unknown[0]))}: unknown key for {cls.__name__}; expected one of {sorted(fields)}"
         )
     kwargs = {name: _coerce(value, hints[name], _join(where, name)) for name, value in data.items()}
-    label = where.strip() or cls.__name__
+    label = where.strip().rstrip(":") or cls.__name__
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
