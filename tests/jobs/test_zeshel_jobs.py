@@ -1,0 +1,104 @@
+"""jobs/zeshel_retriever.py then jobs/zeshel_reranker.py, as a user runs them: subprocesses, a real local Ray.
+
+Synthetic Zeshel (2 train, 2 val, 1 test worlds of 60 documents), the random tiny BERT,
+configs/zeshel/test_tiny.yaml and reranker_test_tiny.yaml with every path moved to tmp.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dist_nce.eval.zeshel import read_candidates
+from dist_nce.modeling.retriever import Retriever
+from dist_nce.train.tb import read_metrics
+from dist_nce.zeshel.evaluate import index_config, own_world_topk
+from kb.store import EntityStore, MentionTable
+
+REPO = Path(__file__).resolve().parents[2]
+K = 16  # zeshel.k and the reranker's C in the test configs
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+def run(job: str, config: str, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "jobs" / job), "--config", str(REPO / "configs" / "zeshel" / config)]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def retriever_run(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("zeshel_jobs")
+    r = run("zeshel_retriever.py", "test_tiny.yaml", f"model.retriever.mention_model={tiny_model_dir}",
+            f"data.prepared_dir={tmp / 'train_kb'}", f"zeshel.eval_store={tmp / 'eval_kb'}",
+            f"zeshel.synthetic_dir={tmp / 'src'}", f"run.storage_path={tmp / 'ray'}", f"run.output_dir={tmp / 'run'}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp, r
+
+
+def test_retriever_job(retriever_run):
+    tmp, r = retriever_run
+    out = tmp / "run"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] and summary["plan"]["num_entities"] == 120  # negatives: the 2 train worlds only
+    metrics = read_metrics(out / "metrics.jsonl")
+    losses = [m["train/loss"] for _, m in sorted(metrics.items()) if "train/loss" in m]
+    assert len(losses) == summary["plan"]["total_steps"]
+    assert "dev_after/recall@16" in metrics[summary["plan"]["total_steps"]]  # heldout_train_seen, over the shards
+
+    # Labelled metrics, printed and in the summary; the union of a split's worlds is the harder setting.
+    assert "own_world" in r.stdout and "split_union" in r.stdout and "the Zeshel protocol" in r.stdout
+    z = summary["zeshel"]
+    assert set(z) == {"train", "val", "test"} and "split_union" not in z["train"]
+    assert set(z["val"]["own_world"][f"recall@{K}"]["per_world"]) == {"muppets", "ice_hockey"}
+    for split in ("val", "test"):
+        own, union = z[split]["own_world"][f"recall@{K}"], z[split]["split_union"][f"recall@{K}"]
+        assert union["micro"] <= own["micro"]
+        assert own["macro"] == pytest.approx(np.mean([v["value"] for v in own["per_world"].values()]))
+
+    # Candidates files: every mention, K documents of its own world, best first = the exported model's ranking.
+    model = Retriever.from_pretrained(out / "model")
+    for split, store_dir in (("train", "train_kb"), ("val", "eval_kb"), ("test", "eval_kb")):
+        store, mentions = EntityStore(tmp / store_dir), MentionTable(tmp / store_dir, split)
+        cands = read_candidates(out / "candidates" / f"candidates_{split}.json")
+        assert list(cands) == mentions.mention_ids
+        rows = own_world_topk(model, store, mentions, K, index_config(model, "auto"), progress=False)
+        assert [cands[m] for m in mentions.mention_ids] == [store.source_ids(row) for row in rows]
+        worlds = store.worlds(rows.ravel())
+        assert worlds == [w for w in mentions.worlds for _ in range(K)]
+
+
+def test_reranker_job_trains_resumes_and_evaluates(retriever_run, tiny_model_dir):
+    tmp, _ = retriever_run
+    sets = [f"model.reranker.model={tiny_model_dir}", f"data.train_store={tmp / 'train_kb'}",
+            f"data.eval_store={tmp / 'eval_kb'}", f"data.candidates_dir={tmp / 'run' / 'candidates'}",
+            f"run.storage_path={tmp / 'ray'}", f"run.output_dir={tmp / 'rerank'}"]
+    first = run("zeshel_reranker.py", "reranker_test_tiny.yaml", *sets, "run.stop_after_steps=16")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "stopped at step 16" in first.stdout and "gold inserted for" in first.stdout
+    second = run("zeshel_reranker.py", "reranker_test_tiny.yaml", *sets)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed at step 16" in second.stdout + second.stderr and "finished" in second.stdout
+
+    summary = json.loads((tmp / "rerank" / "summary.json").read_text())
+    assert summary["done"] and summary["step"] == summary["plan"]["total_steps"] == 32
+    losses = [m["train/loss"] for _, m in sorted(read_metrics(tmp / "rerank" / "metrics.jsonl").items())
+              if "train/loss" in m]
+    assert len(losses) == 32 and np.mean(losses[-8:]) < np.mean(losses[:8]) - 0.1  # it learns
+    retriever = json.loads((tmp / "run" / "summary.json").read_text())["zeshel"]
+    for split in ("val", "test"):
+        rep = summary["eval"][split]
+        u, n = rep["unnormalized_accuracy"], rep["normalized_accuracy"]
+        recall = rep[f"candidate_recall@{K}"]
+        # The candidates are the retriever's own-world top K: same recall; U.Acc = N.Acc x recall.
+        assert recall["micro"] == pytest.approx(retriever[split]["own_world"][f"recall@{K}"]["micro"])
+        assert u["micro"] == pytest.approx(n["micro"] * recall["micro"])
+        assert set(u["per_world"]) == set(retriever[split]["own_world"][f"recall@{K}"]["per_world"])
+        assert 0.0 <= u["macro"] <= 1.0
+    assert "U.Acc macro" in second.stdout and (tmp / "rerank" / "reranker" / "manifest.json").exists()
