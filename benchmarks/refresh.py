@@ -1,0 +1,254 @@
+"""Refresh: re-encoding the KB with new entity-encoder weights, on CPU with MiniLM.
+
+On 1,500 (by default) entities of a synthetic KILT knowledge source prepared with
+``kb.prepare`` (entity max length 128), in ONE run, it times encoding the same rows:
+
+1. naive: a single-process Hugging Face loop (``AutoModel``), fixed-order batches
+   padded to the max length (128), fp32 -- the baseline;
+2. + trim: the same batches, each cut to its own longest row (no sorting);
+3. + length sorting: ``dist_nce.index.encode.encode_rows`` (batches of similar length,
+   longest first, each cut to its longest row), fp32;
+4. + bf16: the same with bf16 autocast (where the CPU runs bf16 fast: AVX512-BF16/AMX);
+5. the service: ``NegativeService.refresh(new weights, version)`` on S shard actors of
+   one thread each, timed from the call until every shard serves the new version
+   (weights broadcast, encode, persist, index build, swap).
+
+Rows 1-4 run in this process on ``--threads`` threads (default 1: on this shared 2-core
+machine a 2-thread process is erratic, every parallel region waiting for a descheduled
+thread), so the per-thread rate compares rows; the service's S processes x 1 thread
+add the S-way split of a refresh (encode time / S). Timing is round-robin
+over ``--rounds`` blocks of rows: each round runs rows 1-4 on its block, then one service
+refresh of the whole KB (new weights each time; the median refresh is reported), so load
+from other processes falls on every row alike. Reported: entities/s, speed-up over the
+naive loop, the share of computed token positions that are real tokens (padding
+efficiency), achieved GFLOP/s (2 FLOPs per non-embedding parameter per computed
+position plus attention) against threads x the one-thread GEMM rate of the row's dtype,
+measured in the same run, and the largest difference of each row's embeddings from the naive
+fp32 ones (a correctness check on the timed data).
+Prints a table and writes benchmarks/results/refresh.json.
+
+    .venv/bin/python benchmarks/refresh.py                   # 1,500 entities, S=2: ~5-10 minutes here
+    .venv/bin/python benchmarks/refresh.py --entities 500    # a smoke run
+
+The first run also generates and prepares the KB (cached under --data-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import gemm_gflops, machine_info, print_table, save_results  # noqa: E402
+from dist_nce.index.encode import (autocast_dtype, encode_rows, length_sorted_batches,  # noqa: E402
+                                   state_fingerprint)
+from dist_nce.runtime import configure_process, init_ray  # noqa: E402
+
+
+def prepared_kb(data_dir: Path, entities: int, seed: int) -> Path:
+    """A synthetic KILT source of ``entities`` lines, prepared with kb.prepare (made once, reused)."""
+    from kb.prepare import PrepareConfig, prepare
+    from kb.synthetic import KB_FILE, write_kilt
+
+    source, out = data_dir / "source", data_dir / "prepared"
+    if not (out / "manifest.json").exists():
+        print(f"preparing {entities:,} synthetic KILT entities in {data_dir} ...", flush=True)
+        write_kilt(source, entities, 0, 0, 0, seed)
+        prepare(PrepareConfig(out=str(out), kilt_ks=str(source / KB_FILE), entity_max_len=128, progress=False),
+                log=lambda _msg: None)
+    return out
+
+
+def naive_hf(model: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, batch: int, trim: bool) -> torch.Tensor:
+    """[CLS] states of rows in order, ``batch`` at a time, padded to the store width (or, with
+    ``trim``, to each batch's longest row); a plain transformers model, fp32."""
+    out = []
+    with torch.inference_mode():
+        for a in range(0, len(ids), batch):
+            width = int(lengths[a:a + batch].max()) if trim else ids.shape[1]
+            x = torch.from_numpy(ids[a:a + batch, :width]).long()
+            mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths[a:a + batch])[:, None]).long()
+            out.append(model(input_ids=x, attention_mask=mask).last_hidden_state[:, 0].float())
+    return torch.cat(out)
+
+
+def batch_work(lengths: np.ndarray, batches: list[np.ndarray], width: int | None, params: int, hidden: int,
+               layers: int) -> tuple[int, float]:
+    """(token positions, forward FLOPs) of a batching that pads each batch to ``width`` or to its
+    longest row: 2 FLOPs per non-embedding parameter per position, plus attention scores and
+    values, 4 w^2 hidden per layer per sequence of width w."""
+    positions = flops = 0
+    for b in batches:
+        w = width or int(lengths[b].max())
+        positions += len(b) * w
+        flops += len(b) * (2.0 * params * w + 4.0 * w * w * hidden * layers)
+    return positions, flops
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entities", type=int, default=1500)
+    ap.add_argument("--shards", type=int, default=2, help="S shard actors (1 thread each)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the in-process rows (1: a 2-thread process "
+                    "is erratic on a shared 2-core machine; the per-thread column compares across thread counts)")
+    ap.add_argument("--batch", type=int, default=64, help="entities per forward")
+    ap.add_argument("--rounds", type=int, default=3, help="row blocks timed round-robin (one service refresh each)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=None, help="where the synthetic KB is prepared (reused)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/refresh.json)")
+    args = ap.parse_args(argv)
+    S, B = args.shards, args.batch
+    T = args.threads
+    configure_process(threads=T)
+    load_before = os.getloadavg()[0]
+
+    from dist_nce.index.search import IndexConfig
+    from dist_nce.index.service import NegativeService
+    from dist_nce.index.service_config import ServiceConfig
+    from dist_nce.modeling.encoder import Encoder
+    from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
+    from dist_nce.testing import default_model_dir
+    from dist_nce.text import load_tokenizer, tokenizer_fingerprint
+    from kb.store import EntityStore
+
+    data_dir = Path(args.data_dir or Path(tempfile.gettempdir()) / "dist-nce-bench" / f"refresh-{args.entities}")
+    store_dir = prepared_kb(data_dir, args.entities, args.seed)
+    store = EntityStore(store_dir)
+    n = store.num_entities
+    rows = np.arange(n)
+    ids, lengths = store.token_ids(rows), store.lengths(rows)
+    model_dir = default_model_dir()
+    config = RetrieverConfig(preset="dual", mention_model=model_dir, storage_dtype="float32")
+    entity = EntityEncoder(Encoder.from_pretrained(model_dir), config.spec(), config.trim_padding).eval()
+    bf16 = autocast_dtype("auto", torch.device("cpu"))
+    peak = {"fp32": gemm_gflops(1), "bf16": gemm_gflops(1, dtype=torch.bfloat16)}  # per thread
+    print(f"{n:,} entities, tokens per entity: mean {lengths.mean():.1f}, max {lengths.max()} (width "
+          f"{store.max_len}); GEMM on 1 thread: fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s; "
+          f"fast bf16: {bf16 is not None}; load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
+
+    from transformers import AutoModel
+
+    cpu = torch.device("cpu")
+    hf = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    shape = (sum(p.numel() for name, p in hf.named_parameters() if not name.startswith(("embeddings", "pooler"))),
+             hf.config.hidden_size, hf.config.num_hidden_layers)
+
+    # name -> (run on rows [a, b) -> [b - a, d] or None, batching of [a, b) -> (positions, FLOPs), compute dtype)
+    def order(a: int, b: int, width: int | None) -> tuple[int, float]:
+        return batch_work(lengths[a:b], [np.arange(i, min(i + B, b - a)) for i in range(0, b - a, B)], width, *shape)
+
+    def by_length(a: int, b: int) -> tuple[int, float]:
+        return batch_work(lengths[a:b], length_sorted_batches(lengths[a:b], B), None, *shape)
+
+    methods = {
+        "naive HF loop: row order, pad to 128, fp32": (
+            lambda a, b: naive_hf(hf, ids[a:b], lengths[a:b], B, trim=False), lambda a, b: order(a, b, store.max_len),
+            "fp32"),
+        "+ trim each batch to its longest row": (
+            lambda a, b: naive_hf(hf, ids[a:b], lengths[a:b], B, trim=True), lambda a, b: order(a, b, None), "fp32"),
+        "+ length-sorted batches (encode_rows), fp32": (
+            lambda a, b: encode_rows(entity, store.slice(a, b), B, cpu, None, "float32").vecs, by_length, "fp32"),
+    }
+    if bf16 is not None:
+        methods["+ bf16 autocast"] = (
+            lambda a, b: encode_rows(entity, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length, "bf16")
+    else:
+        print("bf16 row skipped: this CPU has no fast bf16 (no AVX512-BF16/AMX)")
+    service_name = f"service: refresh() -> served, S={S} x 1 thread"
+
+    # ---- the service: S shards x 1 thread; time from refresh() to the new version being served
+    init_ray(num_cpus=os.cpu_count())
+    run_dir = tempfile.mkdtemp(prefix="dist-nce-refresh-")
+    service_cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, encode_batch_size=B,
+                                encode_dtype="auto", keep_versions=1, index=IndexConfig(backend="flat"))
+    service = NegativeService.create(str(store_dir), config, service_cfg, run_dir,
+                                     tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
+    state = entity.state()
+    t0 = time.perf_counter()
+    service.ensure_encoded(state, 0)
+    first_encode = time.perf_counter() - t0
+
+    # ---- round-robin: round r runs every in-process method on block r of the rows, then one service
+    # refresh of the whole KB, so load from other processes falls on every row alike
+    for name, (run, _, _) in methods.items():  # warm-up, untimed: kernel selection, allocator, first touch
+        run(0, min(B, n))
+    seconds = {name: 0.0 for name in [*methods, service_name]}
+    work = {name: [0, 0.0] for name in methods}
+    parts: dict[str, list] = {name: [] for name in methods}
+    refreshes, serves_new = [], True
+    blocks = [(r * n // args.rounds, (r + 1) * n // args.rounds) for r in range(args.rounds)]
+    for r, (a, b) in enumerate(blocks):
+        for name, (run, batching, _) in methods.items():
+            t0 = time.perf_counter()
+            parts[name].append(run(a, b))
+            seconds[name] += time.perf_counter() - t0
+            work[name] = [x + y for x, y in zip(work[name], batching(a, b))]
+        # new weights (as after training steps): a new fingerprint, so every shard re-encodes
+        new_state = {**state, "weights": {k: v * (1 + 1e-3 * (r + 1)) if "LayerNorm.weight" in k else v
+                                          for k, v in state["weights"].items()}}
+        t0 = time.perf_counter()
+        served = service.refresh(new_state, r + 1).wait()
+        refreshes.append(time.perf_counter() - t0)
+        fingerprints = {st["encoder_fingerprint"] for st in service.status()}
+        serves_new &= served == r + 1 and service.version() == r + 1 and \
+            fingerprints == {state_fingerprint(new_state)}
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{seconds[m]:.0f}" for m in methods) +
+              f" s so far; refresh {refreshes[-1]:.1f} s", flush=True)
+    service.shutdown()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+    real = int(lengths.sum())
+    results, embeddings = [], {}
+
+    def add(name: str, secs: float, entities_per_s: float, positions: int, flops: float, dtype: str,
+            threads: int, **extra) -> None:
+        gflops = flops / secs / 1e9
+        results.append({"method": name, "seconds": secs, "entities_per_s": entities_per_s, "threads": threads,
+                        "entities_per_s_per_thread": entities_per_s / threads,
+                        "real_token_fraction": real / positions, "gflops": gflops, "compute": dtype,
+                        "fraction_of_gemm": gflops / threads / peak[dtype], **extra})
+
+    for name, (_, _, dtype) in methods.items():
+        add(name, seconds[name], n / seconds[name], *work[name], dtype, T)
+        embeddings[name] = torch.cat(parts[name]).float()
+    # each shard sorts its own rows; the whole-KB sorted batching is a close stand-in for its work
+    per_refresh = statistics.median(refreshes)
+    add(service_name, per_refresh, n / per_refresh, *by_length(0, n), "bf16" if bf16 else "fp32", S,
+        refresh_seconds_all=refreshes, first_encode_s=first_encode, serves_new_weights=serves_new,
+        encode_dtype=str(bf16 or torch.float32).removeprefix("torch."))
+
+    base = results[0]
+    for r in results:
+        r["x_naive"] = r["entities_per_s"] / base["entities_per_s"]
+        if r["method"] in embeddings:
+            diff = embeddings[r["method"]] - embeddings[base["method"]]
+            r["max_abs_diff_vs_naive"] = float(diff.abs().max())
+            r["max_rel_diff_vs_naive"] = float(diff.norm(dim=1).max() / embeddings[base["method"]].norm(dim=1).min())
+    print(f"\nMiniLM (6 layers, hidden 384) on {n:,} entities, batch {B}, {T} thread(s) in-process vs {S} shards x 1 "
+          f"thread; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print_table(results, [("method", "method", "<46s"), ("seconds", "s", ">7.1f"),
+                          ("entities_per_s", "ent/s", ">7.1f"), ("x_naive", "x naive", ">7.2f"),
+                          ("threads", "thr", ">3d"), ("entities_per_s_per_thread", "ent/s/thr", ">9.1f"),
+                          ("real_token_fraction", "real tok", ">8.2f"),
+                          ("gflops", "GFLOP/s", ">8.1f"), ("fraction_of_gemm", "of thr*GEMM", ">7.2f"),
+                          ("max_rel_diff_vs_naive", "rel diff", ">8.1e")])
+    out = save_results("refresh", {
+        "benchmark": "refresh", "entities": n, "batch": B, "shards": S, "model": "all-MiniLM-L6-v2",
+        "entity_max_len": store.max_len, "mean_tokens": float(lengths.mean()), "gemm_gflops": peak,
+        "fast_bf16": bf16 is not None, "rows": results,
+        "machine": machine_info(threads_in_process=T, threads_per_shard=1, load_average_before=load_before),
+    }, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
