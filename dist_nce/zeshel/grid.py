@@ -78,6 +78,9 @@ def cell(name: str, cfg: ZeshelRetrieverConfig, summary: dict[str, Any], losses:
                            "done": summary.get("done"), "seconds": summary.get("seconds")}
     for split in EVAL_SPLITS:
         rep = (summary.get("zeshel") or {}).get(split)
+        sizes = [b - a for a, b in (rep or {}).get("worlds", {}).values()]
+        # A random ranking's own-world recall@k, macro over worlds: the floor every bar is read against.
+        out[f"{split}/chance"] = sum(min(1.0, k / n) for n in sizes) / len(sizes) if sizes else math.nan
         for setting in ("own_world", "split_union"):
             for how in ("macro", "micro"):
                 value = rep[setting][f"recall@{k}"][how] if rep and setting in rep else math.nan
@@ -100,6 +103,9 @@ def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
     head = (f"| architecture | negatives | val R@{k} (own world) | test R@{k} (own world) | "
             f"val R@{k} (split union) | test R@{k} (split union) |")
     lines = [head, "|" + "---|" * 6]
+    if cells and not math.isnan(cells[0].get("val/chance", math.nan)):
+        lines.append("| (random ranking) | - | " + " | ".join(_fmt(cells[0][f"{s}/chance"]) for s in EVAL_SPLITS)
+                     + " | - | - |")
     for c in cells:
         lines.append(f"| {c['architecture']} | {c['negatives']} | " + " | ".join(
             _fmt(c[f"{s}/{setting}/macro"]) for setting in ("own_world", "split_union") for s in EVAL_SPLITS) + " |")
@@ -157,6 +163,9 @@ def plot(cells: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:
                     ys.append(100 * c[f"{split}/own_world/macro"])
             bars = ax.bar(xs, ys, width, label=neg)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        chance = [c[f"{split}/chance"] for c in cells if not math.isnan(c.get(f"{split}/chance", math.nan))]
+        if chance:
+            ax.axhline(100 * chance[0], color="grey", linestyle="--", linewidth=1, label="random ranking")
         ax.set_xticks(range(len(archs)), archs)
         ax.set_title(f"{split} worlds")
         ax.set_ylabel(f"top-{k} recall, own world, macro (%)")

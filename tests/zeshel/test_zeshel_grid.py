@@ -1,0 +1,64 @@
+"""Grid tabulation: cells from run summaries, the Table-1-style Markdown, verdicts, the chart."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from dist_nce.config import load_config
+from dist_nce.zeshel.config import ZeshelRetrieverConfig
+from dist_nce.zeshel.grid import cell, comparison_text, comparisons, markdown_table, plot
+
+BASE = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "retriever_tiny_cpu.yaml"
+
+
+def summary(val: float, test: float) -> dict:
+    def rep(own, worlds):
+        entry = lambda v: {"recall@64": {"macro": v, "micro": v + 0.01}}  # noqa: E731
+        return {"worlds": worlds, "own_world": entry(own), "split_union": entry(own / 2)}
+
+    return {"done": True, "seconds": 1.0, "zeshel": {"val": rep(val, {"a": [0, 128], "b": [128, 384]}),
+                                                      "test": rep(test, {"c": [0, 32]})}}
+
+
+def cfg(preset: str, mode: str, m: int | None = None) -> ZeshelRetrieverConfig:
+    sets = [f"model.retriever.preset={preset}", f"negatives.mode={mode}"]
+    return load_config(ZeshelRetrieverConfig, BASE, sets + ([f"model.retriever.m={m}"] if m else []))
+
+
+@pytest.fixture
+def cells():
+    return [cell("dual_random", cfg("dual", "random"), summary(0.30, 0.20), losses=[3.0] * 10 + [1.0] * 10),
+            cell("dual_hard", cfg("dual", "hard"), summary(0.40, 0.25)),
+            cell("multi8_random", cfg("multi", "random", 8), summary(0.30, 0.30)),
+            cell("multi8_mixed", cfg("multi", "mixed", 8), summary(0.35, 0.29))]
+
+
+def test_cell(cells):
+    c = cells[0]
+    assert (c["architecture"], c["negatives"]) == ("dual", "random") and cells[3]["negatives"] == "mixed-50"
+    assert cells[2]["architecture"] == "multi-8"
+    assert c["val/own_world/macro"] == 0.30 and c["val/split_union/micro"] == pytest.approx(0.16)
+    assert c["val/chance"] == pytest.approx((0.5 + 0.25) / 2) and c["test/chance"] == 1.0  # min(1, 64 / 32)
+    assert (c["loss_first"], c["loss_last"]) == (3.0, 1.0)
+    empty = cell("x", cfg("som", "hard"), {"done": False})
+    assert math.isnan(empty["val/own_world/macro"]) and "loss_first" not in empty
+
+
+def test_table_and_verdicts(cells):
+    table = markdown_table(cells).splitlines()
+    assert table[0].startswith("| architecture | negatives | val R@64 (own world)")
+    assert table[2] == "| (random ranking) | - | 37.50 | 100.00 | - | - |"
+    assert table[4] == "| dual | hard | 40.00 | 25.00 | 20.00 | 12.50 |"
+    verdicts = comparisons(cells)
+    assert [(v["architecture"], v["negatives"], v["beats_random"]) for v in verdicts] == [
+        ("dual", "hard", True), ("multi-8", "mixed-50", False)]  # test: 0.29 < 0.30
+    assert verdicts[1]["delta_val"] == pytest.approx(0.05)
+    text = comparison_text(verdicts)
+    assert "multi-8: mixed-50 vs random: val +5.00, test -1.00 points -> does not beat random" in text
+
+
+def test_plot(cells, tmp_path):
+    plot(cells, tmp_path / "g.png", "title")
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
