@@ -222,6 +222,7 @@ class Worker:
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         refresh_wait0 = self.publisher.wait_s
+        submit0 = self.prefetcher.submit_s if self.prefetcher else 0.0  # P = 0 submits inside get()
         if refresh_due(self.cfg.refresh, self.cfg.model.freeze_entity_encoder, self.plan, step):
             self.publisher.publish(step)
             if self.publisher.wait and self.prefetcher is not None:
@@ -238,7 +239,6 @@ class Worker:
         self.engine.backward(loss)
         self.engine.step()
         t4 = time.perf_counter()
-        submit0 = self.prefetcher.submit_s if self.prefetcher else 0.0
         if self.prefetcher is not None:
             self.prefetcher.advance(step)
         t5 = time.perf_counter()
@@ -265,7 +265,7 @@ class Worker:
         self.log.progress({"loss": f"{metrics['train/loss']:.3f}", "v": int(metrics["index/version"]),
                            "wait": f"{metrics['time/negatives_wait_s']:.2f}s"})
         if run.eval_every_steps and done % run.eval_every_steps == 0 and done < self.plan.total_steps:
-            self.evaluate("dev", step=step)
+            self.evaluate("dev", step=done)  # dev metrics are indexed by optimizer steps taken
         epoch_end = done % self.plan.steps_per_epoch == 0
         due = (run.checkpoint_every_steps and done % run.checkpoint_every_steps == 0) or epoch_end
         if due and done < self.end:  # the last one is saved by finish(), with the final metrics
