@@ -70,9 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.zeshel.grid import cell, comparison_text, comparisons, labels, markdown_table, plot
     from dist_nce.zeshel.run import SUMMARY, run_retriever
 
+    from dist_nce.artifacts import ArtifactMismatch
+    from dist_nce.zeshel.data import ensure_zeshel_stores
+    from kb.prepare import PrepareError
+
     configure_process(threads=None)
     log = lambda s: print(s, flush=True)  # noqa: E731
     start = time.perf_counter()
+    try:  # the stores every row shares, prepared once up front
+        for _, cfg in configs:
+            ensure_zeshel_stores(cfg, log)
+    except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cells = []
     if args.untrained:
         cells += untrained_cells(configs, log)

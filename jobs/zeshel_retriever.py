@@ -56,11 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from dist_nce.artifacts import ArtifactMismatch
     from dist_nce.runtime import configure_process
+    from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.run import SUMMARY, run_retriever
+    from kb.prepare import PrepareError
 
     configure_process(threads=None)
-    summary = run_retriever(cfg, progress=args.progress, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    try:  # data first: a stale or mismatched directory is a message, not a traceback
+        ensure_zeshel_stores(cfg, log)
+    except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = run_retriever(cfg, progress=args.progress, log=log)
     state = "finished" if summary["done"] else f"stopped at step {summary['step']} (run again to continue)"
     print(f"{state} in {summary['seconds']} s; summary: {Path(cfg.run.output_dir) / SUMMARY}", flush=True)
     return 0

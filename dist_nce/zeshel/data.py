@@ -20,7 +20,9 @@ def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = pr
     if cfg.data.zeshel_root or z.synthetic_entities_per_world <= 0:
         return cfg.data.zeshel_root
     out = Path(z.synthetic_dir)
-    if not (out / "manifest.json").exists():
+    if (out / "manifest.json").exists():
+        check_synthetic(out, cfg)
+    else:
         from kb.synthetic import write_zeshel
 
         log(f"generating synthetic Zeshel: {len(z.synthetic_worlds)} worlds x {z.synthetic_entities_per_world:,} "
@@ -28,6 +30,23 @@ def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = pr
         write_zeshel(out, z.synthetic_worlds, z.synthetic_entities_per_world, z.synthetic_mentions_per_world,
                      z.synthetic_seed)
     return str(out)
+
+
+def check_synthetic(directory: Path, cfg: ZeshelRetrieverConfig) -> None:
+    """Refuse a synthetic tree generated with other settings than the config's (it would be
+    used silently otherwise: the stores are prepared from whatever the directory holds)."""
+    import json
+
+    z = cfg.zeshel
+    m = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    want = {"worlds": list(z.synthetic_worlds), "seed": z.synthetic_seed,
+            "entities_per_world": {w: z.synthetic_entities_per_world for w in z.synthetic_worlds},
+            "mentions_per_world": {w: z.synthetic_mentions_per_world for w in z.synthetic_worlds}}
+    differs = [k for k, v in want.items() if m.get(k) != v]
+    if differs:
+        raise ValueError(f"{directory} holds synthetic Zeshel data generated with other settings (differs in: "
+                         f"{', '.join(differs)}); delete it (and the stores prepared from it) or set "
+                         "zeshel.synthetic_dir, data.prepared_dir and zeshel.eval_store to new directories")
 
 
 def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg: ZeshelRetrieverConfig,
