@@ -12,6 +12,7 @@ calls as arguments so one process can run it too (tests, benchmarks).
 """
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any, Callable
@@ -43,9 +44,13 @@ def train_func(config: dict[str, Any]) -> None:
 
     cfg = from_dict(TrainJobConfig, config["job"], source="train_loop_config.job")
     configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
+    device = ray.train.torch.get_device()
+    # The runtime env carries the DRIVER's DS_ACCELERATOR (cpu on a GPU-less head); DeepSpeed
+    # must use this worker's device. Set before DeepSpeed is first imported (build_engine).
+    os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
     ctx = ray.train.get_context()
-    worker = Worker(cfg, config["service"], ctx.get_world_rank(), ctx.get_world_size(),
-                    ray.train.torch.get_device(), report=ray.train.report, get_checkpoint=ray.train.get_checkpoint)
+    worker = Worker(cfg, config["service"], ctx.get_world_rank(), ctx.get_world_size(), device,
+                    report=ray.train.report, get_checkpoint=ray.train.get_checkpoint)
     worker.run()
 
 
