@@ -43,6 +43,9 @@ class ZeshelConfig:
         "If > 0 and data.zeshel_root is unset: generate a synthetic Zeshel tree first (kb.synthetic).",
         default=0)
     synthetic_mentions_per_world: int = _help("Synthetic mentions per world.", default=200)
+    synthetic_eval_mentions_per_world: int = _help(
+        "Synthetic mentions per val/test world (0 = synthetic_mentions_per_world): evaluation needs fewer "
+        "mentions than training, and exact SOM scoring costs per mention.", default=0)
     synthetic_worlds: list[str] = _help("Synthetic worlds (real names; each goes to its real split).",
                                         default_factory=lambda: [w for ws in ZESHEL_WORLDS.values() for w in ws])
     synthetic_dir: str = _help("Where the synthetic Zeshel tree is written.", default="data/synthetic/zeshel")
@@ -68,6 +71,8 @@ class ZeshelConfig:
             bad = [s for s in getattr(self, name) if s not in ZESHEL_SPLITS]
             if bad:
                 raise ValueError(f"zeshel.{name}: unknown splits {bad}; expected some of {list(ZESHEL_SPLITS)}")
+        if self.synthetic_eval_mentions_per_world < 0:
+            raise ValueError("zeshel.synthetic_eval_mentions_per_world must be >= 0")
         known = {w for ws in ZESHEL_WORLDS.values() for w in ws}
         bad = [w for w in self.synthetic_worlds if w not in known]
         if bad:
@@ -109,6 +114,13 @@ def absolute(cfg: ZeshelRetrieverConfig, base: str | None = None) -> ZeshelRetri
         if value and "://" not in value and not os.path.isabs(value):
             setattr(out.zeshel, name, os.path.normpath(os.path.join(base, value)))
     return out
+
+
+def synthetic_mentions(z: ZeshelConfig) -> dict[str, int]:
+    """World -> synthetic mentions to generate (val/test worlds may get fewer)."""
+    train = set(ZESHEL_WORLDS["train"])
+    n_eval = z.synthetic_eval_mentions_per_world or z.synthetic_mentions_per_world
+    return {w: z.synthetic_mentions_per_world if w in train else n_eval for w in z.synthetic_worlds}
 
 
 def candidates_dir(cfg: ZeshelRetrieverConfig) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.zeshel.config import EVAL_STORE_SPLITS, TRAIN_STORE_SPLITS, ZeshelRetrieverConfig
+from dist_nce.zeshel.config import EVAL_STORE_SPLITS, TRAIN_STORE_SPLITS, ZeshelRetrieverConfig, synthetic_mentions
 
 
 def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = print) -> str | None:
@@ -25,10 +25,10 @@ def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = pr
     else:
         from kb.synthetic import write_zeshel
 
+        mentions = synthetic_mentions(z)
         log(f"generating synthetic Zeshel: {len(z.synthetic_worlds)} worlds x {z.synthetic_entities_per_world:,} "
-            f"documents, {z.synthetic_mentions_per_world:,} mentions per world -> {out}")
-        write_zeshel(out, z.synthetic_worlds, z.synthetic_entities_per_world, z.synthetic_mentions_per_world,
-                     z.synthetic_seed)
+            f"documents, mentions per world {sorted(set(mentions.values()))} -> {out}")
+        write_zeshel(out, z.synthetic_worlds, z.synthetic_entities_per_world, mentions, z.synthetic_seed)
     return str(out)
 
 
@@ -41,7 +41,7 @@ def check_synthetic(directory: Path, cfg: ZeshelRetrieverConfig) -> None:
     m = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     want = {"worlds": list(z.synthetic_worlds), "seed": z.synthetic_seed,
             "entities_per_world": {w: z.synthetic_entities_per_world for w in z.synthetic_worlds},
-            "mentions_per_world": {w: z.synthetic_mentions_per_world for w in z.synthetic_worlds}}
+            "mentions_per_world": synthetic_mentions(z)}
     differs = [k for k, v in want.items() if m.get(k) != v]
     if differs:
         raise ValueError(f"{directory} holds synthetic Zeshel data generated with other settings (differs in: "
