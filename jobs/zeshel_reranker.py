@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     final = json.loads((out / RESULT_FILE).read_text()) if (out / RESULT_FILE).exists() else {}
     done = bool((result.metrics or {}).get("done")) and final.get("step") == plan.total_steps
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
-               "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None, "export": final.get("export"),
-               "seconds": round(time.perf_counter() - start, 1)}
+               "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
+               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1)}
     atomic_write_json(out / "summary.json", summary)
     if done:
         print(f"reranker over {cfg.data.candidates_format} candidates (C = {cfg.data.num_candidates}); macro = mean "
