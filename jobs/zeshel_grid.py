@@ -5,7 +5,8 @@ evaluated by jobs/zeshel_retriever.py's code (``dist_nce.zeshel.run.run_retrieve
 ONE Ray session, over ONE pair of prepared stores (the base config's), each row in
 ``<out>/<row>/``. A row whose ``summary.json`` says it finished is not run again, so an
 interrupted grid continues where it stopped. The untrained model of each architecture is
-evaluated too (``untrained``), the reference point for what training did.
+evaluated too (``untrained``, kept in ``<out>/<architecture>_untrained/``), the reference
+point for what training did.
 
 Writes ``<out>/grid.md`` (the table and whether hard / mixed negatives beat random for
 each architecture), ``<out>/grid.json`` and ``<out>/grid.png`` (bar chart).
@@ -121,6 +122,7 @@ def untrained_cells(configs, log) -> list[dict]:
     """The initial model of each architecture (same seed as its runs), evaluated on val/test."""
     import dataclasses
 
+    from dist_nce.artifacts import atomic_write_json
     from dist_nce.train.model import build_retriever
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.evaluate import evaluate_retriever
@@ -132,12 +134,17 @@ def untrained_cells(configs, log) -> list[dict]:
         if arch in seen:
             continue
         seen.add(arch)
-        train_store, eval_store = ensure_zeshel_stores(cfg, log)
-        retriever = build_retriever(cfg.model, cfg.optim.seed).eval()
-        z = dataclasses.replace(cfg.zeshel, candidate_splits=[])
-        reports = evaluate_retriever(retriever, train_store, eval_store, z, Path(cfg.run.output_dir).parent, False,
-                                     lambda _: None)
-        cells.append(cell(f"{arch}_untrained", cfg, {"done": True, "zeshel": reports}, negatives="untrained"))
+        path = Path(cfg.run.output_dir).parent / f"{arch}_untrained" / "summary.json"
+        if path.exists():  # evaluated by an earlier run of the grid
+            summary = json.loads(path.read_text())
+        else:
+            train_store, eval_store = ensure_zeshel_stores(cfg, log)
+            retriever = build_retriever(cfg.model, cfg.optim.seed).eval()
+            z = dataclasses.replace(cfg.zeshel, candidate_splits=[])
+            reports = evaluate_retriever(retriever, train_store, eval_store, z, path.parent, False, lambda _: None)
+            summary = {"done": True, "zeshel": reports}
+            atomic_write_json(path, summary)
+        cells.append(cell(f"{arch}_untrained", cfg, summary, negatives="untrained"))
         log(f"[grid] {arch} untrained: val {100 * cells[-1]['val/own_world/macro']:.2f}, test "
             f"{100 * cells[-1]['test/own_world/macro']:.2f} (own world, macro)")
     return cells

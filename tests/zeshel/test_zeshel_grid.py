@@ -18,7 +18,8 @@ def summary(val: float, test: float) -> dict:
         entry = lambda v: {"recall@64": {"macro": v, "micro": v + 0.01}}  # noqa: E731
         return {"worlds": worlds, "own_world": entry(own), "split_union": entry(own / 2)}
 
-    return {"done": True, "seconds": 1.0, "zeshel": {"val": rep(val, {"a": [0, 128], "b": [128, 384]}),
+    return {"done": True, "seconds": 1.0, "dev_split": "heldout_train_seen", "dev_after": {"recall@64": 0.5},
+            "zeshel": {"val": rep(val, {"a": [0, 128], "b": [128, 384]}),
                                                       "test": rep(test, {"c": [0, 32]})}}
 
 
@@ -44,13 +45,14 @@ def test_cell(cells):
     assert (c["loss_first"], c["loss_last"]) == (3.0, 1.0)
     empty = cell("x", cfg("som", "hard"), {"done": False})
     assert math.isnan(empty["val/own_world/macro"]) and "loss_first" not in empty
+    assert c["heldout/recall"] == 0.5 and math.isnan(empty["heldout/recall"])
 
 
 def test_table_and_verdicts(cells):
     table = markdown_table(cells).splitlines()
     assert table[0].startswith("| architecture | negatives | val R@64 (own world)")
-    assert table[2] == "| (random ranking) | - | 37.50 | 100.00 | - | - |"
-    assert table[4] == "| dual | hard | 40.00 | 25.00 | 20.00 | 12.50 |"
+    assert table[2] == "| (random ranking) | - | 37.50 | 100.00 | - | - | - |"
+    assert table[4] == "| dual | hard | 40.00 | 25.00 | 20.00 | 12.50 | 50.00 |"
     verdicts = comparisons(cells)
     assert [(v["architecture"], v["negatives"], v["beats_random"]) for v in verdicts] == [
         ("dual", "hard", True), ("multi-8", "mixed-50", False)]  # test: 0.29 < 0.30
