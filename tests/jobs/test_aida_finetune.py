@@ -51,6 +51,15 @@ def test_missing_files_are_all_named_before_any_cluster_work(tmp_path):
     assert r.returncode == 2 and "none.yaml: config file not found" in r.stderr
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the test process dies (e.g. a timeout kills pytest), so an
+    interrupted session leaves no Ray head behind; ``ray start --block`` then stops its processes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @pytest.fixture(scope="session")
 def ray_head():
     """``ray start --head --block`` in its own process session, with token auth (the default).
@@ -75,7 +84,7 @@ def ray_head():
     head = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", *[x for kv in ports.items() for x in (kv[0], str(kv[1]))],
          "--num-cpus", "2", "--disable-usage-stats", "--temp-dir", str(root / "ray"), "--block"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -88,7 +97,7 @@ def ray_head():
             time.sleep(1)
         yield {"address": f"http://127.0.0.1:{ports['--dashboard-port']}", "env": env}
     finally:
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             try:
                 os.killpg(head.pid, sig)
             except ProcessLookupError:
