@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                        ("overhead_vs_no_ray_fraction", "-noRay frac", ">6.2f"),
                        ("x_ideal_scaling", f"x {S}*1thr", ">7.2f"), ("gflops", "GFLOP/s", ">8.1f"),
                        ("fraction_of_gemm_peak", f"of {S}x1thr GEMM", ">6.2f")])
+    print(f"GEMM speed-up of {S} threads over 1 in this run: {peak[S] / peak[1]:.2f}x (bounds what any {S}-way "
+          f"parallel row can gain over the 1-thread one; 'x {S}*1thr' assumes {S}x)")
     print(f"no-op fan-out round trip (status of {S} shards): {1e3 * noop_s:.1f} ms; agreement with "
           f"in-process: {agreement}")
     out = save_results("mining", {

@@ -35,6 +35,7 @@ The first run also generates and prepares the KB (cached under --data-dir).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     from dist_nce.index.search import IndexConfig
     from dist_nce.index.service import NegativeService
     from dist_nce.index.service_config import ServiceConfig
+    from dist_nce.index.versions import version_dir_name
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
     from dist_nce.testing import default_model_dir
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = {name: 0.0 for name in [*methods, service_name]}
     work = {name: [0, 0.0] for name in methods}
     parts: dict[str, list] = {name: [] for name in methods}
-    refreshes, serves_new = [], True
+    refreshes, encodes, serves_new = [], [], True
     blocks = [(r * n // args.rounds, (r + 1) * n // args.rounds) for r in range(args.rounds)]
     for r, (a, b) in enumerate(blocks):
         for name, (run, batching, _) in methods.items():
@@ -198,11 +200,15 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         served = service.refresh(new_state, r + 1).wait()
         refreshes.append(time.perf_counter() - t0)
+        # each shard records its own encode time in the version's manifest: the rest of the refresh is
+        # weights broadcast, persist, index build and swap
+        encodes.append(max(json.loads(m.read_text())["encode_seconds"]
+                           for m in Path(run_dir, "shards").glob(f"shard-*/{version_dir_name(r + 1)}/manifest.json")))
         fingerprints = {st["encoder_fingerprint"] for st in service.status()}
         serves_new &= served == r + 1 and service.version() == r + 1 and \
             fingerprints == {state_fingerprint(new_state)}
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{seconds[m]:.0f}" for m in methods) +
-              f" s so far; refresh {refreshes[-1]:.1f} s", flush=True)
+              f" s so far; refresh {refreshes[-1]:.1f} s (slowest shard's encode {encodes[-1]:.1f} s)", flush=True)
     service.shutdown()
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -223,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     # each shard sorts its own rows; the whole-KB sorted batching is a close stand-in for its work
     per_refresh = statistics.median(refreshes)
     add(service_name, per_refresh, n / per_refresh, *by_length(0, n), "bf16" if bf16 else "fp32", S,
-        refresh_seconds_all=refreshes, first_encode_s=first_encode, serves_new_weights=serves_new,
+        refresh_seconds_all=refreshes, slowest_shard_encode_s_all=encodes,
+        encode_share_of_refresh=statistics.median(e / t for e, t in zip(encodes, refreshes)),
+        first_encode_s=first_encode, serves_new_weights=serves_new,
         encode_dtype=str(bf16 or torch.float32).removeprefix("torch."))
 
     base = results[0]
@@ -241,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                           ("real_token_fraction", "real tok", ">8.2f"),
                           ("gflops", "GFLOP/s", ">8.1f"), ("fraction_of_gemm", "of thr*GEMM", ">7.2f"),
                           ("max_rel_diff_vs_naive", "rel diff", ">8.1e")])
+    print(f"service refreshes: {', '.join(f'{t:.1f}' for t in refreshes)} s, of which the slowest shard's encode "
+          f"{', '.join(f'{e:.1f}' for e in encodes)} s (the rest: broadcast, persist, index build, swap)")
     out = save_results("refresh", {
         "benchmark": "refresh", "entities": n, "batch": B, "shards": S, "model": "all-MiniLM-L6-v2",
         "entity_max_len": store.max_len, "mean_tokens": float(lengths.mean()), "gemm_gflops": peak,
