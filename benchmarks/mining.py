@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             row["overhead_vs_no_ray_fraction"] = (row["overhead_vs_no_ray_ms_per_query"]
                                                   / no_ray[row["group"]]["ms_per_query"])
     service.shutdown()
+    shutil.rmtree(root, ignore_errors=True)  # the persisted shard vectors
 
     print(f"\nN={args.n:,} d={args.d} B={B} (Gumbel: {Bg}) k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
           f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
