@@ -1,7 +1,6 @@
 """Exact save/restore: DeepSpeed engine (weights_only loads), RNG, loop state."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -9,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.runtime import single_process_dist_env
 from dist_nce.train import checkpoint
 from dist_nce.train.engine import build_engine, load_deepspeed_config
 from dist_nce.train.pipeline import EpochNegatives
@@ -37,18 +35,6 @@ def test_train_state_json_round_trip():
     book.record(3, 40)
     s = checkpoint.TrainState(step=41, book=book, dev_before={"accuracy": 0.5})
     assert checkpoint.TrainState.from_json(s.to_json()) == s
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    saved = {k: os.environ.get(k) for k in single_process_dist_env(0)}
-    os.environ.update(single_process_dist_env())
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def engine(cfg_name):

@@ -8,22 +8,9 @@ import pytest
 import torch
 
 from dist_nce.config import ConfigError
-from dist_nce.runtime import single_process_dist_env
 from dist_nce.train.engine import build_engine, linear_warmup_decay, load_deepspeed_config
 
 DS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepspeed")
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    saved = {k: os.environ.get(k) for k in single_process_dist_env(0)}
-    os.environ.update(single_process_dist_env())
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _toy():
