@@ -85,6 +85,8 @@ def cell(name: str, cfg: ZeshelRetrieverConfig, summary: dict[str, Any], losses:
             for how in ("macro", "micro"):
                 value = rep[setting][f"recall@{k}"][how] if rep and setting in rep else math.nan
                 out[f"{split}/{setting}/{how}"] = value
+        # Top-1 accuracy (recall@1) within the own world, macro: where the ranking's head is.
+        out[f"{split}/own_world/top1_macro"] = rep["own_world"]["accuracy"]["macro"] if rep else math.nan
     dev = summary.get("dev_after") or {}
     # In-domain reference: the trainer's own evaluation on heldout mentions of the TRAIN worlds,
     # ranked over the union of the train worlds' entities (the negatives' pool).
@@ -106,22 +108,25 @@ def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
     own-world macro over worlds first (the paper's number), then the split-union macro."""
     k = cells[0]["k"] if cells else 64
     head = (f"| architecture | negatives | val R@{k} (own world) | test R@{k} (own world) | "
-            f"val R@{k} (split union) | test R@{k} (split union) | heldout R@{k} (train worlds) |")
-    lines = [head, "|" + "---|" * 7]
+            f"val R@{k} (split union) | test R@{k} (split union) | val R@1 (own world) | test R@1 (own world) | "
+            f"heldout R@{k} (train worlds) |")
+    lines = [head, "|" + "---|" * 9]
     if cells and not math.isnan(cells[0].get("val/chance", math.nan)):
         lines.append("| (random ranking) | - | " + " | ".join(_fmt(cells[0][f"{s}/chance"]) for s in EVAL_SPLITS)
-                     + " | - | - | - |")
+                     + " | - | - | - | - | - |")
     for c in cells:
         lines.append(f"| {c['architecture']} | {c['negatives']} | " + " | ".join(
-            _fmt(c[f"{s}/{setting}/macro"]) for setting in ("own_world", "split_union") for s in EVAL_SPLITS)
-            + f" | {_fmt(c.get('heldout/recall', math.nan))} |")
+            [_fmt(c[f"{s}/{setting}/macro"]) for setting in ("own_world", "split_union") for s in EVAL_SPLITS]
+            + [_fmt(c.get(f"{s}/own_world/top1_macro", math.nan)) for s in EVAL_SPLITS]
+            + [_fmt(c.get("heldout/recall", math.nan))]) + " |")
     return "\n".join(lines)
 
 
 def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each architecture with a random row: does each other negative type beat random?
 
-    Compared on own-world macro recall, val and test separately; ``beats_random`` needs both.
+    Compared on own-world macro recall@k, val and test separately; ``beats_random`` needs
+    both. The top-1 (R@1) differences are reported beside it.
     """
     out = []
     by_arch: dict[str, dict[str, dict[str, Any]]] = {}
@@ -135,7 +140,10 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             if neg == "random":
                 continue
             delta = {s: c[f"{s}/own_world/macro"] - base[f"{s}/own_world/macro"] for s in EVAL_SPLITS}
+            top1 = {s: c.get(f"{s}/own_world/top1_macro", math.nan) - base.get(f"{s}/own_world/top1_macro", math.nan)
+                    for s in EVAL_SPLITS}
             out.append({"architecture": arch, "negatives": neg, **{f"delta_{s}": d for s, d in delta.items()},
+                        **{f"delta_top1_{s}": d for s, d in top1.items()},
                         "beats_random": all(d > 0 for d in delta.values())})
     return out
 
@@ -143,8 +151,9 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def comparison_text(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(
         f"- {r['architecture']}: {r['negatives']} vs random: val {100 * r['delta_val']:+.2f}, test "
-        f"{100 * r['delta_test']:+.2f} points -> {'beats' if r['beats_random'] else 'does not beat'} random"
-        for r in rows)
+        f"{100 * r['delta_test']:+.2f} points -> {'beats' if r['beats_random'] else 'does not beat'} random "
+        f"at R@k (R@1: val {100 * r.get('delta_top1_val', math.nan):+.2f}, test "
+        f"{100 * r.get('delta_top1_test', math.nan):+.2f})" for r in rows)
 
 
 def plot(cells: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:

@@ -15,7 +15,7 @@ BASE = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "retriever_t
 
 def summary(val: float, test: float) -> dict:
     def rep(own, worlds):
-        entry = lambda v: {"recall@64": {"macro": v, "micro": v + 0.01}}  # noqa: E731
+        entry = lambda v: {"recall@64": {"macro": v, "micro": v + 0.01}, "accuracy": {"macro": v / 10}}  # noqa: E731
         return {"worlds": worlds, "own_world": entry(own), "split_union": entry(own / 2)}
 
     return {"done": True, "seconds": 1.0, "dev_split": "heldout_train_seen", "dev_after": {"recall@64": 0.5},
@@ -51,14 +51,15 @@ def test_cell(cells):
 def test_table_and_verdicts(cells):
     table = markdown_table(cells).splitlines()
     assert table[0].startswith("| architecture | negatives | val R@64 (own world)")
-    assert table[2] == "| (random ranking) | - | 37.50 | 100.00 | - | - | - |"
-    assert table[4] == "| dual | hard | 40.00 | 25.00 | 20.00 | 12.50 | 50.00 |"
+    assert table[2] == "| (random ranking) | - | 37.50 | 100.00 | - | - | - | - | - |"
+    assert table[4] == "| dual | hard | 40.00 | 25.00 | 20.00 | 12.50 | 4.00 | 2.50 | 50.00 |"
     verdicts = comparisons(cells)
     assert [(v["architecture"], v["negatives"], v["beats_random"]) for v in verdicts] == [
         ("dual", "hard", True), ("multi-8", "mixed-50", False)]  # test: 0.29 < 0.30
     assert verdicts[1]["delta_val"] == pytest.approx(0.05)
     text = comparison_text(verdicts)
-    assert "multi-8: mixed-50 vs random: val +5.00, test -1.00 points -> does not beat random" in text
+    assert ("multi-8: mixed-50 vs random: val +5.00, test -1.00 points -> does not beat random at R@k "
+            "(R@1: val +0.50, test -0.10)") in text
 
 
 def test_plot(cells, tmp_path):
