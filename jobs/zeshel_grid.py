@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.artifacts import atomic_write_json, atomic_write_text
     from dist_nce.runtime import configure_process
     from dist_nce.train.tb import read_metrics
-    from dist_nce.zeshel.grid import cell, comparison_text, comparisons, labels, markdown_table, plot
+    from dist_nce.zeshel.grid import cell, comparison_text, comparisons, labels, markdown_table, noise_note, plot
     from dist_nce.zeshel.run import SUMMARY, run_retriever
 
     from dist_nce.artifacts import ArtifactMismatch
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
              "among all entities of the split's worlds.")
     text = "\n\n".join([f"# Zeshel retriever grid\n\n{title}", markdown_table(cells),
                         "Do hard / mixed negatives beat random (own world, val and test)?\n\n"
-                        + comparison_text(verdicts)])
+                        + comparison_text(verdicts), f"Resolution ({noise_note(cells)})."])
     atomic_write_text(out / "grid.md", text + "\n")
     atomic_write_json(out / "grid.json", {"config": str(Path(args.config).resolve()), "rows": str(Path(args.rows)),
                                           "cells": cells, "comparisons": verdicts,

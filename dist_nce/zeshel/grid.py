@@ -85,6 +85,7 @@ def cell(name: str, cfg: ZeshelRetrieverConfig, summary: dict[str, Any], losses:
             for how in ("macro", "micro"):
                 value = rep[setting][f"recall@{k}"][how] if rep and setting in rep else math.nan
                 out[f"{split}/{setting}/{how}"] = value
+        out[f"{split}/n_mentions"] = rep["own_world"]["n_mentions"] if rep else 0
         # Top-1 accuracy (recall@1) within the own world, macro: where the ranking's head is.
         out[f"{split}/own_world/top1_macro"] = rep["own_world"]["accuracy"]["macro"] if rep else math.nan
     dev = summary.get("dev_after") or {}
@@ -137,7 +138,7 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if base is None:
             continue
         for neg, c in negs.items():
-            if neg == "random":
+            if neg in ("random", "untrained"):
                 continue
             delta = {s: c[f"{s}/own_world/macro"] - base[f"{s}/own_world/macro"] for s in EVAL_SPLITS}
             top1 = {s: c.get(f"{s}/own_world/top1_macro", math.nan) - base.get(f"{s}/own_world/top1_macro", math.nan)
@@ -146,6 +147,18 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                         **{f"delta_top1_{s}": d for s, d in top1.items()},
                         "beats_random": all(d > 0 for d in delta.values())})
     return out
+
+
+def noise_note(cells: Sequence[dict[str, Any]]) -> str:
+    """How large a difference the evaluation sets can resolve: one mention, and the largest
+    binomial standard error sqrt(p (1 - p) / n) of a recall over n mentions (p = 50%)."""
+    parts = []
+    for s in EVAL_SPLITS:
+        n = max((c.get(f"{s}/n_mentions", 0) for c in cells), default=0)
+        if n:
+            parts.append(f"{s}: {n} mentions, one mention = {100 / n:.2f} points, standard error <= "
+                         f"{100 * math.sqrt(0.25 / n):.1f} points")
+    return "; ".join(parts)
 
 
 def comparison_text(rows: Sequence[dict[str, Any]]) -> str:

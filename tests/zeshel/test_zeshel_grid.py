@@ -8,7 +8,7 @@ import pytest
 
 from dist_nce.config import load_config
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
-from dist_nce.zeshel.grid import cell, comparison_text, comparisons, markdown_table, plot
+from dist_nce.zeshel.grid import cell, comparison_text, comparisons, markdown_table, noise_note, plot
 
 BASE = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "retriever_tiny_cpu.yaml"
 
@@ -16,7 +16,7 @@ BASE = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "retriever_t
 def summary(val: float, test: float) -> dict:
     def rep(own, worlds):
         entry = lambda v: {"recall@64": {"macro": v, "micro": v + 0.01}, "accuracy": {"macro": v / 10}}  # noqa: E731
-        return {"worlds": worlds, "own_world": entry(own), "split_union": entry(own / 2)}
+        return {"worlds": worlds, "own_world": {**entry(own), "n_mentions": 400}, "split_union": entry(own / 2)}
 
     return {"done": True, "seconds": 1.0, "dev_split": "heldout_train_seen", "dev_after": {"recall@64": 0.5},
             "zeshel": {"val": rep(val, {"a": [0, 128], "b": [128, 384]}),
@@ -60,6 +60,13 @@ def test_table_and_verdicts(cells):
     text = comparison_text(verdicts)
     assert ("multi-8: mixed-50 vs random: val +5.00, test -1.00 points -> does not beat random at R@k "
             "(R@1: val +0.50, test -0.10)") in text
+
+
+def test_untrained_is_no_verdict_and_noise_note(cells):
+    untrained = cell("dual_untrained", cfg("dual", "random"), summary(0.9, 0.9), negatives="untrained")
+    assert [v["negatives"] for v in comparisons([untrained, *cells])] == ["hard", "mixed-50"]
+    assert noise_note(cells) == ("val: 400 mentions, one mention = 0.25 points, standard error <= 2.5 points; "
+                                 "test: 400 mentions, one mention = 0.25 points, standard error <= 2.5 points")
 
 
 def test_plot(cells, tmp_path):
