@@ -178,7 +178,9 @@ def vector_service(root: str | os.PathLike, n: int, d: int, shard_vectors: Calla
 
     root = Path(root)
     store = root / "store"
-    if not (reuse and (store / "manifest.json").exists()):
+    from kb.store import EntityStore
+
+    if not (reuse and (store / "manifest.json").exists() and EntityStore(str(store)).num_entities == n):
         write_vector_store(store, n)
     config = dataclasses.replace(config, shard_dir=str(root / "shards"))
     retriever = RetrieverConfig(preset="dual", storage_dtype=storage_dtype)

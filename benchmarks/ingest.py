@@ -38,17 +38,11 @@ sys.path.insert(0, str(REPO))
 
 
 def synthetic_kilt(data_dir: Path, entities: int, seed: int) -> Path:
-    """The synthetic knowledge source with ``entities`` lines (generated once)."""
-    from kb.synthetic import KB_FILE, write_kilt
+    """The synthetic knowledge source with ``entities`` lines (generated once, again when the
+    size, seed or generator changed)."""
+    from kb.synthetic.cache import ensure_kilt
 
-    manifest = data_dir / "manifest.json"
-    if manifest.exists():
-        m = json.loads(manifest.read_text())
-        if m.get("num_entities") == entities and m.get("seed") == seed and (data_dir / KB_FILE).exists():
-            return data_dir / KB_FILE
-    print(f"generating {entities:,} synthetic KILT entities in {data_dir} ...", flush=True)
-    write_kilt(data_dir, entities, 0, 0, 0, seed, progress=True)
-    return data_dir / KB_FILE
+    return ensure_kilt(data_dir, entities, 0, 0, 0, seed, progress=True, log=lambda m: print(m, flush=True))["kb"]
 
 
 def _anon_bytes(pid: int) -> int:

@@ -56,16 +56,16 @@ from dist_nce.runtime import configure_process, init_ray  # noqa: E402
 
 
 def prepared_kb(data_dir: Path, entities: int, seed: int) -> Path:
-    """A synthetic KILT source of ``entities`` lines, prepared with kb.prepare (made once, reused)."""
-    from kb.prepare import PrepareConfig, prepare
-    from kb.synthetic import KB_FILE, write_kilt
+    """A synthetic KILT source of ``entities`` lines, prepared with kb.prepare (made once, reused
+    while the size and seed stay the same)."""
+    from kb.prepare import PrepareConfig, ensure_store
+    from kb.synthetic.cache import ensure_kilt
 
     source, out = data_dir / "source", data_dir / "prepared"
-    if not (out / "manifest.json").exists():
-        print(f"preparing {entities:,} synthetic KILT entities in {data_dir} ...", flush=True)
-        write_kilt(source, entities, 0, 0, 0, seed)
-        prepare(PrepareConfig(out=str(out), kilt_ks=str(source / KB_FILE), entity_max_len=128, progress=False),
-                log=lambda _msg: None)
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    kb = ensure_kilt(source, entities, 0, 0, 0, seed, log=say)["kb"]
+    ensure_store(PrepareConfig(out=str(out), kilt_ks=str(kb), entity_max_len=128, progress=False), say,
+                 regenerate_from=source)
     return out
 
 

@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

@@ -3,10 +3,12 @@
 Every row of ``--rows`` is the base ``--config`` plus the row's overrides, trained and
 evaluated by jobs/zeshel_retriever.py's code (``dist_nce.zeshel.run.run_retriever``) in
 ONE Ray session, over ONE pair of prepared stores (the base config's), each row in
-``<out>/<row>/``. A row whose ``summary.json`` says it finished is not run again, so an
-interrupted grid continues where it stopped. The untrained model of each architecture is
-evaluated too (``untrained``, kept in ``<out>/<architecture>_untrained/``), the reference
-point for what training did.
+``<out>/<row>-<key>/``, where the key hashes the row's config and the stores' identities. A
+row whose ``summary.json`` says it finished is not run again, so an interrupted grid
+continues where it stopped; a row whose settings or data changed gets a new key, so a
+stale result is never reused (its old directory is left as it was). The untrained model of
+each architecture is evaluated too (``untrained``, kept in
+``<out>/<architecture>_untrained-<key>/``), the reference point for what training did.
 
 Writes ``<out>/grid.md`` (the table and whether hard / mixed negatives beat random for
 each architecture), ``<out>/grid.json`` and ``<out>/grid.png`` (bar chart).
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.artifacts import atomic_write_json, atomic_write_text
     from dist_nce.runtime import configure_process
     from dist_nce.train.tb import read_metrics
-    from dist_nce.zeshel.grid import cell, comparison_text, comparisons, labels, markdown_table, noise_note, plot
+    from dist_nce.index.encode import store_fingerprint
+    from dist_nce.zeshel.grid import (
+        cell, comparison_text, comparisons, keyed, labels, markdown_table, model_fingerprints, noise_note, plot,
+        result_key,
+    )
     from dist_nce.zeshel.run import SUMMARY, run_retriever
 
     from dist_nce.artifacts import ArtifactMismatch
@@ -79,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     start = time.perf_counter()
     try:  # the stores every row shares, prepared once up front
-        for _, cfg in configs:
-            ensure_zeshel_stores(cfg, log)
+        stores = [ensure_zeshel_stores(cfg, log) for _, cfg in configs]
     except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    fingerprints = [[*(store_fingerprint(s) for s in pair), *model_fingerprints(cfg)]
+                    for pair, (_, cfg) in zip(stores, configs)]
+    configs = [(row, keyed(cfg, row.name, out, result_key(cfg, fps)))
+               for (row, cfg), fps in zip(configs, fingerprints)]
     cells = []
     if args.untrained:
-        cells += untrained_cells(configs, log)
+        cells += untrained_cells(configs, fingerprints, out, log)
     for row, cfg in configs:
         summary_path = Path(cfg.run.output_dir) / SUMMARY
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def untrained_cells(configs, log) -> list[dict]:
+def untrained_cells(configs, fingerprints, out: Path, log) -> list[dict]:
     """The initial model of each architecture (same seed as its runs), evaluated on val/test."""
     import dataclasses
 
@@ -126,15 +135,17 @@ def untrained_cells(configs, log) -> list[dict]:
     from dist_nce.train.model import build_retriever
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.evaluate import evaluate_retriever
-    from dist_nce.zeshel.grid import cell, labels
+    from dist_nce.zeshel.grid import cell, labels, result_key
 
     cells, seen = [], set()
-    for row, cfg in configs:
+    for (row, cfg), fps in zip(configs, fingerprints):
         arch = labels(cfg)[0]
         if arch in seen:
             continue
         seen.add(arch)
-        path = Path(cfg.run.output_dir).parent / f"{arch}_untrained" / "summary.json"
+        # What an untrained model's scores depend on: the model, its seed, the data and the evaluation.
+        key = result_key(cfg, fps, sections=("model", "data", "zeshel")) + f"s{cfg.optim.seed}"
+        path = out / f"{arch}_untrained-{key}" / "summary.json"
         if path.exists():  # evaluated by an earlier run of the grid
             summary = json.loads(path.read_text())
         else:

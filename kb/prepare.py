@@ -271,20 +271,68 @@ def _spec(cfg: PrepareConfig, fingerprints: list, tokenizer_fp: dict) -> dict:
             "version": INGEST_VERSION, **_zeshel_selection(cfg)}
 
 
-def _check_existing(out: Path, spec: dict, overwrite: bool) -> dict | None:
-    """The existing manifest if ``out`` is already this store; raise if it is another."""
+NOTHING_TO_DO = "nothing to do"
+
+
+def _content_identity(spec: dict) -> dict:
+    """``spec`` without where the sources lie: a store and its sources moved together (to
+    shared storage, say) are still the same store."""
+    return {**spec, "sources": [{k: v for k, v in f.items() if k != "path"} for f in spec.get("sources") or []]}
+
+
+def _check_existing(out: Path, spec: dict, overwrite: bool, log: Callable[[str], None]) -> dict | None:
+    """The existing manifest if ``out`` is already this store; raise if it is another
+    (or, with ``overwrite``, make way for preparing it again)."""
     path = out / MANIFEST
     if not path.exists():
         return None
     old = json.loads(path.read_text(encoding="utf-8"))
-    if old.get("kind") == KIND and old.get("schema_version") == SCHEMA_VERSION and old.get("spec") == spec:
+    old_spec = old.get("spec") or {}
+    same_kind = old.get("kind") == KIND and old.get("schema_version") == SCHEMA_VERSION
+    if same_kind and _content_identity(old_spec) == _content_identity(spec):
         return old
+    differs = ([k for k in spec if _content_identity(old_spec).get(k) != _content_identity(spec)[k]]
+               if same_kind else ["kind/schema_version"])
     if not overwrite:
-        differs = [k for k in spec if (old.get("spec") or {}).get(k) != spec[k]] or ["kind/schema_version"]
         raise PrepareError(f"{out} already holds a prepared store from other inputs (differs in: "
-                           f"{', '.join(differs)}); pass --overwrite to replace it")
+                           f"{', '.join(differs)}); replace it (kb.prepare --overwrite) or prepare into "
+                           "another directory")
+    log(f"{out}: prepared from other inputs (differs in: {', '.join(differs)}); preparing it again")
     path.unlink()  # the store is incomplete from here until the new manifest is written
     return None
+
+
+def ensure_store(cfg: PrepareConfig, log: Callable[[str], None] = print,
+                 regenerate_from: str | os.PathLike | None = None) -> bool:
+    """:func:`prepare` for jobs, which call it on every run: silent when ``cfg.out`` already
+    holds this store, logging (and summarizing) when it builds; True if it built.
+
+    regenerate_from: a directory of derived sources (synthetic data); a store prepared
+      from files under it that have changed since is prepared again instead of refused.
+    """
+    out = Path(cfg.out)
+    before = (out / MANIFEST).read_bytes() if (out / MANIFEST).exists() else None
+    if regenerate_from is not None and derived_from(out, regenerate_from):
+        cfg = dataclasses.replace(cfg, overwrite=True)
+    prepare(cfg, log=lambda msg: None if msg.endswith(NOTHING_TO_DO) else log(msg))
+    changed = before != (out / MANIFEST).read_bytes()
+    if changed:
+        log(summarize(out))
+    return changed
+
+
+def derived_from(out: str | os.PathLike, directory: str | os.PathLike) -> bool:
+    """True if ``out`` holds a store prepared only from files under ``directory`` (a
+    synthetic data directory, say, whose regeneration makes the store stale)."""
+    path = Path(out) / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["spec"]["sources"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return False
+    root = Path(directory).resolve()
+    return bool(files) and all(Path(f["path"]).resolve().is_relative_to(root) for f in files)
 
 
 def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
@@ -300,9 +348,9 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
     tok_fp = tokenizer_fingerprint(tok)
     entity_tasks, mention_tasks, fingerprints = plan(cfg, tok_fp["sha256"])
     spec = _spec(cfg, fingerprints, tok_fp)
-    existing = _check_existing(out, spec, cfg.overwrite)
+    existing = _check_existing(out, spec, cfg.overwrite, log)
     if existing is not None:
-        log(f"{out}: already prepared from these inputs; nothing to do")
+        log(f"{out}: already prepared from these inputs; {NOTHING_TO_DO}")
         return existing
 
     work = out / WORK_DIR

@@ -39,6 +39,8 @@ class RerankPlan:
     epochs: int
     total_steps: int
     seed: int
+    # sha256 over the store's manifest and the candidates file: resuming on other data is refused.
+    data_fingerprint: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,7 +94,17 @@ def make_plan(cfg: RerankJobConfig, ts: TrainingSet) -> RerankPlan:
         num_candidates=cfg.data.num_candidates, split_mentions=len(ts.mentions), train_mentions=n,
         excluded_missing_gold=considered - n, gold_inserted=int(ts.inserted.sum()),
         steps_per_epoch=steps_per_epoch, epochs=math.ceil(total / steps_per_epoch), total_steps=total,
-        seed=cfg.optim.seed)
+        seed=cfg.optim.seed, data_fingerprint=_data_fingerprint(cfg.data.train_store, ts.source))
+
+
+def _data_fingerprint(store_dir: str, candidates_file: str) -> str:
+    import hashlib
+    import os
+
+    from dist_nce.artifacts import MANIFEST, file_sha256
+
+    parts = [file_sha256(os.path.join(store_dir, MANIFEST)), file_sha256(candidates_file)]
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()
 
 
 def data_order(plan: RerankPlan) -> DataOrder:

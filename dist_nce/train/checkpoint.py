@@ -43,7 +43,7 @@ DS_DIR = "deepspeed"
 STATE_FILE = "train_state.json"
 # Plan fields that must match to resume: they fix the data order and the LR schedule.
 RESUME_KEYS = ("num_workers", "per_worker_batch", "global_batch", "steps_per_epoch", "total_steps",
-               "train_mentions", "num_candidates", "n_hard", "n_random", "seed")
+               "train_mentions", "num_candidates", "n_hard", "n_random", "seed", "data_fingerprint")
 
 
 def rng_file(rank: int) -> str:

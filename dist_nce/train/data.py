@@ -1,12 +1,17 @@
-"""Make sure the prepared KB a run trains on exists (driver side).
+"""Make sure the prepared KB a run trains on exists and matches the config (driver side).
 
-``data.prepared_dir`` with a manifest is used as it is. Otherwise it is prepared from the
-configured sources (``kb.prepare``), after generating synthetic KILT + AIDA files first
-when ``data.synthetic_entities > 0`` and no source is given (``kb.synthetic``).
-Both steps resume when interrupted and do nothing when already done.
+With sources configured (KILT/AIDA files, a Zeshel tree, or ``data.synthetic_entities
+> 0``, which generates synthetic KILT + AIDA files first), ``kb.prepare`` runs every
+time: it leaves a store prepared from the same inputs as it is, resumes an interrupted
+one, and refuses a store prepared from other inputs. Synthetic data and a store prepared
+from it are derived data, so when the ``synthetic_*`` settings change both are made again
+instead of being reused stale (:mod:`kb.synthetic.cache`). Without sources,
+``data.prepared_dir`` is used as it is, after checking that its token lengths are the
+config's.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -14,28 +19,41 @@ from dist_nce.train.config import DataConfig
 
 
 def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str], None] = print) -> str:
-    """Return ``d.prepared_dir``, preparing it first if it has no manifest."""
-    from kb.prepare import PrepareConfig, prepare, summarize
+    """Return ``d.prepared_dir``, (re)preparing it first unless it already holds the store
+    the configured sources give."""
+    from kb.prepare import PrepareConfig, ensure_store
 
     out = Path(d.prepared_dir)
-    if (out / "manifest.json").exists():
-        return str(out)
     kilt_ks, aida_dir, zeshel_root = d.kilt_knowledge_source, d.aida_dir, d.zeshel_root
-    if not (kilt_ks or zeshel_root):
-        if d.synthetic_entities <= 0:
+    if not (kilt_ks or zeshel_root or d.synthetic_entities > 0):
+        if not (out / "manifest.json").exists():
             raise FileNotFoundError(f"{out}: not prepared, and no source or synthetic size is configured")
-        from kb.synthetic import KB_FILE, write_kilt
+        check_prepared_lengths(out, d)
+        return str(out)
+    synthetic = None
+    if not (kilt_ks or zeshel_root):
+        from kb.synthetic import KB_FILE
+        from kb.synthetic.cache import ensure_kilt
 
-        syn = Path(d.synthetic_dir)
-        if not (syn / "manifest.json").exists():
-            log(f"generating a synthetic KILT KB of {d.synthetic_entities:,} entities and AIDA "
-                f"{d.synthetic_train}/{d.synthetic_dev}/{d.synthetic_test} mentions in {syn}")
-            write_kilt(syn, d.synthetic_entities, d.synthetic_train, d.synthetic_dev, d.synthetic_test,
-                       d.synthetic_seed)
-        kilt_ks, aida_dir = str(syn / KB_FILE), str(syn)
-    log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")
-    prepare(PrepareConfig(out=str(out), kilt_ks=kilt_ks, aida_dir=aida_dir, zeshel_root=zeshel_root,
-                          model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
-                          entity_max_len=d.entity_max_len, workers=d.prepare_workers, progress=False), log=log)
-    log(summarize(out))
+        synthetic = Path(d.synthetic_dir)
+        ensure_kilt(synthetic, d.synthetic_entities, d.synthetic_train, d.synthetic_dev, d.synthetic_test,
+                    d.synthetic_seed, log=log)
+        kilt_ks, aida_dir = str(synthetic / KB_FILE), str(synthetic)
+    if not (out / "manifest.json").exists():
+        log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")
+    ensure_store(PrepareConfig(out=str(out), kilt_ks=kilt_ks, aida_dir=aida_dir, zeshel_root=zeshel_root,
+                               model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
+                               entity_max_len=d.entity_max_len, workers=d.prepare_workers, progress=False),
+                 log, regenerate_from=synthetic)
     return str(out)
+
+
+def check_prepared_lengths(store_dir: Path, d: DataConfig) -> None:
+    """A store is tokenized once: refuse one cut at other lengths than the config asks for
+    (it would silently train on shorter or longer inputs)."""
+    manifest = json.loads((store_dir / "manifest.json").read_text(encoding="utf-8"))
+    differs = [f"data.{k} is {getattr(d, k)} but the store has {manifest.get(k)}"
+               for k in ("entity_max_len", "mention_max_len") if manifest.get(k) != getattr(d, k)]
+    if differs:
+        raise ValueError(f"{store_dir}: prepared with other token lengths ({'; '.join(differs)}); set them to the "
+                         "store's, or configure its sources so it can be prepared again elsewhere")

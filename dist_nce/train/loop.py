@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dist_nce.config import from_dict
+from dist_nce.index.encode import store_fingerprint
 from dist_nce.losses import adjusted_nce_loss, nce_loss
 from dist_nce.text import tokenizer_fingerprint
 from dist_nce.train import checkpoint
@@ -128,7 +129,7 @@ class Worker:
         self.dev = MentionTable(d.prepared_dir, d.dev_split)
         self.train_gold, self.train_len = self.train.gold_rows, self.train.lengths
         eligible, _ = eligible_mentions(self.train_gold, d.max_train_mentions)
-        self.plan = make_plan(cfg, self.train_gold, self.store.num_entities)
+        self.plan = make_plan(cfg, self.train_gold, self.store.num_entities, store_fingerprint(d.prepared_dir))
         if self.plan.num_workers != self.world:
             raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
         self.order = DataOrder(self.plan, eligible)

@@ -72,6 +72,9 @@ class TrainPlan:
     epochs: int
     total_steps: int  # the LR schedule's length: epochs * steps_per_epoch, capped by max_steps
     seed: int
+    # The prepared store's identity (sha256 of its manifest): resuming on a store prepared
+    # again (other synthetic settings, new sources) would silently continue on other data.
+    data_fingerprint: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,7 +98,7 @@ def eligible_mentions(gold_rows: np.ndarray, max_mentions: int = 0) -> tuple[np.
     return keep, int(len(gold) - len(keep))
 
 
-def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int) -> TrainPlan:
+def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int, data_fingerprint: str = "") -> TrainPlan:
     """Derived quantities of a run; raises ValueError when the data cannot fill one step."""
     eligible, excluded = eligible_mentions(gold_rows, cfg.data.max_train_mentions)
     global_batch = cfg.optim.batch_size
@@ -116,6 +119,7 @@ def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int) -> 
         num_entities=int(num_entities), split_mentions=int(len(gold_rows)), train_mentions=len(eligible),
         excluded_missing_gold=excluded, steps_per_epoch=steps_per_epoch,
         epochs=math.ceil(total / steps_per_epoch), total_steps=total, seed=cfg.optim.seed,
+        data_fingerprint=data_fingerprint,
     )
 
 

@@ -119,11 +119,12 @@ def plan_for(cfg: TrainJobConfig) -> TrainPlan:
     """The plan of ``cfg`` over its prepared KB (what the workers will compute too)."""
     from kb.store import EntityStore, MentionTable
 
+    from dist_nce.index.encode import store_fingerprint
     from dist_nce.train.plan import make_plan
 
     store = EntityStore(cfg.data.prepared_dir)
     train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
-    return make_plan(cfg, train.gold_rows, store.num_entities)
+    return make_plan(cfg, train.gold_rows, store.num_entities, store_fingerprint(cfg.data.prepared_dir))
 
 
 def kb_snapshot(service: Any, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:

@@ -59,6 +59,58 @@ def row_config(base: str | Path, row: GridRow, out_dir: str | Path, overrides: S
     return absolute(load_config(ZeshelRetrieverConfig, base, [*overrides, *row.overrides, *where]))
 
 
+# Where and how visibly a run happens, not what it computes.
+_PLACEMENT = ("name", "output_dir", "storage_path", "progress", "max_failures")
+
+
+def result_key(cfg: ZeshelRetrieverConfig, store_fingerprints: Sequence[str], sections: Sequence[str] = ()) -> str:
+    """A short hash of everything a row's result depends on: its config (``sections`` of it,
+    default all, minus where it runs) and the prepared stores' identities.
+
+    Row directories and Ray Train run names carry it, so an earlier result is reused only
+    for the same config over the same data: after a change of settings (synthetic data
+    regenerated, another learning rate) the row runs again, in its own directory.
+    """
+    import hashlib
+    import json
+
+    from dist_nce.config import to_dict
+
+    d = to_dict(cfg)
+    d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
+    if sections:
+        d = {k: d[k] for k in sections}
+    blob = json.dumps([d, list(store_fingerprints)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def model_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
+    """Identities of the initial model directories (a model rebuilt in place is another model):
+    sha256 over each file's name, size and sampled content."""
+    import hashlib
+    import json
+
+    from dist_nce.testing import default_model_dir
+    from kb.ingest import file_fingerprint
+
+    out = []
+    r = cfg.model.retriever
+    mention = r.mention_model or default_model_dir()
+    for d in dict.fromkeys((mention, r.entity_model or mention)):
+        files = sorted(p for p in Path(d).rglob("*") if p.is_file()) if Path(d).is_dir() else []
+        parts = [(str(p.relative_to(d)), {k: v for k, v in file_fingerprint(p).items() if k != "path"}) for p in files]
+        out.append(hashlib.sha256(json.dumps(parts or d).encode()).hexdigest())
+    return out
+
+
+def keyed(cfg: ZeshelRetrieverConfig, row: str, out_dir: str | Path, key: str) -> ZeshelRetrieverConfig:
+    """``cfg`` run as ``<row>-<key>``: in ``<out_dir>/<row>-<key>/``, Ray Train run ``zeshel_grid_<row>-<key>``."""
+    import dataclasses
+
+    run = dataclasses.replace(cfg.run, name=f"zeshel_grid_{row}-{key}", output_dir=str(Path(out_dir) / f"{row}-{key}"))
+    return dataclasses.replace(cfg, run=run)
+
+
 def labels(cfg: ZeshelRetrieverConfig) -> tuple[str, str]:
     """(architecture, negatives) as the paper names them: ("multi-8", "mixed-50")."""
     r, n = cfg.model.retriever, cfg.negatives

@@ -21,7 +21,7 @@ from dist_nce.artifacts import write_manifest
 from kb.synthetic.lexicon import KILT_DOMAINS, load_lexicon
 from kb.synthetic.sink import JsonlSink
 from kb.synthetic.universe import (
-    AffinePermutation, T_DOC, T_MENTION, T_PERM, T_WID, Entity, Knobs, Universe, detokenize,
+    GENERATOR_VERSION, T_DOC, T_MENTION, T_PERM, T_WID, AffinePermutation, Entity, Knobs, Universe, detokenize,
 )
 
 KB_FILE = "kilt_knowledgesource.json"
@@ -218,6 +218,24 @@ def _render_in_worker(task: tuple[int, int, bool]) -> tuple[bytes, bytes]:
     return _render_chunk(_worker_universe, *task)
 
 
+def kilt_settings(num_entities: int, num_train: int, num_dev: int, num_test: int, seed: int = 0, *,
+                  blink: bool = False, title_drift: float = 0.03, missing_gold: float = 0.0,
+                  knobs: Knobs = Knobs(), lexicon_sha256: str) -> dict:
+    """Everything the files :func:`write_kilt` writes depend on, as JSON (``workers`` and
+    ``progress`` change nothing); recorded as the manifest's ``settings``."""
+    return json.loads(json.dumps({
+        "generator": GENERATOR_VERSION, "seed": seed, "num_entities": num_entities,
+        "num_mentions": {"train": num_train, "dev": num_dev, "test": num_test}, "blink": blink,
+        "title_drift": title_drift, "missing_gold": missing_gold, "knobs": dataclasses.asdict(knobs),
+        "lexicon_sha256": lexicon_sha256,
+    }))
+
+
+def kilt_files(blink: bool = False) -> list[str]:
+    """The data files :func:`write_kilt` writes, relative to its directory."""
+    return [KB_FILE, *AIDA_FILES.values(), *([BLINK_FILE] if blink else [])]
+
+
 def write_kilt(
     out_dir: str | os.PathLike,
     num_entities: int,
@@ -284,8 +302,10 @@ def write_kilt(
                 sinks[name].write(record)
             counts[name] = c
     files = {p.name: s.summary() for p, s in ((s.path, s) for s in sinks.values())}
+    settings = kilt_settings(num_entities, num_train, num_dev, num_test, seed, blink=blink, title_drift=title_drift,
+                             missing_gold=missing_gold, knobs=knobs, lexicon_sha256=ku.u.lex.sha256)
     write_manifest(
-        out, MANIFEST_KIND, SCHEMA_VERSION, seed=seed, num_entities=num_entities,
+        out, MANIFEST_KIND, SCHEMA_VERSION, settings=settings, seed=seed, num_entities=num_entities,
         num_mentions={"train": num_train, "dev": num_dev, "test": num_test}, blink=blink,
         title_drift=title_drift, missing_gold=missing_gold, knobs=dataclasses.asdict(knobs),
         num_topics=ku.u.num_topics, lexicon={"source": ku.u.lex.source, "sha256": ku.u.lex.sha256},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 from pathlib import Path
@@ -21,7 +22,7 @@ from dist_nce.artifacts import write_manifest
 from kb.synthetic.lexicon import ZESHEL_WORLD_TABLE, Domain, Lexicon, load_lexicon
 from kb.synthetic.sink import JsonlSink
 from kb.synthetic.universe import (
-    T_DOC, T_LINK, T_PERM, T_SPLIT, AffinePermutation, Knobs, Universe, hash64, mix64, unit,
+    GENERATOR_VERSION, T_DOC, T_LINK, T_PERM, T_SPLIT, AffinePermutation, Knobs, Universe, hash64, mix64, unit,
 )
 from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 
@@ -130,6 +131,35 @@ def _per_world(value: int | Mapping[str, int], worlds: Sequence[str], what: str)
     return {w: int(value) for w in worlds}
 
 
+def zeshel_settings(worlds: Sequence[str] | None = None, entities_per_world: int | Mapping[str, int] = 1000,
+                    mentions_per_world: int | Mapping[str, int] = 500, seed: int = 0, *,
+                    heldout_seen: float = 0.08, heldout_unseen: float = 0.08, knobs: Knobs = ZESHEL_KNOBS,
+                    lexicon_sha256: str) -> dict:
+    """Everything the files :func:`write_zeshel` writes depend on, as JSON (``progress``
+    changes nothing); recorded as the manifest's ``settings``."""
+    worlds = _check_worlds(worlds)
+    return json.loads(json.dumps({
+        "generator": GENERATOR_VERSION, "seed": seed, "worlds": worlds,
+        "entities_per_world": _per_world(entities_per_world, worlds, "entities_per_world"),
+        "mentions_per_world": _per_world(mentions_per_world, worlds, "mentions_per_world"),
+        "heldout_seen": heldout_seen, "heldout_unseen": heldout_unseen, "knobs": dataclasses.asdict(knobs),
+        "lexicon_sha256": lexicon_sha256,
+    }))
+
+
+def zeshel_files(worlds: Sequence[str] | None = None) -> list[str]:
+    """The data files :func:`write_zeshel` writes, relative to its directory."""
+    return [f"documents/{w}.json" for w in _check_worlds(worlds)] + [f"mentions/{s}.json" for s in SPLITS]
+
+
+def _check_worlds(worlds: Sequence[str] | None) -> list[str]:
+    worlds = list(_WORLD_SPLIT) if worlds is None else list(worlds)
+    unknown = [w for w in worlds if w not in _WORLD_SPLIT]
+    if unknown or not worlds or len(set(worlds)) != len(worlds):
+        raise ValueError(f"worlds must be distinct names from {list(_WORLD_SPLIT)}; got {worlds}")
+    return worlds
+
+
 def write_zeshel(
     out_dir: str | os.PathLike,
     worlds: Sequence[str] | None = None,
@@ -151,10 +181,7 @@ def write_zeshel(
       (mentions of a fraction ``heldout_unseen`` of the entities, which never appear as a
       ``train`` label).
     """
-    worlds = list(_WORLD_SPLIT) if worlds is None else list(worlds)
-    unknown = [w for w in worlds if w not in _WORLD_SPLIT]
-    if unknown or not worlds or len(set(worlds)) != len(worlds):
-        raise ValueError(f"worlds must be distinct names from {list(_WORLD_SPLIT)}; got {worlds}")
+    worlds = _check_worlds(worlds)
     docs = _per_world(entities_per_world, worlds, "entities_per_world")
     ments = _per_world(mentions_per_world, worlds, "mentions_per_world")
     lexicon = load_lexicon(vocab_path)
@@ -187,8 +214,10 @@ def write_zeshel(
             files[f"documents/{w}.json"] = dsink.summary()
             counts["worlds"][w] = {"split": world.split, "documents": docs[w], "mentions": serial}
     files.update({f"mentions/{s}.json": sink.summary() for s, sink in msinks.items()})
+    settings = zeshel_settings(worlds, docs, ments, seed, heldout_seen=heldout_seen, heldout_unseen=heldout_unseen,
+                               knobs=knobs, lexicon_sha256=lexicon.sha256)
     write_manifest(
-        out, MANIFEST_KIND, SCHEMA_VERSION, seed=seed, worlds=worlds, entities_per_world=docs,
+        out, MANIFEST_KIND, SCHEMA_VERSION, settings=settings, seed=seed, worlds=worlds, entities_per_world=docs,
         mentions_per_world=ments, heldout_seen=heldout_seen, heldout_unseen=heldout_unseen,
         knobs=dataclasses.asdict(knobs), lexicon={"source": lexicon.source, "sha256": lexicon.sha256},
         counts=counts, files=files,

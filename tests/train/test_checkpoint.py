@@ -15,7 +15,7 @@ from dist_nce.train.refresh import RefreshBook
 
 DS_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 PLAN = {"num_workers": 1, "per_worker_batch": 4, "global_batch": 4, "steps_per_epoch": 3, "total_steps": 6,
-        "train_mentions": 12, "num_candidates": 8, "n_hard": 4, "n_random": 3, "seed": 0}
+        "train_mentions": 12, "num_candidates": 8, "n_hard": 4, "n_random": 3, "seed": 0, "data_fingerprint": "aa"}
 
 
 def draws():
@@ -91,3 +91,6 @@ def test_resume_refuses_another_plan(tmp_path):
     manifest = checkpoint.read_manifest(tmp_path)
     with pytest.raises(ValueError, match="global_batch: checkpoint 4, now 8"):
         checkpoint.check_resumable(manifest, {**PLAN, "global_batch": 8}, str(tmp_path))
+    # The same shapes over a store prepared again (other synthetic data, say) is another run.
+    with pytest.raises(ValueError, match="data_fingerprint: checkpoint 'aa', now 'bb'"):
+        checkpoint.check_resumable(manifest, {**PLAN, "data_fingerprint": "bb"}, str(tmp_path))

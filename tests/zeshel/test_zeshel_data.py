@@ -1,4 +1,5 @@
-"""The Zeshel stores of a run: synthetic tree generated once, refused when generated otherwise."""
+"""The Zeshel stores of a run: synthetic tree generated once, reused, and generated (and
+prepared) again when its settings change; real stores are checked, never overwritten."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +22,7 @@ def config(tmp_path, tokenizer_dir, *extra):
         "zeshel.synthetic_eval_mentions_per_world=6", *extra]))
 
 
-def test_two_stores_then_reuse_then_refuse_other_settings(tmp_path, tiny_model_dir):
+def test_two_stores_then_reuse_then_regenerate_for_other_settings(tmp_path, tiny_model_dir):
     logged: list[str] = []
     train, evaluation = ensure_zeshel_stores(config(tmp_path, tiny_model_dir), logged.append)
     assert set(EntityStore(train).world_ranges()) == {"starwars", "military"}
@@ -33,5 +34,22 @@ def test_two_stores_then_reuse_then_refuse_other_settings(tmp_path, tiny_model_d
     again: list[str] = []
     assert ensure_zeshel_stores(config(tmp_path, tiny_model_dir), again.append) == (train, evaluation)
     assert again == []  # nothing generated or prepared twice
-    with pytest.raises(ValueError, match="differs in: mentions_per_world"):
-        ensure_zeshel_stores(config(tmp_path, tiny_model_dir, "zeshel.synthetic_mentions_per_world=11"))
+    old_manifest = (Path(train) / "manifest.json").read_bytes()
+
+    changed: list[str] = []
+    assert ensure_zeshel_stores(config(tmp_path, tiny_model_dir, "zeshel.synthetic_mentions_per_world=11",
+                                       "zeshel.synthetic_eval_mentions_per_world=7"), changed.append) == \
+        (train, evaluation)
+    assert any("differs in: mentions_per_world" in line for line in changed)
+    assert sum("prepared from other inputs" in line for line in changed) == 2  # both stores, not reused stale
+    assert len(MentionTable(evaluation, "val")) == 2 * 7
+    assert (Path(train) / "manifest.json").read_bytes() != old_manifest
+
+
+def test_given_stores_without_a_tree_are_checked_not_rebuilt(tmp_path, tiny_model_dir):
+    train, evaluation = ensure_zeshel_stores(config(tmp_path, tiny_model_dir), lambda _m: None)
+    given = config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0")
+    assert ensure_zeshel_stores(given, lambda _m: None) == (train, evaluation)
+    with pytest.raises(ValueError, match=r"data.entity_max_len is 16 but the store has 32"):
+        ensure_zeshel_stores(config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0",
+                                    "data.entity_max_len=16"))

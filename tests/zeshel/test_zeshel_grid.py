@@ -72,3 +72,34 @@ def test_untrained_is_no_verdict_and_noise_note(cells):
 def test_plot(cells, tmp_path):
     plot(cells, tmp_path / "g.png", "title")
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_result_key_changes_with_what_the_result_depends_on_only(tmp_path):
+    import dataclasses
+
+    from dist_nce.zeshel.grid import keyed, model_fingerprints, result_key
+
+    base = cfg("dual", "hard")
+    key = result_key(base, ["train-store", "eval-store"])
+    moved = dataclasses.replace(base, run=dataclasses.replace(base.run, name="elsewhere", output_dir="/x",
+                                                              storage_path="/y", progress=True))
+    assert result_key(moved, ["train-store", "eval-store"]) == key  # where it runs is not what it computes
+    other_lr = dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=1e-3))
+    assert result_key(other_lr, ["train-store", "eval-store"]) != key
+    assert result_key(base, ["regenerated-train-store", "eval-store"]) != key  # same config, other data
+    assert result_key(cfg("dual", "random"), ["train-store", "eval-store"]) != key
+    # The untrained model's key ignores the training settings, not the data or model.
+    assert result_key(other_lr, ["t", "e"], ("model", "data", "zeshel")) == \
+        result_key(base, ["t", "e"], ("model", "data", "zeshel"))
+
+    run = keyed(base, "dual_hard", tmp_path, key)
+    assert run.run.output_dir == str(tmp_path / f"dual_hard-{key}") and run.run.name == f"zeshel_grid_dual_hard-{key}"
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"a" * 100)
+    with_model = dataclasses.replace(base, model=dataclasses.replace(
+        base.model, retriever=dataclasses.replace(base.model.retriever, mention_model=str(model))))
+    before = model_fingerprints(with_model)
+    (model / "weights.bin").write_bytes(b"b" * 100)  # rebuilt in place
+    assert model_fingerprints(with_model) != before and len(before) == 1
