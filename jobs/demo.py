@@ -11,7 +11,11 @@
 4. the head is stopped (only this cluster: ``ray stop`` would end every Ray on the machine).
 
 Data, checkpoints and exports go to absolute paths under this checkout (``data/``,
-``runs/``; git-ignored), so they survive the job's temporary copy of the working dir.
+``runs/``; git-ignored), so they survive the job's temporary copy of the working dir. The
+synthetic data and prepared store (``data/<name>/``) are reused while the config's
+``data.*`` settings stay the same; every demo is a new run in ``runs/<name>/<time>/``
+(Ray Train run ``<name>-<time>``), so running it again trains again instead of resuming
+the finished run.
 """
 from __future__ import annotations
 
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bin_dir = Path(sys.executable).parent
     runs, data = ROOT / "runs", ROOT / "data"
-    out = runs / args.name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = runs / args.name / stamp
     # The job's `python` must be this environment's, and its Ray client needs the token.
     env = ray_env({"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "token",
                    "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         f"data.synthetic_dir={data / args.name / 'synthetic'}",
         f"run.output_dir={out}",
         f"run.storage_path={runs / 'ray_results'}",
-        f"run.name={args.name}",
+        f"run.name={args.name}-{stamp}",
         *args.set,
     ]
     t0 = time.perf_counter()
