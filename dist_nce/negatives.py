@@ -253,33 +253,70 @@ def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | N
     return result_from_keys(keys, scores, rows.expand(batch, n), k, log_z=log_z, version=version)
 
 
-def mixed_negatives(hard: ShardResult, num_entities: int, num_negatives: int, p: float, gold: Tensor,
-                    generator: int | torch.Generator,
-                    random_scores_fn: Callable[[Tensor], Tensor] | None = None) -> Negatives:
-    """Mixed-p: :func:`num_hard` hard negatives from ``hard`` plus uniform ones, K-1 in all.
+def random_pool(num_entities: int, num_negatives: int, gold: Tensor, generator: int | torch.Generator) -> Tensor:
+    """[B, K-1] distinct non-gold rows in uniformly random order: where the random part of a
+    mixed-p sample comes from (:func:`mixed_from_pool`).
 
-    The random part avoids the gold and the hard ones. ``log_q`` is the per-draw mixture
-    nu(y) = a * exp(s(y) - log_z) + (1 - a) / (N - 1), a = n_hard / (K-1), which needs the
-    proposal score s(y) of the random draws: ``random_scores_fn(ids [B, r]) -> [B, r]``
-    (e.g. the shards scoring those rows). Without it the STRATIFIED proposal is used: each
+    It is drawn before the hard part is known, so a sharded search can score these rows in
+    the same call, from the same index version, as it samples the hard ones.
+    """
+    return sample_random(num_entities, num_negatives, gold, generator).ids
+
+
+def mixed_from_pool(hard: ShardResult, num_entities: int, num_negatives: int, p: float, gold: Tensor,
+                    pool: Tensor, pool_scores: Tensor | None = None) -> Negatives:
+    """Mixed-p: :func:`num_hard` hard negatives from ``hard`` plus the first K-1 - n_hard rows
+    of ``pool`` (:func:`random_pool`) that are not among them.
+
+    pool: [B, K-1] int64; pool_scores: [B, K-1] exact proposal scores s(x, y) of the pool's
+    rows, or None. Why the random part is uniform: the pool is a uniformly ordered sample
+    of the non-gold rows, drawn independently of the hard part, and dropping the (at most
+    n_hard) rows it shares with the hard part leaves a uniformly ordered sample of the
+    rows that are neither gold nor hard, of length >= K-1 - n_hard.
+
+    log_q is the per-draw mixture nu(y) = a * exp(s(y) - log_z) + (1 - a) / (N - 1),
+    a = n_hard / (K-1), when ``pool_scores`` is given; otherwise the STRATIFIED proposal: each
     negative gets the log-probability of the component that drew it. Both make
     sum_k exp(s_k) / ((K-1) nu(y_k)) an unbiased estimate of the partition sum over the KB
     (up to the with/without replacement difference the paper also ignores).
     """
+    if pool.shape != (gold.shape[0], num_negatives):
+        raise ValueError(f"mixed_from_pool: pool must be [B={gold.shape[0]}, K-1={num_negatives}], "
+                         f"got {list(pool.shape)}")
     k_hard = num_hard(p, num_negatives)
+    k_rand = num_negatives - k_hard
     hard_part = hard_negatives(hard, k_hard) if k_hard else None
-    hard_ids = hard_part.ids if hard_part is not None else hard.ids[:, :0]
-    rand = sample_random(num_entities, num_negatives - k_hard, gold, generator, exclude=hard_ids)
+    hard_ids = hard_part.ids if hard_part is not None else pool[:, :0]
+    width = pool.shape[1]
+    pos = torch.where(~isin_rows(pool, hard_ids), torch.arange(width, device=pool.device), width)
+    take = torch.topk(pos, k_rand, dim=1, largest=False).values  # first k_rand kept positions, in order
+    rand_ids = pool.gather(1, take)
+    rand_hard = torch.zeros_like(rand_ids, dtype=torch.bool)
     if hard_part is None:
-        return rand
-    ids = torch.cat([hard_part.ids, rand.ids], dim=1)
-    is_hard = torch.cat([hard_part.hard, rand.hard], dim=1)
-    if random_scores_fn is None:
-        uniform = torch.full_like(rand.log_q, -math.log(num_entities - 1))
+        eligible = num_entities - _count_banned(_as_gold(gold), num_entities)
+        log_q = (-torch.log(eligible.to(torch.float64)))[:, None].expand_as(rand_ids).float()
+        return Negatives(rand_ids, log_q.contiguous(), rand_hard)
+    ids = torch.cat([hard_part.ids, rand_ids], dim=1)
+    is_hard = torch.cat([hard_part.hard, rand_hard], dim=1)
+    if pool_scores is None:
+        uniform = torch.full(rand_ids.shape, -math.log(num_entities - 1), dtype=torch.float32, device=ids.device)
         return Negatives(ids, torch.cat([hard_part.log_q, uniform], dim=1), is_hard)
-    proposal_scores = torch.cat([hard.scores[:, :k_hard].double(), random_scores_fn(rand.ids).double()], dim=1)
+    proposal_scores = torch.cat([hard.scores[:, :k_hard].double(), pool_scores.gather(1, take).double()], dim=1)
     log_soft = proposal_scores - hard.log_z[:, None].double()
     a = k_hard / num_negatives
     log_uniform = math.log1p(-a) - math.log(num_entities - 1) if a < 1 else float("-inf")
     log_q = torch.logaddexp(log_soft + math.log(a), torch.full_like(log_soft, log_uniform))
     return Negatives(ids, log_q.float(), is_hard)
+
+
+def mixed_negatives(hard: ShardResult, num_entities: int, num_negatives: int, p: float, gold: Tensor,
+                    generator: int | torch.Generator,
+                    random_scores_fn: Callable[[Tensor], Tensor] | None = None) -> Negatives:
+    """Mixed-p in one process: :func:`mixed_from_pool` over ``random_pool(..., generator)``.
+
+    ``random_scores_fn(ids [B, K-1]) -> [B, K-1]`` gives the proposal scores of the pool's
+    rows (e.g. ``scores.gather(1, ids)``); without it log_q is stratified.
+    """
+    pool = random_pool(num_entities, num_negatives, gold, generator)
+    scores = random_scores_fn(pool) if random_scores_fn is not None else None
+    return mixed_from_pool(hard, num_entities, num_negatives, p, gold, pool, scores)

@@ -296,3 +296,22 @@ def test_first_occurrence_and_isin_rows_against_python():
             seen.add(v)
         assert first_occurrence(x)[r].tolist() == want
         assert isin_rows(x, sets)[r].tolist() == [v >= 0 and v in sets[r].tolist() for v in row]
+
+
+def test_mixed_random_part_is_uniform_over_rows_neither_gold_nor_hard():
+    # The random part is taken from a pool drawn BEFORE the hard part is known (so shards can
+    # score it in the same call); dropping the pool's hard rows must leave a uniform sample.
+    n, k1, draws = 12, 6, 20000
+    scores = torch.randn(1, n, generator=torch.Generator().manual_seed(0))
+    gold = torch.tensor([2])
+    hard = _hard_result(scores, gold, ng.num_hard(50, k1))
+    hard_ids = set(hard.ids[0, :3].tolist())
+    same_hard = ShardResult(*(t.expand(draws, *t.shape[1:]) if isinstance(t, torch.Tensor) else t for t in hard))
+    neg = ng.mixed_negatives(same_hard, n, k1, 50, gold.expand(draws), generator=0)  # one pool per row
+    assert (neg.ids[:, :3].sort(1).values == torch.tensor(sorted(hard_ids))).all()
+    counts = torch.bincount(neg.ids[:, 3:].reshape(-1), minlength=n).float()
+    others = [r for r in range(n) if r != 2 and r not in hard_ids]
+    assert counts[[2, *hard_ids]].sum() == 0
+    freq = counts[others] / draws
+    # each of the 8 other rows is in the 3 random slots with probability 3/8; 5 sigma ~ 0.017
+    assert torch.allclose(freq, torch.full_like(freq, 3 / 8), atol=0.017), freq

@@ -14,9 +14,11 @@ Mining (``mine``), with K-1 = n_hard + n_random negatives per mention:
   and the reported version is -1;
 * hard (n_random = 0): the exact Gumbel-top-k sample of the whole KB minus the gold,
   each shard drawing from its rows with the same counter-based noise;
-* mixed: ``negatives.mixed_negatives`` with the per-draw MIXTURE proposal: the random
-  rows' exact scores s(x, y) come from the shards that own them, at the same version
-  (``EntityShard.score_rows``; one extra round trip of B x n_random scores).
+* mixed: ``negatives.mixed_from_pool`` with the per-draw MIXTURE proposal. The random part
+  comes from a pool of K-1 uniform rows drawn in the caller BEFORE the shards answer, sent
+  with the Gumbel query (``EntityShard.gumbel_topk_scored``): each shard scores the pool
+  rows it owns from the same index version as its sample, so ``result()`` needs no second
+  round trip and no version that a refresh may have retired in between.
 
 Example (driver)::
 
@@ -39,11 +41,11 @@ from torch import Tensor
 
 from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall
 from dist_nce.index.service_config import ServiceConfig
-from dist_nce.index.shard import start_shard
+from dist_nce.index.shard import ScoredSample, start_shard
 from dist_nce.index.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
-from dist_nce.negatives import Negatives, hard_negatives, mixed_negatives, num_hard, sample_random
+from dist_nce.negatives import Negatives, hard_negatives, mixed_from_pool, num_hard, random_pool, sample_random
 
 
 class MineResult(NamedTuple):
@@ -305,31 +307,28 @@ class NegativeService:
             negs = sample_random(self.num_entities, n_random, gold, seed)
             return MineFuture(None, lambda _: MineResult(negs, -1, None))
         reps_ref = ray.put(reps)
-        fan = FanOut(self._handles, "gumbel_topk", (reps_ref, n_hard, gold, seed, query_keys), {}, self._policy)
+        if n_random == 0:
+            fan = FanOut(self._handles, "gumbel_topk", (reps_ref, n_hard, gold, seed, query_keys), {}, self._policy)
 
-        def finish(parts: list[ShardResult]) -> MineResult:
-            merged = merge_results(parts, n_hard)
-            if n_random == 0:
-                negs = hard_negatives(merged, n_hard)
-            else:
-                p = 100 * n_hard / total  # num_hard(p, total) == n_hard exactly
-                negs = mixed_negatives(merged, self.num_entities, total, p, gold, seed,
-                                       random_scores_fn=lambda ids: self._score_rows(reps_ref, ids, merged.version))
+            def finish(parts: list[ShardResult]) -> MineResult:
+                merged = merge_results(parts, n_hard)
+                return MineResult(hard_negatives(merged, n_hard), merged.version, merged.truncation())
+
+            return MineFuture(fan, finish)
+        pool = random_pool(self.num_entities, total, gold, seed)
+        fan = FanOut(self._handles, "gumbel_topk_scored", (reps_ref, n_hard, gold, seed, query_keys, pool), {},
+                     self._policy)
+
+        def finish_mixed(parts: list[ScoredSample]) -> MineResult:
+            merged = merge_results([part.sample for part in parts], n_hard)
+            scores = torch.full(pool.shape, math.nan, dtype=torch.float32)
+            for part in parts:  # each pool row is scored by exactly one shard, the others give NaN
+                scores = torch.where(torch.isnan(scores), part.row_scores, scores)
+            p = 100 * n_hard / total  # num_hard(p, total) == n_hard exactly
+            negs = mixed_from_pool(merged, self.num_entities, total, p, gold, pool, scores)
             return MineResult(negs, merged.version, merged.truncation())
 
-        return MineFuture(fan, finish)
-
-    def _score_rows(self, reps_ref: Any, ids: Tensor, version: int) -> Tensor:
-        """Exact scores [B, r] of global rows ``ids`` [B, r], each from the shard that owns it."""
-        starts = torch.tensor([a for a, _ in self.ranges[1:]], dtype=torch.int64)
-        owner = torch.bucketize(ids, starts, right=True)
-        calls = {i: ShardCall(self._handles[i], i, "score_rows", (reps_ref, ids, version), {}, self._policy)
-                 for i in owner.unique().tolist()}
-        out = torch.full(ids.shape, math.nan, dtype=torch.float32)
-        for i, call in calls.items():
-            part = call.get()
-            out = torch.where(owner == i, part, out)
-        return out
+        return MineFuture(fan, finish_mixed)
 
     def topk(self, mention_reps: Reps | Tensor, k: int, gold: Tensor | None = None) -> TopkFuture:
         """The k best entities by s(x, y) over the KB (gold excluded); for evaluation."""

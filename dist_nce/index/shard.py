@@ -71,6 +71,18 @@ def _device(num_gpus: float) -> torch.device:
     return torch.device("cpu")
 
 
+class ScoredSample(NamedTuple):
+    """A shard's Gumbel-top-k answer plus the exact scores of requested rows, both from ONE
+    index version (the random part of a mixed-p sample; ``negatives.mixed_from_pool``)."""
+
+    sample: ShardResult
+    row_scores: Tensor  # [B, r] float32 s(x_b, y) of the requested rows; NaN where not this shard's
+
+    @property
+    def version(self) -> int:
+        return self.sample.version
+
+
 class EntityShard:
     """Rows [a, b) of a prepared store: encoder copy, versions, index (module docstring)."""
 
@@ -256,9 +268,20 @@ class EntityShard:
         """This shard's part of an exact Gumbel-top-k sample; see ``ShardIndex.gumbel_topk``."""
         return self._index(version, wait_s).gumbel_topk(queries, k, gold, seed, query_keys)
 
+    def gumbel_topk_scored(self, queries: Reps | Tensor, k: int, gold: Tensor | None, seed: int,
+                           query_keys: Tensor, rows: Tensor, version: int | None = None,
+                           wait_s: float = 0.0) -> ScoredSample:
+        """:meth:`gumbel_topk` and :meth:`score_rows` of ``rows`` [B, r] from the same index, so
+        a mixed-p sample never needs a version again after the answer (it may be gone by then)."""
+        index = self._index(version, wait_s)
+        sample = index.gumbel_topk(queries, k, gold, seed, query_keys)
+        return ScoredSample(sample, self._owned_scores(index, queries, rows))
+
     def score_rows(self, queries: Reps | Tensor, rows: Tensor, version: int) -> Tensor:
         """Exact s(x_b, y) [B, r] float32 for global ``rows`` [B, r]; NaN where a row is not this shard's."""
-        index = self._index(version)
+        return self._owned_scores(self._index(version), queries, rows)
+
+    def _owned_scores(self, index: ShardIndex, queries: Reps | Tensor, rows: Tensor) -> Tensor:
         owned = (rows >= self.rows[0]) & (rows < self.rows[1])
         scores = index.score_rows(queries, torch.where(owned, rows, self.rows[0]))
         return scores.masked_fill(~owned, float("nan"))

@@ -242,6 +242,26 @@ def test_a_refresh_during_queries_never_mixes_versions(run, states):
         assert torch.equal(mined.negatives.ids, want.ids)
 
 
+def test_a_mixed_answer_outlives_the_version_it_came_from(run, states):
+    # A trainer prefetches: it reads a mixed-p answer after the shards have moved on by
+    # keep_versions refreshes, which deletes the answer's version from memory and disk.
+    service, run_dir = run
+    v = service.version()
+    ref = flat(run_dir, v)
+    q = queries(7)
+    future = service.mine(q, GOLD, n_hard=5, n_random=4, seed=3, query_keys=KEYS, p_mixed=50)
+    while not future.ready():
+        time.sleep(0.01)
+    for w in (v + 1, v + 2, v + 3):
+        assert service.refresh(states[w], w).wait() == w
+    assert v not in set().union(*(set(s["held"]) | set(s["persisted"]) for s in service.status()))
+    got = future.result()
+    want = mixed_negatives(ref.gumbel_topk(q, 5, GOLD, 3, KEYS), N, 9, 50, GOLD, 3,
+                           random_scores_fn=lambda ids: ref.score_rows(q, ids))
+    assert got.version == v and torch.equal(got.negatives.ids, want.ids)
+    torch.testing.assert_close(got.negatives.log_q, want.log_q, rtol=0, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- failures
 
 
