@@ -141,6 +141,9 @@ class NegativeService:
         self.num_entities = ranges[-1][1]
         self.num_shards = len(handles)
         self._policy = RetryPolicy(config.max_task_retries, config.call_timeout_s, config.call_timeout_s)
+        # Fingerprint of the run's initial entity-encoder state (set by ensure_encoded): every
+        # version this service encodes records it, so a restarted run recognises its versions.
+        self._origin: str | None = None
 
     # ------------------------------------------------------------------ creation
     @classmethod
@@ -208,7 +211,8 @@ class NegativeService:
                             f"ObjectRef of one, got {type(entity_state).__name__}")
         # Refresh may take hours on a large KB: no per-call timeout, only retries on failure.
         policy = dataclasses.replace(self._policy, call_timeout_s=None)
-        calls = [ShardCall(h, i, "refresh", (state_ref, version), {}, policy) for i, h in enumerate(self._handles)]
+        calls = [ShardCall(h, i, "refresh", (state_ref, version, self._origin), {}, policy)
+                 for i, h in enumerate(self._handles)]
         handle = RefreshHandle(self, calls, state_ref)
         if wait:
             handle.wait()
@@ -223,22 +227,46 @@ class NegativeService:
             raise ValueError(f"refresh: entity state has spec {state.get('spec')}, the service serves {self.spec}")
 
     def ensure_encoded(self, entity_state: dict | Any, version: int = 0) -> int:
-        """Make every shard serve one version, encoding only what no shard holds; return it.
+        """Make every shard serve one version consistent with ``entity_state`` (the run's
+        initial entity encoder), encoding only what no shard holds; return that version.
 
-        1. every shard holds ``version`` (in memory or persisted): serve it;
-        2. else, if the shards share a NEWER version (a resumed run): serve the newest shared one;
-        3. else encode ``entity_state`` as ``version`` -- or as one past the newest version
-           any shard holds, so versions never go back. Shards that already persisted that
-           version from the same weights (an interrupted encode) reuse it.
+        1. every shard holds ``version`` encoded from exactly these weights: serve it;
+        2. else, if the shards share a NEWER version descended from these weights (a resumed
+           run: the trainer encoded it from later weights of the same run): serve the newest;
+        3. else encode ``entity_state``, as ``version`` if no shard holds it (or holds it from
+           these same weights: an interrupted encode, which is reused) and nothing newer,
+           otherwise as one past the newest version any shard holds, so versions never go
+           back and a version number never names two different encodings. Versions left by
+           another model or run in the same shard directory are thus never served.
         """
-        held = [set(s["held"]) | set(s["persisted"]) for s in self.status()]
-        common = set.intersection(*held)
-        if version in common or (common and max(common) > version):
-            target = version if version in common else max(common)
+        from dist_nce.index.encode import state_fingerprint
+
+        state = ray.get(entity_state) if isinstance(entity_state, ray.ObjectRef) else entity_state
+        if not isinstance(state, dict):
+            raise TypeError(f"ensure_encoded: entity_state must be a dict (Retriever.entity_encoder_state()) or an "
+                            f"ObjectRef of one, got {type(state).__name__}")
+        self._check_state(state)
+        fp = state_fingerprint(state)
+        calls = [ShardCall(h, i, "lineage", (), {}, self._policy) for i, h in enumerate(self._handles)]
+        lineage = [c.get() for c in calls]
+        common = set.intersection(*(set(versions) for versions in lineage))
+
+        def all_say(v: int, key: str) -> bool:
+            return all(versions[v][key] == fp for versions in lineage)
+
+        if version in common and all_say(version, "encoder"):
+            target = version
+        else:
+            descendants = [v for v in common if v > version and all_say(v, "origin")]
+            target = max(descendants, default=None)
+        self._origin = fp
+        if target is not None:
             calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
             return min(c.get() for c in calls)
-        newest = max(set.union(*held), default=-1)
-        return self.refresh(entity_state, version if newest <= version else newest + 1, wait=True).wait()
+        newest = max((v for versions in lineage for v in versions), default=-1)
+        reusable = newest <= version and all(versions[version]["encoder"] == fp
+                                             for versions in lineage if version in versions)
+        return self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
 
     # ------------------------------------------------------------------ queries
     def _reps(self, mention_reps: Reps | Tensor) -> Reps:

@@ -60,6 +60,7 @@ class _Version(NamedTuple):
     index: ShardIndex
     fingerprint: str | None  # of the encoder state that produced it
     source: str  # "encoded" in this process, or "reloaded" from disk
+    origin: str | None = None  # fingerprint of the run's initial encoder state (its lineage)
 
 
 def _device(num_gpus: float) -> torch.device:
@@ -112,7 +113,7 @@ class EntityShard:
     def _load(self, version: int) -> _Version:
         reps, manifest = self.versions.load(version)
         index = ShardIndex(self.spec, reps, self.rows[0], self.index_config, version)
-        return _Version(index, manifest.get("encoder_fingerprint"), "reloaded")
+        return _Version(index, manifest.get("encoder_fingerprint"), "reloaded", manifest.get("origin_fingerprint"))
 
     def _reload_latest(self) -> None:
         """Serve the newest persisted version that matches this shard; refuse the others loudly."""
@@ -184,11 +185,13 @@ class EntityShard:
         return self._encoder
 
     @ray.method(concurrency_group=REFRESH_GROUP)
-    def refresh(self, state: dict[str, Any], version: int) -> int:
+    def refresh(self, state: dict[str, Any], version: int, origin: str | None = None) -> int:
         """Serve ``version`` encoded by ``state`` (``EntityEncoder.state()``); blocks until swapped.
 
         Reuses a persisted copy made from the same weights; otherwise encodes, persists,
-        swaps. Returns the version now served.
+        swaps. ``origin``: the fingerprint of the run's initial encoder state, recorded with
+        the version so that a restarted run can tell its own versions from another run's.
+        Returns the version now served.
         """
         version = int(version)
         if version < 0:
@@ -201,13 +204,13 @@ class EntityShard:
                 self._target = version  # queries asking for this version wait instead of failing
                 self._progress = [0, self.store.num_entities]
             try:
-                return self._refresh(state, version)
+                return self._refresh(state, version, origin)
             finally:
                 with self._cond:
                     self._target = None
                     self._cond.notify_all()
 
-    def _refresh(self, state: dict[str, Any], version: int) -> int:
+    def _refresh(self, state: dict[str, Any], version: int, origin: str | None) -> int:
         fp = state_fingerprint(state)
         with self._cond:
             if version == self._served and self._held[version].fingerprint == fp:
@@ -215,9 +218,9 @@ class EntityShard:
         if self._persisted_with(version, fp):
             self._install(version, self._load(version))
             return version
-        index = self._encode(state, version, fp)
+        index = self._encode(state, version, fp, origin)
         self._encodes += 1
-        self._install(version, _Version(index, fp, "encoded"))
+        self._install(version, _Version(index, fp, "encoded", origin))
         return version
 
     def _persisted_with(self, version: int, fingerprint: str) -> bool:
@@ -228,7 +231,7 @@ class EntityShard:
         except ArtifactMismatch:
             return False
 
-    def _encode(self, state: dict[str, Any], version: int, fingerprint: str) -> ShardIndex:
+    def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> ShardIndex:
         encoder = self._encoder_for(state)
         autocast = autocast_dtype(self.config.encode_dtype, self.device)
         t0 = time.perf_counter()
@@ -236,7 +239,8 @@ class EntityShard:
                            self.storage_dtype, progress=self._set_progress)
         seconds = time.perf_counter() - t0
         # Persist before the swap: every version a query can see survives a restart.
-        self.versions.save(version, reps, encoder_fingerprint=fingerprint, encode_seconds=round(seconds, 3),
+        self.versions.save(version, reps, encoder_fingerprint=fingerprint, origin_fingerprint=origin,
+                           encode_seconds=round(seconds, 3),
                            encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
                            device=str(self.device))
         self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
@@ -256,6 +260,20 @@ class EntityShard:
             self._served = version
             self._cond.notify_all()
         return version
+
+    def lineage(self) -> dict[int, dict[str, str | None]]:
+        """Every version held in memory or validly persisted -> ``{"encoder": fingerprint of the
+        state that encoded it, "origin": fingerprint of its run's initial state}``."""
+        with self._cond:
+            out = {v: {"encoder": h.fingerprint, "origin": h.origin} for v, h in self._held.items()}
+        for v in self.versions.valid_versions():
+            if v not in out:
+                try:
+                    m = self.versions.manifest(v)
+                except ArtifactMismatch:  # pruned or replaced meanwhile
+                    continue
+                out[v] = {"encoder": m.get("encoder_fingerprint"), "origin": m.get("origin_fingerprint")}
+        return out
 
     # ------------------------------------------------------------------ queries
     def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None, version: int | None = None,

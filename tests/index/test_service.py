@@ -6,6 +6,7 @@ the answer came from exactly one version.
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 
@@ -81,19 +82,19 @@ def run(ray_local, store_dir, tiny_model_dir, states, tmp_path_factory):
     service.shutdown()
 
 
-_FLAT: dict[int, ShardIndex] = {}
+_FLAT: dict[tuple[str, int], ShardIndex] = {}
 
 
 def flat(run_dir, version: int) -> ShardIndex:
     """One ShardIndex over all N rows from the shards' persisted embeddings of ``version``
     (cached: keep_versions=2 prunes old versions from disk)."""
-    if version not in _FLAT:
+    if (str(run_dir), version) not in _FLAT:
         parts = [PersistedVersions(run_dir / "shards" / shard_dir_name(i, S), {}).load(version)[0]
                  for i in range(S)]
         reps = Reps(torch.cat([p.vecs for p in parts]))
-        _FLAT[version] = ShardIndex(ScoreSpec.preset("dual"), reps, 0, IndexConfig(backend="torch", chunk_rows=CHUNK),
+        _FLAT[str(run_dir), version] = ShardIndex(ScoreSpec.preset("dual"), reps, 0, IndexConfig(backend="torch", chunk_rows=CHUNK),
                                     version)
-    return _FLAT[version]
+    return _FLAT[str(run_dir), version]
 
 
 def queries(seed: int, batch: int = 6) -> torch.Tensor:
@@ -260,6 +261,36 @@ def test_a_mixed_answer_outlives_the_version_it_came_from(run, states):
                            random_scores_fn=lambda ids: ref.score_rows(q, ids))
     assert got.version == v and torch.equal(got.negatives.ids, want.ids)
     torch.testing.assert_close(got.negatives.log_q, want.log_q, rtol=0, atol=1e-6)
+
+
+def test_versions_of_another_model_in_the_shard_dir_are_never_served(run, states, store_dir, tiny_model_dir,
+                                                                      tmp_path):
+    import shutil
+
+    service, run_dir = run
+    shutil.copytree(run_dir / "shards", tmp_path / "shards")  # what a reused run.output_dir holds
+    newest = max(max(s["persisted"]) for s in service.status())
+    config = dataclasses.replace(service.config, shard_dir=str(tmp_path / "shards"))
+    retriever = RetrieverConfig(preset="dual", mention_model=tiny_model_dir, storage_dtype="float32")
+
+    # The same run restarted (same initial weights): its newest version is served, nothing encoded.
+    again = NegativeService.create(store_dir, retriever, config, str(tmp_path))
+    try:
+        assert again.ensure_encoded(states[0]) == service.version()
+        assert [s["encodes"] for s in again.status()] == [0, 0]
+    finally:
+        again.shutdown()
+
+    # Another model over the same directory: encoded afresh, past every version there.
+    other = NegativeService.create(store_dir, retriever, config, str(tmp_path))
+    try:
+        v = other.ensure_encoded(states[40])
+        assert v == newest + 1 and [s["encodes"] for s in other.status()] == [1, 1]
+        q = queries(8)
+        assert_same(other.topk(q, 5, GOLD).result(), flat(tmp_path, v).topk(q, 5, GOLD))
+        assert other.ensure_encoded(states[40]) == v and [s["encodes"] for s in other.status()] == [1, 1]
+    finally:
+        other.shutdown()
 
 
 # --------------------------------------------------------------------------- failures
