@@ -37,11 +37,12 @@ from typing import Any, Callable, NamedTuple
 
 import ray
 import torch
+from ray.exceptions import RayTaskError
 from torch import Tensor
 
-from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall
+from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall, cause
 from dist_nce.index.service_config import ServiceConfig
-from dist_nce.index.shard import ScoredSample, start_shard
+from dist_nce.index.shard import ScoredSample, VersionUnavailable, start_shard
 from dist_nce.index.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
@@ -267,6 +268,27 @@ class NegativeService:
         reusable = newest <= version and all(versions[version]["encoder"] == fp
                                              for versions in lineage if version in versions)
         return self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+
+    def use_version(self, version: int) -> bool:
+        """Serve ``version`` again on every shard (from memory or disk), if every shard still
+        holds it from this run's lineage; False (nothing changed) otherwise.
+
+        A run restarted from a checkpoint replays its next steps against the index they
+        used before, instead of one built later from weights the checkpoint never had.
+        """
+        calls = [ShardCall(h, i, "lineage", (), {}, self._policy) for i, h in enumerate(self._handles)]
+        lineage = [c.get() for c in calls]
+        if not all(version in versions and versions[version]["origin"] == self._origin for versions in lineage):
+            return False
+        calls = [ShardCall(h, i, "use_version", (version,), {}, self._policy) for i, h in enumerate(self._handles)]
+        try:
+            for c in calls:
+                c.get()
+        except RayTaskError as e:  # pruned from disk in between: the others are then ahead of it
+            if isinstance(cause(e), VersionUnavailable):
+                return False
+            raise
+        return True
 
     # ------------------------------------------------------------------ queries
     def _reps(self, mention_reps: Reps | Tensor) -> Reps:

@@ -6,6 +6,8 @@ A checkpoint directory (one per reported step; Ray Train merges the workers' fil
     train_state.json                 rank 0: step, index versions + refresh steps, dev metrics before training
     rng_rank{r}.json                 each rank: python, numpy, torch (and CUDA) RNG states as JSON
     epoch_negatives_rank{r}.safetensors   per_epoch mode: the epoch's mined negatives
+    pending_negatives_rank{r}.safetensors pipelined mode: the negatives already mined for the
+                                     next P steps (with weights the checkpoint does not hold)
     deepspeed/                       engine.save_checkpoint: module, optimizer (ZeRO partitions), LR scheduler
 
 The data position needs no state of its own: it is the step (see :mod:`dist_nce.train.plan`).
@@ -34,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_nce.artifacts import atomic_path, atomic_write_json, read_manifest, write_manifest
-from dist_nce.train.pipeline import EpochNegatives
+from dist_nce.train.pipeline import EpochNegatives, StepNegatives
 from dist_nce.train.refresh import RefreshBook
 
 KIND = "train_checkpoint"
@@ -52,6 +54,10 @@ def rng_file(rank: int) -> str:
 
 def epoch_negatives_file(rank: int) -> str:
     return f"epoch_negatives_rank{rank}.safetensors"
+
+
+def pending_negatives_file(rank: int) -> str:
+    return f"pending_negatives_rank{rank}.safetensors"
 
 
 @dataclass
@@ -138,7 +144,7 @@ def install_weights_only_loading(engine: Any) -> None:
 
 
 def save(engine: Any, directory: str | Path, state: TrainState, rank: int, plan: dict[str, Any],
-         epoch_negatives: EpochNegatives | None = None) -> None:
+         epoch_negatives: EpochNegatives | None = None, pending: StepNegatives | None = None) -> None:
     """Write this rank's part of the checkpoint (a collective: every rank calls it)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,6 +153,9 @@ def save(engine: Any, directory: str | Path, state: TrainState, rank: int, plan:
     if epoch_negatives is not None:
         with atomic_path(directory / epoch_negatives_file(rank)) as tmp:
             save_file({k: v.contiguous() for k, v in epoch_negatives.tensors().items()}, str(tmp))
+    if pending is not None:
+        with atomic_path(directory / pending_negatives_file(rank)) as tmp:
+            save_file({k: v.contiguous() for k, v in pending.tensors().items()}, str(tmp))
     if rank == 0:
         atomic_write_json(directory / STATE_FILE, state.to_json())
         write_manifest(directory, KIND, SCHEMA_VERSION, step=state.step, deepspeed_tag=f"step{state.step}",
@@ -176,3 +185,9 @@ def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any]
     neg_path = directory / epoch_negatives_file(rank)
     epoch_negatives = EpochNegatives.from_tensors(load_file(str(neg_path))) if neg_path.exists() else None
     return state, epoch_negatives
+
+
+def load_pending(directory: str | Path, rank: int) -> StepNegatives | None:
+    """This rank's prefetched negatives saved with the checkpoint (None if there were none)."""
+    path = Path(directory) / pending_negatives_file(rank)
+    return StepNegatives.from_tensors(load_file(str(path))) if path.exists() else None

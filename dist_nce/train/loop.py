@@ -30,7 +30,9 @@ from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.engine import build_engine, load_deepspeed_config
 from dist_nce.train.evaluate import evaluate
 from dist_nce.train.model import build_retriever, export_model, full_state_dict, standalone_copy
-from dist_nce.train.pipeline import EpochNegatives, NegativePrefetcher, StepRequest, mention_encoder, mine_epoch
+from dist_nce.train.pipeline import (
+    EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
+)
 from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, query_keys, request_seed, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
 from dist_nce.train.tb import RunLogger
@@ -102,6 +104,7 @@ class Worker:
         self.get_checkpoint = get_checkpoint or (lambda: None)
         self.comm = Collectives(world, self.device)
         self.epoch_neg: EpochNegatives | None = None
+        self.restored_pending: StepNegatives | None = None
         self.prefetcher: NegativePrefetcher | None = None
 
     # ------------------------------------------------------------------ the story
@@ -159,6 +162,7 @@ class Worker:
         if resumed is not None:
             with resumed.as_directory() as d:
                 self.state, self.epoch_neg = checkpoint.load(self.engine, d, self.rank, self.plan.as_dict())
+                self.restored_pending = checkpoint.load_pending(d, self.rank)
         self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
                              self.cfg.run.progress)
         self.log.write(f"worker {self.rank}/{self.world}: " + (f"resumed at step {self.state.step}" if resumed
@@ -170,19 +174,28 @@ class Worker:
         self.encode = mention_encoder(self.module, self.train.token_ids, self.train_len, self.device)
         self.publisher = Publisher(self.service, self.module, self.state.book, self.rank, self.zero3,
                                    wait=cfg.refresh.mode == "sync", barrier=self.comm.barrier)
-        # The shards may serve a version this run's book does not know (published after the
-        # checkpoint we resumed from, or by an earlier run in the same shard_dir): rebuild the
-        # index from the current weights so negatives and bookkeeping agree.
+        # The shards may serve another version than the checkpoint's (one published after the
+        # checkpoint this run restarted from). Serve the checkpoint's version again when the
+        # shards still hold it, so the replayed steps see the index they saw the first time;
+        # otherwise rebuild the index from the current weights so negatives and bookkeeping agree.
+        want = self.state.book.version
         served = self.comm.broadcast(self.service.version() if self.rank == 0 else None)
-        if served != self.state.book.version:
-            self.log.write(f"index serves version {served}, this run expects {self.state.book.version}: "
-                           "re-encoding the KB with the current weights")
-            self.state.book.skip_past(served)
-            self.publisher.publish(self.state.step, wait=True)
+        if served != want:
+            restored = self.comm.broadcast(self.service.use_version(want) if self.rank == 0 else None)
+            if restored:
+                self.log.write(f"index served version {served}; serving version {want} again, the one this "
+                               f"checkpoint trained with")
+            else:
+                newest = self.comm.broadcast(max(s["served"] for s in self.service.status()) if self.rank == 0
+                                             else None)
+                self.log.write(f"index serves version {served}, this run expects {want} (no longer held): "
+                               "re-encoding the KB with the current weights")
+                self.state.book.skip_past(newest)
+                self.publisher.publish(self.state.step, wait=True)
         if cfg.negatives.schedule == "pipelined":
             self.prefetcher = NegativePrefetcher(self.service, self.sampling, self.encode, self.request,
                                                  self.end, cfg.negatives.prefetch)
-            self.prefetcher.start(self.state.step)
+            self.prefetcher.start(self.state.step, self.restored_pending)
 
     # ------------------------------------------------------------------ negatives
 
@@ -299,8 +312,9 @@ class Worker:
 
         mid_epoch = self.state.step % self.plan.steps_per_epoch != 0
         neg = self.epoch_neg if mid_epoch else None  # a new epoch mines afresh
+        pending = self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None
         with tempfile.TemporaryDirectory(prefix="dist_nce_ckpt_") as tmp:
-            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), neg)
+            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), neg, pending)
             self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
                         checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
 

@@ -74,12 +74,56 @@ def mention_encoder(module: torch.nn.Module, tokens: Callable[[np.ndarray], np.n
     return encode
 
 
+class StepNegatives(NamedTuple):
+    """One worker's mined negatives for consecutive steps ``first_step, first_step + 1, ...``:
+    what the prefetcher holds for the steps after a checkpoint.
+
+    ids, log_q, hard: [P, b, K-1]; version: [P] the index version of each step's negatives.
+    """
+
+    first_step: int
+    ids: Tensor
+    log_q: Tensor
+    hard: Tensor
+    version: Tensor
+
+    @property
+    def steps(self) -> range:
+        return range(self.first_step, self.first_step + len(self.version))
+
+    def step(self, t: int) -> Mined:
+        i = t - self.first_step
+        return Mined(Negatives(self.ids[i], self.log_q[i], self.hard[i]), int(self.version[i]))
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"ids": self.ids, "log_q": self.log_q, "hard": self.hard, "version": self.version,
+                "first_step": torch.tensor([self.first_step], dtype=torch.int64)}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, Tensor]) -> "StepNegatives":
+        return cls(int(t["first_step"][0]), t["ids"], t["log_q"], t["hard"].bool(), t["version"])
+
+
+class _Ready(NamedTuple):
+    """A future whose value is already known (negatives restored from a checkpoint)."""
+
+    value: Mined
+
+    def result(self, timeout: float | None = None) -> Mined:
+        return self.value
+
+
 class NegativePrefetcher:
     """Keeps ``depth`` mining requests in flight ahead of the step being trained.
 
     ``get(t)`` returns step t's request, its mined negatives and the seconds spent blocked;
     ``advance(t)`` (after the optimizer step of t) submits the next request with the
     updated weights; ``reset(t)`` drops what is in flight (a sync refresh wants the new index).
+
+    ``in_flight_negatives()`` (for a checkpoint after step t: steps t+1 .. t+P) and
+    ``start(t + 1, restored)`` make a restarted run train on exactly the negatives the
+    uninterrupted run would have: they were mined with the weights of steps before the
+    checkpoint, which the checkpoint does not hold.
     """
 
     def __init__(self, service: Any, sampling: Sampling, encode: Encode, request: Callable[[int], StepRequest],
@@ -92,12 +136,28 @@ class NegativePrefetcher:
         self._next = 0
         self.submit_s = 0.0  # time spent encoding + submitting (on the worker, not waiting)
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, restored: StepNegatives | None = None) -> None:
         self._pending.clear()
         self._next = step
+        if restored is not None and restored.first_step == step:
+            for t in restored.steps:
+                if t < self.end_step:
+                    self._pending.append((self.request(t), _Ready(restored.step(t))))
+                    self._next = t + 1
         self._fill(step)
 
-    reset = start
+    def reset(self, step: int) -> None:
+        self.start(step)
+
+    def in_flight_negatives(self) -> StepNegatives | None:
+        """The negatives of every step in flight (waits for them), or None if there are none."""
+        if not self._pending:
+            return None
+        mined = [future.result() for _, future in self._pending]
+        return StepNegatives(
+            self._pending[0][0].step, torch.stack([m.negatives.ids for m in mined]),
+            torch.stack([m.negatives.log_q for m in mined]), torch.stack([m.negatives.hard for m in mined]),
+            torch.tensor([m.version for m in mined], dtype=torch.int64))
 
     def _submit(self, step: int) -> None:
         t0 = self.clock()

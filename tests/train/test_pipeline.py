@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from dist_nce.modeling.scoring import Reps
-from dist_nce.train.pipeline import EpochNegatives, NegativePrefetcher, StepRequest, mention_encoder, mine_epoch
+from dist_nce.train.pipeline import (
+    EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
+)
 from dist_nce.train.plan import Sampling
 from tests.train.fakes import FakeService
 
@@ -90,6 +92,39 @@ def test_reset_drops_in_flight_requests_and_remines_them():
     assert [float(m[1][0, 0]) for m in mines[-3:]] == [7.0, 7.0, 7.0]
     with pytest.raises(AssertionError, match="out of order"):
         pf.get(2)
+
+
+def test_in_flight_negatives_restore_a_restarted_prefetcher_exactly():
+    # Uninterrupted: 6 steps at depth 2. Interrupted: a checkpoint after step 2 keeps the
+    # negatives of steps 3 and 4 (mined with weights the checkpoint does not have); the
+    # restarted prefetcher trains on those and mines step 5 onwards as the first run did.
+    _, straight = run(2)
+    service, weights = FakeService(), Weights()
+    pf = NegativePrefetcher(service, SAMPLING, weights.encode, request, end_step=6, depth=2)
+    pf.start(0)
+    for t in range(3):
+        pf.get(t)
+        weights.version += 1
+        pf.advance(t)
+    saved = StepNegatives.from_tensors(pf.in_flight_negatives().tensors())  # through the checkpoint format
+    assert list(saved.steps) == [3, 4] and saved.version.tolist() == [0, 0]
+
+    again = NegativePrefetcher(FakeService(), SAMPLING, weights.encode, request, end_step=6, depth=2)
+    again.start(3, saved)
+    assert again.in_flight() == [3, 4] and not again.service.calls  # nothing mined again
+    got = []
+    for t in range(3, 6):
+        req, res, _ = again.get(t)
+        got.append((req.step, res.negatives.ids))
+        weights.version += 1
+        again.advance(t)
+    assert all(s == t and torch.equal(a, b) for (s, a), (t, b) in zip(got, straight[3:]))
+    mined = [c for c in again.service.calls if c[0] == "mine"]
+    assert len(mined) == 1 and float(mined[0][1][0, 0]) == 4.0  # step 5, with the weights after step 3
+    # Negatives saved for other steps (an older checkpoint's) are not used.
+    other = NegativePrefetcher(FakeService(), SAMPLING, weights.encode, request, end_step=6, depth=2)
+    other.start(2, saved)
+    assert other.in_flight() == [2, 3] and len(other.service.calls) == 2
 
 
 def test_mine_epoch_in_requests_equals_one_request():
