@@ -106,10 +106,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     if address:
         return ray.init(address=address, runtime_env=runtime_env, **kwargs)
     # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
+    # The dashboard (on loopback, a free port) also serves the state API that Ray Train's
+    # placement-group cleaner polls; without it every run logs a warning a second and
+    # waits for the cleaner's timeouts when it ends.
+    dashboard = kwargs.pop("include_dashboard", True)
+    if dashboard:
+        kwargs.setdefault("dashboard_host", "127.0.0.1")
+        kwargs.setdefault("dashboard_port", free_port())
     return ray.init(
         address="local",
         num_cpus=num_cpus,
-        include_dashboard=kwargs.pop("include_dashboard", False),
+        include_dashboard=dashboard,
         runtime_env=runtime_env,
         **kwargs,
     )

@@ -167,22 +167,18 @@ def test_plan_snapshot_reuses_only_the_same_weights():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_negative_service_equals_brute_force_and_reuses_snapshot(kb, tiny_model_dir, tmp_path):
+def test_negative_service_equals_brute_force_and_reuses_snapshot(ray_local, kb, tiny_model_dir, tmp_path):
     """A real local Ray: 2 shards; top-k through NegativeService.topk == brute force; the same
     model is served again without encoding, another model gets a new version."""
-    import ray
-
     from dist_nce.index.service import NegativeService
     from dist_nce.index.service_config import ServiceConfig
-    from dist_nce.runtime import init_ray
 
     store, mentions = kb
     r = make_retriever(tiny_model_dir, "dual")
     cfg = ServiceConfig(num_shards=2, num_cpus=0.5, encode_dtype="fp32", shard_dir=str(tmp_path / "shards"),
                         encode_batch_size=16)
-    init_ray(num_cpus=2)
+    service = NegativeService.create(str(store.path), r.config, cfg, str(tmp_path))
     try:
-        service = NegativeService.create(str(store.path), r.config, cfg, str(tmp_path))
         assert serve_model(service, r, progress=False) == SnapshotPlan(0, False)
         got = retrieve(r, mentions, service, k=10, batch_size=7, progress=False)
         assert got.versions == (0,)
@@ -194,6 +190,5 @@ def test_negative_service_equals_brute_force_and_reuses_snapshot(kb, tiny_model_
         other = make_retriever(tiny_model_dir, "dual", seed=1)
         assert serve_model(service, other, progress=False) == SnapshotPlan(1, False)
         assert retrieve(other, mentions, service, k=10, progress=False).versions == (1,)
-        service.shutdown()
     finally:
-        ray.shutdown()
+        service.shutdown()

@@ -31,17 +31,6 @@ CHUNK = 32
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    from dist_nce.runtime import init_ray
-
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, tiny_model_dir):
     from kb.prepare import PrepareConfig, prepare
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from kb.prepare import PrepareConfig, prepare
@@ -28,18 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "jobs" / "encode_kb.py"
 N = 80
 WORDS = "river north castle album band film league station county party war song".split()
-
-
-
-@pytest.fixture(scope="module")
-def ray_address():
-    from dist_nce.runtime import init_ray
-
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    yield ray.get_runtime_context().gcs_address
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +54,11 @@ def encode_kb(args: list[str], address: str | None) -> subprocess.CompletedProce
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_encode_export_and_resume_by_shard(ray_address, store_dir, tiny_model_dir, tmp_path):
+def test_encode_export_and_resume_by_shard(ray_local, store_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "emb"
     args = ["--prepared", store_dir, "--model", tiny_model_dir, "--out", str(out), "--num-shards", "2",
             "--num-cpus", "0.25", "--batch-size", "8", "--encode-dtype", "fp32", "--blink-t7", "--no-progress"]
-    first = encode_kb(args, ray_address)
+    first = encode_kb(args, ray_local)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "0 of 2 shards reused" in first.stderr
 
@@ -88,13 +75,12 @@ def test_encode_export_and_resume_by_shard(ray_address, store_dir, tiny_model_di
     shutil.rmtree(out / "shards" / "shard-001-of-002" / "v00000000")
     for name in ("manifest.json", "embeddings.npy", "embeddings.t7"):
         (out / name).unlink()
-    resumed = encode_kb(args, ray_address)
+    resumed = encode_kb(args, ray_local)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 of 2 shards reused" in resumed.stderr
     again = json.loads((out / "manifest.json").read_text())
     assert [s["source"] for s in again["shards"]] == ["reloaded", "encoded"]
     np.testing.assert_array_equal(np.load(out / "embeddings.npy"), vecs)
-
 
 
 def test_an_out_dir_of_another_model_or_preset_is_refused(store_dir, tiny_model_dir, tmp_path, capsys):

@@ -25,19 +25,6 @@ DETERMINISTIC = ["refresh.mode=sync", "refresh.every_steps=0", "run.evaluate_bef
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from dist_nce.runtime import init_ray
-
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def kb(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("tiny_kb")
     prepare_tiny(root, tiny_model_dir)

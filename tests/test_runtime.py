@@ -1,0 +1,51 @@
+"""dist_nce.runtime: a local Ray listens on loopback only."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Started in its own process so that no other cluster of the test session is counted; it
+# prints the TCP sockets listening before and after init_ray (from /proc/net/tcp{,6}).
+SCRIPT = r"""
+import json, ray
+from dist_nce.runtime import init_ray
+
+def listening():
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":  # LISTEN
+                out.add(local)
+    return out
+
+before = listening()
+init_ray(num_cpus=1)
+new = sorted(listening() - before)
+ray.shutdown()
+print(json.dumps(new))
+"""
+
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net prints them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_a_local_ray_listens_on_loopback_only():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    new = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert new, "init_ray started no listener at all?"
+    outside = [a for a in new if a.rsplit(":", 1)[0] not in LOOPBACK]
+    assert not outside, f"listening beyond loopback: {outside}"
