@@ -60,28 +60,3 @@ def make_tiny_bert(
     model.save_pretrained(out)
     return str(out)
 
-
-def truncated_copy(out_dir: str | os.PathLike, num_layers: int, model_dir: str | os.PathLike | None = None) -> str:
-    """Write the first ``num_layers`` transformer layers of a BERT-style model (default: the
-    shipped MiniLM) with its embeddings and tokenizer to ``out_dir``; return it.
-
-    A pretrained model cut short keeps its word-piece embeddings and lower layers (what
-    makes a retriever trainable in minutes) at a fraction of the cost per step: the CPU
-    configs use it where the full model would take hours.
-    """
-    from transformers import AutoModel
-
-    src = Path(model_dir or default_model_dir())
-    model = AutoModel.from_pretrained(src)
-    layers = model.encoder.layer
-    if not 1 <= num_layers <= len(layers):
-        raise ValueError(f"num_layers must be in [1, {len(layers)}] for {src}, got {num_layers}")
-    model.encoder.layer = layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
-    return str(out)
