@@ -106,8 +106,10 @@ def _submit_and_follow(bin_dir: Path, dash: int, config: str, overrides: list[st
     status = subprocess.run([str(bin_dir / "ray"), "job", "status", address, job_id], env=env, cwd=ROOT,
                             capture_output=True, text=True)
     said = (status.stdout + status.stderr).strip()
-    print(said.splitlines()[-1] if said else "ray job status printed nothing", flush=True)
-    return 0 if "SUCCEEDED" in said else 1
+    # Ray 2.60 prints "Job '<id>' succeeded" between separator lines (older: "...: SUCCEEDED").
+    lines = [line for line in said.splitlines() if job_id in line]
+    print(lines[-1] if lines else said or "ray job status printed nothing", flush=True)
+    return 0 if any("succeeded" in line.lower() for line in lines) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
