@@ -122,6 +122,31 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     )
 
 
+def forget_stopped_head(port: int) -> bool:
+    """Remove Ray's record of the head on 127.0.0.1:``port`` once that head is stopped.
+
+    ``ray start`` writes its address to ``/tmp/ray/ray_current_cluster``; a head stopped by
+    a signal leaves it behind, and later clients that look a cluster up there (Ray Train's
+    placement-group cleaner in every local run, ``ray.init()`` without an address) wait for
+    a GCS that is gone. Only a record of this very head is removed. True if removed.
+    """
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = f.read().strip()
+    except OSError:
+        return False
+    if recorded.rsplit(":", 1)[-1] != str(port):
+        return False
+    try:
+        os.remove(path)
+    except OSError:
+        return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

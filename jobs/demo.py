@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dist_nce.runtime import free_port, ray_env  # noqa: E402
+from dist_nce.runtime import forget_stopped_head, free_port, ray_env  # noqa: E402
 
 
 def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
@@ -66,11 +66,11 @@ def _start_head(bin_dir: Path, port: int, dash: int, env: dict[str, str]) -> sub
             return head
         except OSError:
             time.sleep(1)
-    _stop_head(head)
+    _stop_head(head, port)
     raise RuntimeError("the Ray head's dashboard did not come up within 180 s")
 
 
-def _stop_head(head: subprocess.Popen) -> None:
+def _stop_head(head: subprocess.Popen, port: int) -> None:
     # SIGTERM to `ray start --block` alone: it drains the node and stops the processes it
     # started; the group kill only sweeps up anything left behind.
     if head.poll() is None:
@@ -84,6 +84,7 @@ def _stop_head(head: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     head.wait()
+    forget_stopped_head(port)  # else later local runs look for this head's GCS
 
 
 def _submit_and_follow(bin_dir: Path, dash: int, config: str, overrides: list[str], env: dict[str, str]) -> int:
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = _submit_and_follow(bin_dir, dash, args.config, overrides, env)
     finally:
-        _stop_head(head)
+        _stop_head(head, port)
     if rc != 0:
         print(f"demo: the job failed (exit {rc}); see the log above", file=sys.stderr)
         return rc

@@ -49,3 +49,16 @@ def test_a_local_ray_listens_on_loopback_only():
     assert new, "init_ray started no listener at all?"
     outside = [a for a in new if a.rsplit(":", 1)[0] not in LOOPBACK]
     assert not outside, f"listening beyond loopback: {outside}"
+
+
+def test_forget_stopped_head_removes_only_that_heads_record(tmp_path, monkeypatch):
+    import ray._common.utils as ray_utils
+
+    from dist_nce.runtime import forget_stopped_head
+
+    record = tmp_path / "ray_current_cluster"
+    monkeypatch.setattr(ray_utils, "get_ray_address_file", lambda temp_dir: str(record))
+    assert not forget_stopped_head(6379)  # nothing recorded
+    record.write_text("127.0.0.1:40001")
+    assert not forget_stopped_head(6379) and record.exists()  # another head's record stays
+    assert forget_stopped_head(40001) and not record.exists()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.runtime import free_port
+from dist_nce.runtime import forget_stopped_head, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "jobs/aida_finetune.py"
@@ -110,6 +110,7 @@ def ray_head():
                     break
                 time.sleep(0.5)
         head.wait(timeout=10)
+        forget_stopped_head(ports["--port"])
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 
