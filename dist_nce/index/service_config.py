@@ -17,6 +17,10 @@ class ServiceConfig:
                             default=2)
     num_cpus: float = _help("CPUs reserved per shard actor (fractional allowed).", default=0.5)
     num_gpus: float = _help("GPUs per shard actor; fractional values share a GPU with trainers.", default=0.0)
+    resources: dict[str, float] = _help(
+        "Custom Ray resources each shard actor requires, e.g. {kb_shard: 1} to place shards on dedicated "
+        "nodes started with --resources='{\"kb_shard\": N}'. Shards are SPREAD over the nodes that have them.",
+        default_factory=dict)
     threads: int = _help("Intra-op threads of each shard process (encode and search).", default=1)
     max_concurrency: int = _help("Concurrent calls per shard: searches keep running during a refresh.",
                                  default=4)

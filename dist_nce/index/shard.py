@@ -323,6 +323,7 @@ def actor_options(config: ServiceConfig) -> dict[str, Any]:
     return {
         "num_cpus": config.num_cpus,
         "num_gpus": config.num_gpus,
+        "resources": dict(config.resources),
         "max_restarts": config.max_restarts,
         "max_task_retries": config.max_task_retries,
         "max_concurrency": config.max_concurrency,  # the default group: searches, status

@@ -126,6 +126,9 @@ class RunConfig:
     cpus_per_worker: float = _help("CPUs per training worker.", default=1.0)
     gpus_per_worker: float = _help("GPUs per training worker (fractional shares GPUs with shards).",
                                    default=1.0)
+    resources_per_worker: dict[str, float] = _help(
+        "Custom Ray resources each training worker requires, e.g. {trainer: 1} to keep the workers on nodes "
+        "started with --resources='{\"trainer\": N}' (multi-node placement).", default_factory=dict)
     max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
                               default=2)
     checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)

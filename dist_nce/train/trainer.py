@@ -37,7 +37,8 @@ def make_trainer(cfg: TrainJobConfig, service: Any):
     from dist_nce.train.loop import train_func
 
     gpu = use_gpu(cfg)
-    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {})}
+    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {}),
+                 **cfg.run.resources_per_worker}
     return TorchTrainer(
         train_func,
         train_loop_config={"job": to_dict(cfg), "service": service},
