@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from dist_nce.artifacts import atomic_write_json
+from kb.parent_watch import exit_with_parent
 from kb.records import BadRecord, BadRecordLog
 
 T = TypeVar("T")
@@ -209,11 +210,21 @@ def _global_bad(task: ChunkTask, bad: dict) -> BadRecord:
     return BadRecord(bad["path"], line, bad["reason"])
 
 
-def _init_pool_worker() -> None:
+def _init_pool_worker(parent_pid: int) -> None:
+    # A worker outliving a killed job would hold its memory forever (kb.parent_watch).
+    exit_with_parent(parent_pid)
     # Each of N worker processes tokenizes on one core; the tokenizer's own thread pool
     # (and any OpenMP) would oversubscribe the machine.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def _remove_partial_outputs(work_dir: str | os.PathLike) -> None:
+    # A worker killed mid-write leaves the temporary file it was writing (outputs are
+    # renamed into place only when complete); nothing else writes into this directory
+    # while a run is starting, so every such file is garbage.
+    for tmp in Path(work_dir).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def run_chunks(
@@ -238,6 +249,7 @@ def run_chunks(
     from tqdm.auto import tqdm
 
     Path(work_dir).mkdir(parents=True, exist_ok=True)
+    _remove_partial_outputs(work_dir)
     markers: list[dict | None] = [load_marker(work_dir, t, policy) for t in tasks]
     todo = [i for i, m in enumerate(markers) if m is None]
     if len(todo) < len(tasks):
@@ -261,7 +273,8 @@ def run_chunks(
                     break
         else:
             ctx = multiprocessing.get_context("spawn")
-            pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker)
+            pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_pool_worker,
+                                          initargs=(os.getpid(),))
             try:
                 futures = {pool.submit(fn, tasks[i]): i for i in todo}
                 pending = set(futures)

@@ -1,7 +1,8 @@
 """jobs/prepare_kb.py run as a user runs it: a subprocess of the project's Python.
 
 Covers the printed summary, the clean ``file:line: reason`` failure (exit 2, no
-traceback), and resumption after the job is killed (SIGKILL) midway.
+traceback), resumption after the job is killed (SIGKILL) midway, and that killing the
+main process alone leaves none of its pool workers behind.
 """
 from __future__ import annotations
 
@@ -111,6 +112,10 @@ def test_killed_job_resumes_without_redoing_chunks(tmp_path, minilm_dir):
     assert m["ingest"]["reused_chunks"] == len(before)
     assert all(runs[t] == m["ingest"]["run"] for t in runs if t not in before)
 
+    _assert_same_as_uninterrupted(tmp_path, out, ks, aida, minilm_dir, m)
+
+
+def _assert_same_as_uninterrupted(tmp_path: Path, out: Path, ks: Path, aida: Path, minilm_dir: str, m: dict) -> None:
     ref = tmp_path / "ref"
     prepare(PrepareConfig(out=str(ref), kilt_ks=str(ks), aida_dir=str(aida), model_dir=minilm_dir,
                           rows_per_part=50, progress=False), log=lambda s: None)
@@ -121,3 +126,62 @@ def test_killed_job_resumes_without_redoing_chunks(tmp_path, minilm_dir):
     assert read_arrow(out / "mentions/train/mentions.arrow").equals(read_arrow(ref / "mentions/train/mentions.arrow"))
     for key in ("entities", "mentions", "skipped", "tokenizer"):
         assert m[key] == mref[key]
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """Live (non-zombie) processes of process group ``pgid``: pid -> state, from /proc."""
+    members = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        # Fields after the parenthesised command: state ppid pgrp ...
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members[int(d.name)] = state
+    return members
+
+
+def test_killing_the_main_process_leaves_no_worker_and_the_rerun_resumes(tmp_path, minilm_dir):
+    ks, aida = write_inputs(tmp_path, 400)
+    out = tmp_path / "o"
+    args = ["--kilt-ks", str(ks), "--aida-dir", str(aida), "--model-dir", minilm_dir, "--out", str(out),
+            "--chunk-size", "3K", "--rows-per-part", "50", "--workers", "2", "--no-progress"]
+    log = open(tmp_path / "first.log", "w")
+    # Own session: the job and every process it starts share a process group to scan.
+    proc = job(args, env={TEST_DELAY_ENV: "0.5"}, background=True, stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 180
+        while not _markers(out / "chunks"):
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()
+            assert time.time() < deadline, "no chunk finished in time"
+            time.sleep(0.05)
+        workers = {p for p in _group_members(proc.pid) if p != proc.pid}
+        # The fault must really happen: the parent dies while its workers have chunks to do.
+        assert len(workers) >= 2, workers
+        os.kill(proc.pid, signal.SIGKILL)  # the main process only, as `kill -9 <pid>` does
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        killed_at = time.time()
+        while _group_members(proc.pid) and time.time() < killed_at + 10:
+            time.sleep(0.1)
+        survivors = _group_members(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _group_members(proc.pid):  # leave nothing behind even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert not survivors, f"workers alive 10 s after their parent was killed: {survivors}"
+    done_before = _markers(out / "chunks")
+    assert not (out / "manifest.json").exists()
+
+    r = job(args)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert 1 <= len(done_before) < m["ingest"]["chunks"]
+    assert f"resuming: {len(done_before)} of {m['ingest']['chunks']} chunks already done" in r.stderr
+    assert m["ingest"]["reused_chunks"] == len(done_before)
+    _assert_same_as_uninterrupted(tmp_path, out, ks, aida, minilm_dir, m)
