@@ -12,10 +12,12 @@ explicitly at their start.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 FAISS_BLAS_THRESHOLD = 20
 
@@ -67,6 +69,35 @@ def faiss_has_gpu() -> bool:
     import faiss
 
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def ensure_auth_token(env: Mapping[str, str] | None = None) -> str:
+    """Make sure a Ray authentication token exists where Ray looks for it; return where.
+
+    Ray 2.60 reads the token from ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``,
+    else ``~/.ray/auth_token``. ``ray.init()`` creates that file for a new local cluster, but
+    ``ray start`` does not: on a machine that has never run Ray it starts with token auth OFF
+    (a warning only), or, with ``RAY_AUTH_MODE=token``, its GCS aborts at start. Every head
+    this project starts calls this first, so token auth is really on from the first run.
+    A created file holds 256 random bits, readable by its owner only.
+    """
+    env = os.environ if env is None else env
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token")
+    path = path.expanduser()
+    try:
+        if path.read_text(encoding="utf-8").strip():
+            return str(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_hex(32))
+    os.replace(tmp, path)
+    return str(path)
 
 
 def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:

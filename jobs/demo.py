@@ -3,12 +3,15 @@
     make demo                                   # creates .venv, installs, runs this
     .venv/bin/python jobs/demo.py [--config configs/aida/tiny_cpu.yaml] [--set key=value ...]
 
-1. ``ray start --head`` on loopback (dashboard 127.0.0.1, token auth kept on);
+1. ``ray start --head`` on loopback (dashboard 127.0.0.1) with token authentication on: a
+   machine that has never run Ray gets a token in ``~/.ray/auth_token`` first
+   (:class:`dist_nce.ray_head.LocalHead`);
 2. ``ray job submit --working-dir . -- python jobs/aida_finetune.py --config <config>``:
    synthetic KILT KB + AIDA files -> prepared store -> sharded NegativeService -> Ray Train
    + DeepSpeed finetuning with hard negatives -> dev evaluation before and after -> export;
 3. the dev summary (before vs after) from ``<output_dir>/summary.json``;
-4. the head is stopped (only this cluster: ``ray stop`` would end every Ray on the machine).
+4. the head is stopped (only this cluster: ``ray stop`` would end every Ray on the machine;
+   it also dies if this script is killed).
 
 Data, checkpoints and exports go to absolute paths under this checkout (``data/``,
 ``runs/``; git-ignored), so they survive the job's temporary copy of the working dir. The
@@ -21,19 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dist_nce.runtime import forget_stopped_head, free_port, ray_env  # noqa: E402
+from dist_nce.ray_head import LocalHead  # noqa: E402
 
 
 def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
@@ -42,55 +41,10 @@ def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> 
     return subprocess.run(cmd, env=env, cwd=ROOT, check=check)
 
 
-def _start_head(bin_dir: Path, port: int, dash: int, env: dict[str, str]) -> subprocess.Popen:
-    """``ray start --head --block`` in its own process group, so that stopping it ends
-    exactly this cluster (``ray stop`` would end every Ray on the machine)."""
-    # Every listening port is chosen free, so the demo runs beside another Ray on the machine
-    # (the defaults, e.g. the agent's 52365, would collide with it).
-    agent_ports = [f"--{name}={free_port()}" for name in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        "metrics-export-port", "ray-client-server-port")]
-    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
-           *agent_ports, "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-           "--disable-usage-stats"]
-    print("$ " + " ".join(cmd), flush=True)
-    head = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise RuntimeError(f"ray start --head exited with code {head.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=2):
-                return head
-        except urllib.error.HTTPError:  # it answers (401 without the token): it is up
-            return head
-        except OSError:
-            time.sleep(1)
-    _stop_head(head, port)
-    raise RuntimeError("the Ray head's dashboard did not come up within 180 s")
-
-
-def _stop_head(head: subprocess.Popen, port: int) -> None:
-    # SIGTERM to `ray start --block` alone: it drains the node and stops the processes it
-    # started; the group kill only sweeps up anything left behind.
-    if head.poll() is None:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(head.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    head.wait()
-    forget_stopped_head(port)  # else later local runs look for this head's GCS
-
-
-def _submit_and_follow(bin_dir: Path, dash: int, config: str, overrides: list[str], env: dict[str, str]) -> int:
+def _submit_and_follow(bin_dir: Path, head: str, config: str, overrides: list[str], env: dict[str, str]) -> int:
     """``ray job submit`` (retried while the fresh head's job agent is still starting), then
     ``ray job logs --follow`` and the final ``ray job status``; returns 0 if it SUCCEEDED."""
-    address = f"--address=http://127.0.0.1:{dash}"
+    address = f"--address={head}"
     job_id = f"dist_nce_demo_{int(time.time())}"
     submit = ["job", "submit", address, f"--submission-id={job_id}", "--no-wait", "--working-dir", ".", "--",
               "python", "jobs/aida_finetune.py", "--config", config]
@@ -120,14 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="demo", help="run name: runs/<name>, data/<name>")
     args = ap.parse_args(argv)
 
-    bin_dir = Path(sys.executable).parent
     runs, data = ROOT / "runs", ROOT / "data"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = runs / args.name / stamp
-    # The job's `python` must be this environment's, and its Ray client needs the token.
-    env = ray_env({"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "token",
-                   "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    port, dash = free_port(), free_port()
     overrides = [
         f"data.prepared_dir={data / args.name / 'prepared'}",
         f"data.synthetic_dir={data / args.name / 'synthetic'}",
@@ -137,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         *args.set,
     ]
     t0 = time.perf_counter()
-    head = _start_head(bin_dir, port, dash, env)
-    try:
-        rc = _submit_and_follow(bin_dir, dash, args.config, overrides, env)
-    finally:
-        _stop_head(head, port)
+    # The job's `python` must be this environment's (LocalHead puts it first on PATH).
+    head = LocalHead(num_cpus=2, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    print("$ " + " ".join(head.command()), flush=True)
+    print(f"(token authentication on; token: {head.token_location})", flush=True)
+    with head:
+        rc = _submit_and_follow(head.bin_dir, head.address, args.config, overrides, head.env)
     if rc != 0:
         print(f"demo: the job failed (exit {rc}); see the log above", file=sys.stderr)
         return rc

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from dist_nce.runtime import forget_stopped_head, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "jobs/aida_finetune.py"
@@ -51,68 +45,13 @@ def test_missing_files_are_all_named_before_any_cluster_work(tmp_path):
     assert r.returncode == 2 and "none.yaml: config file not found" in r.stderr
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the test process dies (e.g. a timeout kills pytest), so an
-    interrupted session leaves no Ray head behind; ``ray start --block`` then stops its processes."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @pytest.fixture(scope="session")
 def ray_head():
-    """``ray start --head --block`` in its own process session, with token auth (the default).
+    """``ray start --head --block`` with token auth, loopback only (the demo's launcher)."""
+    from dist_nce.ray_head import LocalHead
 
-    Torn down by signalling that session's process group: ``ray stop`` would stop every Ray
-    on the machine, including clusters this test did not start.
-    """
-    root = Path(tempfile.mkdtemp(prefix="rh_", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    token = root / "token"
-    token.write_text(uuid.uuid4().hex)
-    # Every listening port explicitly free: the defaults (client server 10001, agent 52365, ...)
-    # may belong to another Ray on the same machine.
-    ports = {flag: free_port() for flag in (
-        "--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
-        "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
-        "--node-manager-port", "--object-manager-port")}
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    env.pop("RAY_ADDRESS", None)
-    log = open(root / "ray_start.log", "w")
-    head = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", *[x for kv in ports.items() for x in (kv[0], str(kv[1]))],
-         "--num-cpus", "2", "--disable-usage-stats", "--temp-dir", str(root / "ray"), "--block"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if head.poll() is not None:
-                raise RuntimeError(f"ray start exited: {(root / 'ray_start.log').read_text()[-2000:]}")
-            if "Ray runtime started" in (root / "ray_start.log").read_text():
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("ray start --head did not come up")
-            time.sleep(1)
-        yield {"address": f"http://127.0.0.1:{ports['--dashboard-port']}", "env": env}
-    finally:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(head.pid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                try:
-                    os.killpg(head.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.5)
-        head.wait(timeout=10)
-        forget_stopped_head(ports["--port"])
-        log.close()
-        shutil.rmtree(root, ignore_errors=True)
+    with LocalHead(num_cpus=2) as head:
+        yield {"address": head.address, "env": head.env}
 
 
 @pytest.mark.slow

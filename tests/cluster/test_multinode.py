@@ -1,0 +1,291 @@
+"""Several Ray nodes on this machine (separate raylets, token auth on), as on a real cluster.
+
+``ray.cluster_utils.Cluster`` (Ray's own multi-node harness) starts a head that schedules
+nothing (0 CPUs: it runs the driver, Ray Train's controller and the dashboard) and worker
+nodes of two kinds, told apart by custom resources, the way a user dedicates nodes:
+
+* three shard nodes (``kb_shard: 1``): the 2 shards ask ``service.resources={kb_shard: 1}``, so
+  they land on two of them and the third is the spare a lost shard moves to;
+* two trainer nodes (``trainer: 2``): the 2 Ray Train workers ask
+  ``run.resources_per_worker={trainer: 1}`` and are packed on one; the other is the spare.
+
+Every run is the deterministic tiny config (sync refresh at epoch starts), so a run that
+lost a node must reproduce the undisturbed run's losses exactly (rtol 1e-5, as the
+one-node test in tests/train/test_train_ray.py). Each test fails loudly if its fault did
+not happen.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.train.tb import read_metrics
+from tests.train.tinyrun import prepare_tiny, tiny_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multinode]
+
+REPO = Path(__file__).resolve().parents[2]
+SHARD_NODE, TRAINER_NODE = {"kb_shard": 1}, {"trainer": 2}
+PLACEMENT = ["service.resources={kb_shard: 1}", "run.resources_per_worker={trainer: 1}"]
+DETERMINISTIC = ["refresh.mode=sync", "refresh.every_steps=0", "run.evaluate_before=false", "run.export=false",
+                 "run.checkpoint_every_steps=3", "run.max_failures=2", *PLACEMENT]
+
+
+class Nodes:
+    """The cluster's worker nodes and what kind each is (kept for nodes removed since)."""
+
+    def __init__(self, cluster):
+        self.cluster, self.kinds = cluster, {}
+        for _ in range(3):
+            self.add("shard")
+        for _ in range(2):
+            self.add("trainer")
+        cluster.wait_for_nodes()
+
+    def add(self, kind: str):
+        node = self.cluster.add_node(num_cpus=1, resources=SHARD_NODE if kind == "shard" else TRAINER_NODE)
+        self.kinds[node.node_id] = kind
+        return node
+
+    def remove(self, node_id: str) -> None:
+        """Kill the node's raylet and every process on it, as when a machine is lost."""
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def kind(self, node_id: str) -> str:
+        return self.kinds.get(node_id, "head")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Head + 3 shard nodes + 2 trainer nodes, token auth on; the driver is this process."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from dist_nce.runtime import ensure_auth_token, free_port, init_ray
+
+    if ray.is_initialized():  # the session's one-node Ray (tests/conftest.py); it restarts for later modules
+        ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "token")
+        ensure_auth_token()
+        dash = free_port()
+        head = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+            # A lost node is declared dead after ~3 s instead of the default ~15 s.
+            "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                               "health_check_failure_threshold": 3}})
+        try:
+            nodes = Nodes(head)
+            init_ray(address=head.address)
+            yield nodes, f"http://127.0.0.1:{dash}"
+        finally:
+            ray.shutdown()
+            head.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kb(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("multinode_kb")
+    prepare_tiny(root, tiny_model_dir)
+    return root
+
+
+def train(cfg, during=None):
+    """The driver side of jobs/aida_finetune.py; ``during(service)`` runs once version 0 is served.
+    Returns the final metrics and the shards' status at the end."""
+    import ray
+
+    from dist_nce.index.service import NegativeService
+    from dist_nce.train.model import build_retriever
+    from dist_nce.train.trainer import fit, unflatten
+
+    service = NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, cfg.service, cfg.run.output_dir)
+    try:
+        service.ensure_encoded(ray.put(build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state()))
+        if during:
+            during(service)
+        return unflatten(fit(cfg, service).metrics), service.status()
+    finally:
+        service.shutdown()
+
+
+def losses(cfg) -> dict[int, float]:
+    return {s: v["train/loss"] for s, v in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl").items()
+            if "train/loss" in v}
+
+
+def train_worker_nodes() -> set[str]:
+    from ray.util.state import list_actors
+
+    return {a.node_id for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])}
+
+
+class NodeRemover(threading.Thread):
+    """Removes the node ``pick()`` names (its raylet and every process on it, as a lost machine)
+    once the run has logged ``after`` steps."""
+
+    def __init__(self, nodes: Nodes, metrics: Path, after: int, pick):
+        super().__init__(daemon=True)
+        self.nodes, self.metrics, self.after, self.pick = nodes, metrics, after, pick
+        self.removed: str | None = None
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def run(self):
+        try:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline and not self.stop.is_set():
+                if self.metrics.exists() and len(read_metrics(self.metrics)) >= self.after:
+                    node_id = self.pick()
+                    self.nodes.remove(node_id)
+                    self.removed = node_id
+                    return
+                time.sleep(0.1)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, kb, tiny_model_dir, tmp_path_factory):
+    """The undisturbed run on the cluster, with where its shards and trainers ran."""
+    nodes, _ = cluster
+    cfg = tiny_config(kb, tiny_model_dir, tmp_path_factory.mktemp("reference"), *DETERMINISTIC)
+    seen: dict[str, set[str]] = {}
+    metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
+
+    def watch(service):
+        def look():
+            while not metrics.exists() or not read_metrics(metrics):
+                time.sleep(0.2)
+            seen["trainers"] = train_worker_nodes()
+        threading.Thread(target=look, daemon=True).start()
+
+    final, status = train(cfg, during=watch)
+    return cfg, final, losses(cfg), status, seen
+
+
+def test_shards_spread_over_shard_nodes_and_trainers_run_on_another(cluster, reference):
+    nodes, _ = cluster
+    _, final, loss, status, seen = reference
+    assert final["done"] and final["step"] == 24 and sorted(loss) == list(range(24))
+    shard_nodes = [s["node"] for s in status]
+    assert len(set(shard_nodes)) == 2 and {nodes.kind(n) for n in shard_nodes} == {"shard"}, shard_nodes
+    assert len(seen.get("trainers", ())) == 1, seen  # both workers packed on one trainer node
+    assert nodes.kind(next(iter(seen["trainers"]))) == "trainer"
+
+
+def test_sharded_answers_equal_one_node_answers(cluster, kb, tiny_model_dir, tmp_path):
+    """The 2 shards on 2 nodes answer top-k and the exact hard sample exactly as 1 shard does."""
+    import dataclasses
+
+    import ray
+
+    from dist_nce.index.service import NegativeService
+    from dist_nce.train.model import build_retriever
+
+    cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC, "service.index.backend=torch")
+    state = ray.put(build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state())
+    one_cfg = dataclasses.replace(cfg.service, num_shards=1, shard_dir=str(tmp_path / "one"))
+    two_cfg = dataclasses.replace(cfg.service, shard_dir=str(tmp_path / "two"))
+    services = [NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, c, cfg.run.output_dir)
+                for c in (one_cfg, two_cfg)]
+    try:
+        one, two = services
+        for s in services:
+            assert s.ensure_encoded(state) == 0
+        assert len({s["node"] for s in two.status()}) == 2
+        q = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        gold = torch.tensor([0, 5, 199, 200, 201, 399, 17, 250])
+        a, b = one.topk(q, 16, gold=gold).result(), two.topk(q, 16, gold=gold).result()
+        assert torch.equal(a.ids, b.ids) and torch.allclose(a.scores, b.scores, rtol=1e-6, atol=1e-6)
+        keys = torch.arange(8)
+        a = one.mine(q, gold, n_hard=7, n_random=0, seed=3, query_keys=keys).result()
+        b = two.mine(q, gold, n_hard=7, n_random=0, seed=3, query_keys=keys).result()
+        assert torch.equal(a.negatives.ids, b.negatives.ids)
+        assert not (a.negatives.ids == gold[:, None]).any()
+    finally:
+        for s in services:
+            s.shutdown()
+
+
+def test_a_lost_shard_node_costs_nothing(cluster, reference, kb, tiny_model_dir, tmp_path):
+    """The node holding shard 1 is removed mid-training: Ray restarts the shard on the spare
+    shard node, it reloads its persisted version, training finishes with the same losses."""
+    nodes, _ = cluster
+    cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC)
+    before: dict[str, list[dict]] = {}
+    remover: list[NodeRemover] = []
+
+    def start(service):
+        before["status"] = service.status()
+        remover.append(NodeRemover(nodes, Path(cfg.run.output_dir) / "metrics.jsonl", after=6,
+                                   pick=lambda: before["status"][1]["node"]))
+        remover[0].start()
+
+    final, status = train(cfg, during=start)
+    remover[0].stop.set()
+    assert remover[0].error is None, remover[0].error
+    assert remover[0].removed == before["status"][1]["node"], "no shard node was removed during training"
+    assert status[1]["node"] != before["status"][1]["node"] and nodes.kind(status[1]["node"]) == "shard"
+    assert status[1]["pid"] != before["status"][1]["pid"]
+    assert status[0]["node"] == before["status"][0]["node"]  # the other shard never moved
+    assert final["done"] and final["step"] == 24
+    loss, ref = losses(cfg), reference[2]
+    assert sorted(loss) == list(range(24))
+    np.testing.assert_allclose([loss[s] for s in range(24)], [ref[s] for s in range(24)], rtol=1e-5)
+    nodes.add("shard")  # a spare again, for the tests after this one
+
+
+def test_a_lost_trainer_node_restarts_the_group_from_its_checkpoint(cluster, reference, kb, tiny_model_dir,
+                                                                    tmp_path):
+    nodes, _ = cluster
+    cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC)
+    metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
+    remover = NodeRemover(nodes, metrics, after=8, pick=lambda: next(iter(train_worker_nodes())))
+    final, _ = train(cfg, during=lambda service: remover.start())
+    nodes.add("trainer")
+    remover.stop.set()
+    assert remover.error is None, remover.error
+    assert remover.removed is not None and nodes.kind(remover.removed) == "trainer", \
+        "no trainer node was removed during training"
+    # Logged steps run in order but for one jump back: the group restarted on the spare
+    # trainer node from the last checkpoint (a multiple of 3) and trained the steps after it again.
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+             if "train/loss" in json.loads(line)]
+    back = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
+    assert len(back) == 1, f"expected one restart from a checkpoint, steps were {steps}"
+    assert steps[back[0]] % 3 == 0 and steps[back[0]] <= steps[back[0] - 1], steps
+    assert final["done"] and final["step"] == 24
+    loss, ref = losses(cfg), reference[2]
+    np.testing.assert_allclose([loss[s] for s in range(24)], [ref[s] for s in range(24)], rtol=1e-5)
+
+
+def test_ray_job_submit_to_the_multinode_cluster(cluster, kb, tiny_model_dir, tmp_path):
+    """What a user types against a cluster: the job's shards and trainers go to their nodes."""
+    nodes, address = cluster
+    out = tmp_path / "out"
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
+           "--", "python", "jobs/aida_finetune.py", "--config", "configs/aida/test_tiny.yaml",
+           "--set", f"model.retriever.mention_model={tiny_model_dir}",
+           "--set", f"data.prepared_dir={kb / 'prepared'}", "--set", f"data.synthetic_dir={kb / 'synthetic'}",
+           "--set", f"run.output_dir={out}", "--set", f"run.storage_path={tmp_path / 'ray_results'}",
+           "--set", "run.evaluate_before=false", *[x for p in PLACEMENT for x in ("--set", p)]]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for _ in range(30):  # the head's job agent comes up a little after the head itself
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent" not in r.stdout + r.stderr:
+            break
+        time.sleep(2)
+    assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-4000:] + r.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] and summary["step"] == 24 and summary["dev_after"]["n_mentions"] == 32
