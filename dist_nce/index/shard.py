@@ -314,6 +314,7 @@ class EntityShard:
                    "encoder_fingerprint": served.fingerprint if served else None, "held": sorted(self._held),
                    "refreshing": self._target, "encodes": self._encodes, "progress": list(self._progress),
                    "refused": list(self._refused)}
+        out["node"] = ray.get_runtime_context().get_node_id()  # which Ray node holds these rows
         out["persisted"] = self.versions.valid_versions()
         return out
 
