@@ -42,13 +42,13 @@ def configure_threads(n: int | None = 1) -> None:
         import faiss
 
         faiss.omp_set_num_threads(n)
-    except ImportError:  # pragma: no cover - faiss is a hard dependency
+    except ImportError:  # configure_faiss reports a missing faiss (require_faiss)
         pass
 
 
 def configure_faiss(blas_threshold: int = FAISS_BLAS_THRESHOLD) -> None:
     """Make faiss use BLAS for small query batches (see module docstring)."""
-    import faiss
+    faiss = require_faiss()
 
     faiss.cvar.distance_compute_blas_threshold = blas_threshold
 
@@ -98,6 +98,23 @@ def ensure_auth_token(env: Mapping[str, str] | None = None) -> str:
         f.write(secrets.token_hex(32))
     os.replace(tmp, path)
     return str(path)
+
+
+def enable_token_auth() -> str:
+    """Token authentication on for this process and every Ray process it starts afterwards
+    (``ray.cluster_utils.Cluster`` nodes, ``ray.init`` clients); returns the token's location.
+
+    Ray caches ``RAY_AUTH_MODE`` in its process-wide config the first time it is read, so
+    setting the variable is not enough once ray has been imported and used: the config and
+    the token cache are reloaded, as ``ray.init`` does for a new local cluster.
+    """
+    where = ensure_auth_token()
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return where
 
 
 def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -203,3 +220,30 @@ def gpu_count() -> int:
     except (OSError, subprocess.TimeoutExpired):
         return 0
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def require_faiss():
+    """The ``faiss`` module, or an ImportError that says how to install it.
+
+    setup.py has no faiss in install_requires: it comes from exactly one extra, ``cpu``
+    (faiss-cpu) or ``gpu`` (faiss-gpu), because both packages own the same files.
+    """
+    try:
+        import faiss
+    except ImportError as exc:
+        raise ImportError(
+            f"dist-nce needs FAISS, and `import faiss` failed ({exc}). It comes from exactly one "
+            "setup.py extra: pip install -e '.[cpu]' (faiss-cpu) or pip install -e '.[gpu]' "
+            "(faiss-gpu); scripts/install.sh (run by `make venv`) picks one. An environment that "
+            "ever held both packages has a broken faiss (they own the same files): recreate it."
+        ) from exc
+    if not hasattr(faiss, "IndexFlatIP"):
+        # What uninstalling one of faiss-cpu/faiss-gpu leaves of the other: a faiss/ folder
+        # without the library, which still imports (as a namespace package).
+        raise ImportError(
+            f"`import faiss` found {list(getattr(faiss, '__path__', []))} without the FAISS library: "
+            "faiss-cpu and faiss-gpu were both installed and one was removed, which deletes files "
+            "of the other. Recreate the environment and install one extra: pip install -e '.[cpu]' "
+            "or '.[gpu]' (scripts/install.sh, run by `make venv`, picks one)."
+        )
+    return faiss

@@ -5,8 +5,8 @@ encodes index version 0, trains with Ray Train + DeepSpeed (dist_nce/train/), ev
 on dev before and after, exports the model (Hugging Face + BLINK layout) and the KB
 snapshot, and writes ``<run.output_dir>/summary.json``.
 
-On a Ray cluster (here: a head started with ``ray start --head``; with token auth, as
-``ray start`` sets up by default, the client needs ``RAY_AUTH_MODE=token``)::
+On a Ray cluster (here: a head started with ``ray start --head`` with token authentication
+on: README "Running on a cluster"; the client needs ``RAY_AUTH_MODE=token`` and the token)::
 
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/aida_finetune.py --config configs/aida/tiny_cpu.yaml

@@ -21,7 +21,7 @@ per --set combination, or all of them with jobs/zeshel_grid.py)::
         --config configs/zeshel/retriever_paper_gpu.yaml --set data.zeshel_root=/mnt/shared/zeshel \\
         --set negatives.mode=mixed --set negatives.p=50
 
-(with token auth, as ``ray start`` sets it up by default, prefix ``RAY_AUTH_MODE=token``).
+(with token authentication on, as the README sets a head up, prefix ``RAY_AUTH_MODE=token``).
 Running the same command again resumes the run from its last checkpoint. Give absolute
 paths under ``--working-dir .``. Every config field: ``--help-config``.
 """

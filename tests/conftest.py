@@ -39,17 +39,17 @@ def minilm_dir() -> str:
     return default_model_dir()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_local():
-    """One real local Ray (2 CPUs, loopback) for every test that needs a cluster in this
-    process; started on first use, stopped at the end of the session. Tests kill the actors
-    they create (service.shutdown()), so modules do not see each other's shards."""
+    """One real local Ray (2 CPUs, loopback) shared by every module that needs a cluster in
+    this process: started on first use and kept for the next module; started again after a
+    module that needed a cluster of its own (tests/cluster: several nodes) shut it down.
+    Tests kill the actors they create (service.shutdown()), so modules do not see each
+    other's shards."""
     import ray
 
     from dist_nce.runtime import init_ray
 
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
+    if not ray.is_initialized():
+        init_ray(num_cpus=2)
     yield ray.get_runtime_context().gcs_address
-    if started:
-        ray.shutdown()
