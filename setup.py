@@ -19,7 +19,6 @@ setup(
         "deepspeed>=0.16",
         "transformers>=4.45",
         "ray[default,train]>=2.40",
-        "faiss-cpu>=1.8",
         "numpy>=1.24",
         "pyarrow>=15",
         "tqdm>=4.66",
@@ -29,9 +28,14 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        # faiss-gpu replaces faiss-cpu: install with `pip install -e .[gpu]` after
-        # `pip uninstall faiss-cpu` (both provide the `faiss` module).
+        # FAISS comes from exactly one of these two extras. faiss-cpu and faiss-gpu both own
+        # the files of the `faiss` module, so installing both and uninstalling one deletes
+        # files the other needs. scripts/install.sh picks one (a GPU if nvidia-smi sees one);
+        # a bare `pip install -e .` has no faiss, and dist_nce.runtime.require_faiss says so.
+        "cpu": ["faiss-cpu>=1.8"],
         "gpu": ["faiss-gpu>=1.8"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config
+        # tests validate pod templates offline.
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "kubernetes-validate>=1.30"],
     },
 )

@@ -1,0 +1,165 @@
+"""The install path: FAISS from exactly one package, one install script for every caller.
+
+faiss-cpu and faiss-gpu own the same faiss/* files, so an environment must get exactly one
+of them. The dry-run tests ask pip's resolver (PyPI, full dependency set) what
+scripts/install.sh would install on each path.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "install.sh"
+FAISS = {"cpu": "faiss-cpu", "gpu": "faiss-gpu"}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _setup_kwargs() -> dict:
+    call = next(n for n in ast.walk(ast.parse((REPO / "setup.py").read_text())) if isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "setup")
+    out = {}
+    for k in call.keywords:
+        try:
+            out[k.arg] = ast.literal_eval(k.value)
+        except ValueError:  # computed values (long_description, packages) are not needed here
+            pass
+    return out
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {_canonical(re.match(r"[A-Za-z0-9_.\-]+", r).group(0)) for r in reqs}
+
+
+def test_setup_puts_faiss_only_in_the_cpu_and_gpu_extras():
+    kwargs = _setup_kwargs()
+    assert not {"faiss-cpu", "faiss-gpu"} & _requirement_names(kwargs["install_requires"])
+    extras = kwargs["extras_require"]
+    for mode, package in FAISS.items():
+        assert _requirement_names(extras[mode]) & set(FAISS.values()) == {package}, mode
+    for name, reqs in extras.items():
+        if name not in FAISS:
+            assert not set(FAISS.values()) & _requirement_names(reqs), f"extra {name} pulls in faiss"
+
+
+@pytest.fixture(scope="module")
+def dry_run_reports(tmp_path_factory):
+    """pip's resolution report for each path, both resolved at once (each is ~20-30 s of PyPI)."""
+    out_dir = tmp_path_factory.mktemp("reports")
+    started = time.monotonic()
+    procs = {}
+    for mode in FAISS:
+        report = out_dir / f"{mode}.json"
+        procs[mode] = (report, subprocess.Popen(
+            ["bash", str(SCRIPT), "--python", sys.executable, "--dry-run", str(report), mode],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    reports = {}
+    for mode, (report, proc) in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"dry run ({mode}) failed:\n{out}\n{err}"
+        reports[mode] = json.loads(report.read_text())
+    print(f"dry-run resolution of both paths: {time.monotonic() - started:.1f} s")
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(FAISS))
+def test_resolution_installs_exactly_one_faiss(dry_run_reports, mode):
+    versions = {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in dry_run_reports[mode]["install"]}
+    assert {name for name in versions if name.startswith("faiss")} == {FAISS[mode]}, sorted(versions)
+    assert "dist-nce" in versions and versions["torch"].split("+")[0] == "2.13.0"
+    assert "kubernetes-validate" in versions  # the dev extra rides along on both paths
+
+
+def test_install_script_refuses_an_environment_holding_the_other_faiss(tmp_path):
+    """Uninstalling one faiss package deletes the other's files, so the script stops instead."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+
+    def install(mode):
+        return subprocess.run(["bash", str(SCRIPT), "--python", str(python), mode],
+                              capture_output=True, text=True, timeout=120)
+
+    # Control: without faiss-gpu the script goes on to pip, which this bare venv lacks.
+    done = install("cpu")
+    assert done.returncode != 0 and "No module named pip" in done.stderr, done.stderr
+
+    dist_info = Path(purelib) / "faiss_gpu-1.15.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: faiss-gpu\nVersion: 1.15.1\n")
+    done = install("cpu")
+    assert done.returncode == 1
+    assert "faiss-gpu is installed" in done.stderr and "make clean-venv venv" in done.stderr, done.stderr
+    assert "No module named pip" not in done.stderr, "stopped before touching the environment"
+    done = install("gpu")  # the matching path is not refused: it goes on to pip
+    assert "faiss-gpu is installed" not in done.stderr and "No module named pip" in done.stderr, done.stderr
+
+
+def test_install_script_rejects_unknown_arguments():
+    done = subprocess.run(["bash", str(SCRIPT), "cuda"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "unknown argument 'cuda'" in done.stderr
+
+
+def test_every_install_path_runs_the_install_script():
+    """make venv, the image and the launcher nodes install through scripts/install.sh only."""
+    # The Makefile, as make reads it (dry run against a venv that does not exist).
+    env = {k: v for k, v in os.environ.items() if k not in ("FAISS", "MAKEFLAGS", "MFLAGS")}
+    plan = subprocess.run(["make", "-n", "venv", "VENV=/nonexistent/venv"], cwd=REPO, env=env,
+                          capture_output=True, text=True, check=True, timeout=30).stdout
+    assert "scripts/install.sh --python /nonexistent/venv/bin/python auto" in plan, plan
+    assert "pip install" not in plan, plan
+
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^RUN .*scripts/install\.sh gpu$", dockerfile, re.MULTILINE)
+    assert "pip install" not in dockerfile
+
+    for path in sorted((REPO / "configs" / "cluster").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        assert config["setup_commands"] == ["/home/ray/dist-nce/scripts/install.sh gpu"], path.name
+        assert config["file_mounts"]["/home/ray/dist-nce"] == ".", f"{path.name}: the script comes with the checkout"
+        commands = [c for key, value in config.items() if key.endswith("_commands") for c in value]
+        assert not any("pip install" in c for c in commands), path.name
+    assert os.access(SCRIPT, os.X_OK), "the configs run the script directly"
+
+
+def test_require_faiss_returns_the_library():
+    from dist_nce.runtime import require_faiss
+
+    assert hasattr(require_faiss(), "IndexFlatIP")
+
+
+def test_jobs_fail_with_install_advice_when_faiss_is_missing(monkeypatch):
+    """Every job, trainer and shard calls configure_process, which calls require_faiss."""
+    from dist_nce.runtime import configure_process
+
+    monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[cpu\]' \(faiss-cpu\) or pip install -e '\.\[gpu\]'"):
+        configure_process(threads=None)
+
+
+def test_jobs_fail_clearly_on_a_faiss_left_behind_by_uninstalling_its_twin(monkeypatch):
+    """What `pip uninstall faiss-cpu` leaves of faiss-gpu: a faiss/ folder that imports as an
+    empty namespace package (seen here: only faiss/_gpu_build.py remained)."""
+    from dist_nce.runtime import configure_process
+
+    remnant = types.ModuleType("faiss")
+    remnant.__path__ = ["/venv/site-packages/faiss"]
+    monkeypatch.setitem(sys.modules, "faiss", remnant)
+    with pytest.raises(ImportError, match="without the FAISS library"):
+        configure_process(threads=None)
