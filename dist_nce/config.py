@@ -6,6 +6,12 @@ of the wrong type, raises :class:`ConfigError` naming the file and the dotted ke
 (``configs/aida/tiny.yaml: train.lr_warmup: unknown key; expected one of ...``).
 Help strings live in ``field(metadata={"help": ...})`` so ``describe(Cls)`` can
 print them.
+
+Every numeric field also declares its admissible values next to its help string,
+``metadata={"range": Range(ge=1)}`` (for a list or dict: each item), and a field may
+add ``metadata={"check": fn}``, ``fn(value) -> reason or None``. The loader checks both
+for every field, defaults included, before the dataclass's own cross-field
+``validate()`` runs, and refuses a value as ``file: dotted.key: value: why``.
 """
 from __future__ import annotations
 
@@ -22,6 +28,97 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or dict does not match its dataclass."""
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Admissible values of a numeric field: any of ``ge`` (>=), ``gt`` (>), ``le`` (<=),
+    ``lt`` (<); ``why`` says what the bound protects, for the error message."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    why: str = ""
+
+    def describe(self) -> str:
+        low = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None
+        high = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        if high:
+            return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        return "any number"
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is refused, or None."""
+        ok = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+              and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        if ok and value == value:  # NaN compares false to everything but is no number a config wants
+            return None
+        return f"must be {self.describe()}" + (f" ({self.why})" if self.why else "")
+
+
+AT_LEAST_0 = Range(ge=0)
+AT_LEAST_1 = Range(ge=1)
+POSITIVE = Range(gt=0)
+FRACTION = Range(ge=0, le=1)
+
+
+def plain_name(value: str) -> str | None:
+    """A ``check`` for names that become one directory level (run names): no separators, no ``..``."""
+    if not value:
+        return "must not be empty"
+    if "/" in value or "\\" in value or os.sep in value or ".." in value or "\0" in value:
+        return "must be a plain name (no '/' or '\\', no '..'): it names one directory under the run's storage"
+    return None
+
+
+def _leaves(value: Any, where: str):
+    """(where, scalar) for a value, each list item or each dict value."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield f"{where}.{k}", v
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield f"{where}[{i}]", v
+    else:
+        yield where, value
+
+
+def _check_fields(obj: Any, where: str, given: Mapping[str, Any] | None = None) -> None:
+    """Check every field's ``range`` and ``check`` metadata. Nested dataclasses that were
+    given as data were checked when they were built; defaulted ones are walked here."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = _join(where, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if given is None or f.name not in given:
+                _check_fields(value, key)
+            continue
+        bounds, check = f.metadata.get("range"), f.metadata.get("check")
+        for leaf_key, leaf in _leaves(value, key):
+            if leaf is None or isinstance(leaf, bool):
+                continue
+            why = None
+            if bounds is not None and isinstance(leaf, (int, float)):
+                why = bounds.problem(leaf)
+            if why is None and check is not None:
+                why = check(leaf)
+            if why:
+                raise ConfigError(f"{leaf_key}: {leaf!r}: {why}")
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Range and ``check`` metadata of every field of dataclass ``obj`` (and nested ones), for
+    objects built without the loader; raises :class:`ConfigError` ``prefix.key: value: why``."""
+    _check_fields(obj, prefix)
 
 
 def _type_name(tp: Any) -> str:
@@ -119,6 +216,8 @@ def _build(cls: type[T], data: Mapping[str, Any], where: str) -> T:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{label}: {e}") from None
+    # Ranges first: a cross-field validate() may divide by, or index with, a field.
+    _check_fields(obj, where, data)
     validate = getattr(obj, "validate", None)
     if callable(validate):
         try:
@@ -208,5 +307,7 @@ def describe(cls: type, indent: str = "") -> str:
         else:
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else "<required>")
-            lines.append(f"{indent}{f.name}: {default!r}  # {_type_name(tp)}. {help_}".rstrip())
+            bounds = f.metadata.get("range")
+            limits = f" ({bounds.describe()})" if bounds is not None else ""
+            lines.append(f"{indent}{f.name}: {default!r}  # {_type_name(tp)}{limits}. {help_}".rstrip())
     return "\n".join(lines)

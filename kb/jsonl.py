@@ -54,7 +54,9 @@ def load_object(line: str, path: str, lineno: int) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise BadRecord(path, lineno, f"not JSON ({e.msg} at column {e.colno})") from None
+        # Some of json's messages end in "at" ("Invalid control character at"); say it once.
+        msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg
+        raise BadRecord(path, lineno, f"not JSON ({msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise BadRecord(path, lineno, f"expected a JSON object, got {_json_type(obj)}")
     return obj

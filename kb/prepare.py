@@ -12,7 +12,13 @@ Entity files are cut into byte-range chunks that ``--workers`` processes parse a
 tokenize in parallel (:mod:`kb.ingest`); a killed run resumes from its completed
 chunks when the same command is run again. The store is assembled (:mod:`kb.assemble`)
 and ``manifest.json`` written only when every chunk is done, so a directory with a
-manifest is always complete.
+manifest is always complete. ``--overwrite`` builds the replacement beside the old
+store and swaps it in only when it is complete (:mod:`kb.staging`).
+
+Paths in the manifest (source files, skipped records, mention sources) are absolute,
+as the source fingerprints always were: a store is used from other working
+directories (Ray workers, ``ray job submit --working-dir``) than the one it was
+prepared in.
 """
 from __future__ import annotations
 
@@ -25,129 +31,28 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, NamedTuple
 
 from dist_nce.artifacts import MANIFEST, ArtifactMismatch, write_manifest
 from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
 from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
+from kb.input_checks import EmptyInput, check_not_empty, gold_resolution, resolution_warning
+from kb.prepare_config import PrepareConfig, PrepareError, items, parse_size
 from kb.records import BadRecord, BadRecordLog
-from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore, open_manifest
+from kb.staging import recover, staging_dir, swap_in
+from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore
+from kb.summary import summarize
+
+__all__ = ["PrepareConfig", "PrepareError", "parse_size", "prepare", "ensure_store", "derived_from", "summarize",
+           "build_parser", "main", "AIDA_FILES"]
 
 # Bump when chunk contents change meaning, so old chunks are not reused.
 INGEST_VERSION = 1
 WORK_DIR = "chunks"
 AIDA_FILES = {"train": "aidayago2-train-kilt.jsonl", "dev": "aidayago2-dev-kilt.jsonl",
               "test": "aidayago2-test_without_answers-kilt.jsonl"}
-
-
-class PrepareError(ValueError):
-    """Invalid prepare request (bad combination of sources, existing output, ...)."""
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
-
-
-@dataclass
-class PrepareConfig:
-    out: str = field(default="", metadata=_h("output directory of the prepared store"))
-    kilt_ks: str | None = field(default=None, metadata=_h("kilt_knowledgesource.json (entities)"))
-    aida_dir: str | None = field(default=None, metadata=_h(
-        "directory with aidayago2-{train,dev,test_without_answers}-kilt.jsonl (mentions; with --kilt-ks "
-        "or --blink-entities)"))
-    zeshel_root: str | None = field(default=None, metadata=_h("Zeshel root with documents/ and mentions/"))
-    blink_entities: str | None = field(default=None, metadata=_h("BLINK entity.jsonl (entities)"))
-    model_dir: str | None = field(default=None, metadata=_h("tokenizer directory (default: shipped MiniLM)"))
-    mention_max_len: int = field(default=32, metadata=_h("mention tokens (32 in BLINK, 128 in the paper)"))
-    entity_max_len: int = field(default=128, metadata=_h("entity tokens"))
-    zeshel_strip_title: bool = field(default=False, metadata=_h(
-        "drop the title that starts every Zeshel document from the description"))
-    zeshel_worlds: str | None = field(default=None, metadata=_h(
-        "comma-separated Zeshel worlds whose documents become the entities (a split name train/val/test "
-        "stands for its worlds); default: every documents/<world>.json. Mentions whose gold is in another "
-        "world are kept and counted as missing gold"))
-    zeshel_splits: str | None = field(default=None, metadata=_h(
-        "comma-separated Zeshel mention splits to read (default: train, val, test and the heldout splits "
-        "present)"))
-    workers: int = field(default=1, metadata=_h("parallel worker processes"))
-    chunk_size: str = field(default="32M", metadata=_h("bytes of input per chunk (suffix K/M/G allowed)"))
-    rows_per_part: int = field(default=1 << 18, metadata=_h("entity rows per Arrow part file"))
-    on_bad_record: Literal["error", "skip"] = field(default="error", metadata=_h(
-        "error: stop at the first malformed line; skip: count, report and record them"))
-    overwrite: bool = field(default=False, metadata=_h("replace an existing store prepared from other inputs"))
-    keep_chunks: bool = field(default=False, metadata=_h("keep the per-chunk files after assembly"))
-    progress: bool = field(default=True, metadata=_h("progress bar on stderr (--no-progress hides it)"))
-
-    def validate(self) -> None:
-        if not self.out:
-            raise ValueError("out: an output directory is required")
-        kb_sources = [n for n in ("kilt_ks", "zeshel_root", "blink_entities") if getattr(self, n)]
-        if len(kb_sources) != 1:
-            raise ValueError("give exactly one of --kilt-ks, --zeshel-root, --blink-entities "
-                             f"(got {len(kb_sources)})")
-        if self.aida_dir and self.zeshel_root:
-            raise ValueError("--aida-dir goes with --kilt-ks or --blink-entities, not --zeshel-root")
-        for name in ("zeshel_strip_title", "zeshel_worlds", "zeshel_splits"):
-            if getattr(self, name) and not self.zeshel_root:
-                raise ValueError(f"--{name.replace('_', '-')} applies to --zeshel-root only")
-        self.zeshel_world_list, self.zeshel_split_list  # noqa: B018 - validates the names
-        for name in ("mention_max_len", "entity_max_len", "workers", "rows_per_part"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self.chunk_bytes  # noqa: B018 - validates the size string
-
-    @property
-    def chunk_bytes(self) -> int:
-        return parse_size(self.chunk_size)
-
-    @property
-    def zeshel_world_list(self) -> list[str] | None:
-        """The selected worlds (split names expanded, order kept, no repeats), or None for all."""
-        from kb.zeshel import ZESHEL_WORLDS
-
-        if self.zeshel_worlds is None:
-            return None
-        worlds: list[str] = []
-        for item in _items(self.zeshel_worlds, "zeshel_worlds"):
-            for w in ZESHEL_WORLDS.get(item, [item]):
-                if w not in worlds:
-                    worlds.append(w)
-        return worlds
-
-    @property
-    def zeshel_split_list(self) -> list[str] | None:
-        from kb.zeshel import ZESHEL_SPLITS
-
-        if self.zeshel_splits is None:
-            return None
-        splits = list(dict.fromkeys(_items(self.zeshel_splits, "zeshel_splits")))
-        unknown = [s for s in splits if s not in ZESHEL_SPLITS]
-        if unknown:
-            raise ValueError(f"zeshel_splits: unknown split(s) {unknown}; expected some of {list(ZESHEL_SPLITS)}")
-        return splits
-
-
-def _items(text: str, what: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"{what}: expected a comma-separated list, got {text!r}")
-    return items
-
-
-def parse_size(text: str | int) -> int:
-    """``"32M"`` -> 33554432; plain integers are bytes."""
-    s = str(text).strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    try:
-        value = int(float(s[:-1] if mult > 1 else s) * mult)
-    except ValueError:
-        raise ValueError(f"chunk_size: expected bytes like 33554432 or 32M, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"chunk_size must be positive, got {text!r}")
-    return value
 
 
 # --------------------------------------------------------------------------- planning
@@ -157,54 +62,79 @@ def _require_file(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: {what} not found")
-    return p
+    return p.resolve()
 
 
 def _entity_files(cfg: PrepareConfig) -> list[tuple[str, Path, str | None]]:
-    """(reader, file, world) for every entity file, in row order."""
+    """(reader, absolute file, world) for every entity file, in row order."""
     if cfg.kilt_ks:
         return [("kilt", _require_file(cfg.kilt_ks, "KILT knowledge source"), None)]
     if cfg.blink_entities:
         return [("blink", _require_file(cfg.blink_entities, "BLINK entity.jsonl"), None)]
     from kb.zeshel import document_paths
 
+    root = Path(cfg.zeshel_root).resolve()
     worlds = cfg.zeshel_world_list
     if worlds is not None:
         # A split name stands for those of its worlds that have documents (a tree may hold a
         # subset, as synthetic ones do); a world named explicitly must have them.
-        named = set(_items(cfg.zeshel_worlds, "zeshel_worlds"))
-        doc_dir = Path(cfg.zeshel_root) / "documents"
+        named = set(items(cfg.zeshel_worlds, "zeshel_worlds"))
+        doc_dir = root / "documents"
         worlds = [w for w in worlds if w in named or (doc_dir / f"{w}.json").is_file()]
         if not worlds:
             raise FileNotFoundError(f"{doc_dir}: no document file for any world of {cfg.zeshel_worlds!r}")
-    return [("zeshel", p, p.stem) for p in document_paths(cfg.zeshel_root, worlds)]
+    return [("zeshel", p, p.stem) for p in document_paths(root, worlds)]
 
 
-def _mention_sources(cfg: PrepareConfig) -> list[tuple[str, str, Path, list[Path]]]:
-    """(split, reader, file, files its content depends on) per mention split."""
+def _zeshel_splits(cfg: PrepareConfig, root: Path, log: Callable[[str], None]) -> list[str]:
+    """The mention splits to read: those named (each must exist), else those present."""
+    from kb.zeshel import ZESHEL_SPLITS
+
+    mention_dir = root / "mentions"
+    present = [s for s in ZESHEL_SPLITS if (mention_dir / f"{s}.json").is_file()]
+    chosen = cfg.zeshel_split_list
+    if chosen is not None:
+        missing = [s for s in chosen if s not in present]
+        if missing:
+            raise FileNotFoundError(f"{mention_dir}: missing {', '.join(s + '.json' for s in missing)} (named by "
+                                    f"--zeshel-splits; present: {', '.join(present) or 'none'})")
+        return chosen
+    if not present:
+        raise FileNotFoundError(f"{mention_dir}: no mention split found (expected some of "
+                                f"{', '.join(s + '.json' for s in ZESHEL_SPLITS)})")
+    absent = [s for s in ZESHEL_SPLITS if s not in present]
+    if absent:
+        log(f"{mention_dir}: preparing the mention splits present ({', '.join(present)}); not found: "
+            f"{', '.join(s + '.json' for s in absent)}")
+    return present
+
+
+def _mention_sources(cfg: PrepareConfig, log: Callable[[str], None]) -> list[tuple[str, str, Path, list[Path]]]:
+    """(split, reader, absolute file, files its content depends on) per mention split."""
     if cfg.aida_dir:
-        d = Path(cfg.aida_dir)
+        d = Path(cfg.aida_dir).resolve()
         found = [(s, d / f) for s, f in AIDA_FILES.items() if (d / f).is_file()]
         if not found:
             raise FileNotFoundError(f"{d}: none of {sorted(AIDA_FILES.values())} found")
         return [(s, "aida", p, [p]) for s, p in found]
     if cfg.zeshel_root:
-        from kb.zeshel import ZESHEL_SPLITS, document_paths
+        from kb.zeshel import document_paths
 
-        root = Path(cfg.zeshel_root)
-        chosen = cfg.zeshel_split_list
-        splits = [s for s in chosen or ZESHEL_SPLITS if (root / "mentions" / f"{s}.json").is_file()]
-        missing = [s for s in chosen or ("train", "val", "test") if s not in splits]
-        if missing:
-            raise FileNotFoundError(f"{root / 'mentions'}: missing {', '.join(s + '.json' for s in missing)}")
+        root = Path(cfg.zeshel_root).resolve()
         docs = document_paths(root)
         return [(s, "zeshel_mentions", root / "mentions" / f"{s}.json", [root / "mentions" / f"{s}.json", *docs])
-                for s in splits]
+                for s in _zeshel_splits(cfg, root, log)]
     return []
 
 
-def plan(cfg: PrepareConfig, tokenizer_sha256: str) -> tuple[list[ChunkTask], list[tuple[str, ChunkTask]], list]:
-    """(entity chunk tasks in row order, (split, mention task) pairs, source fingerprints)."""
+class Plan(NamedTuple):
+    entity_files: list[tuple[str, Path, str | None]]  # (reader, file, world)
+    entity_tasks: list[ChunkTask]  # in row order
+    mention_tasks: list[tuple[str, ChunkTask, Path]]  # (split, task, the split's file)
+    fingerprints: list[dict]  # every source file
+
+
+def plan(cfg: PrepareConfig, tokenizer_sha256: str, log: Callable[[str], None] = print) -> Plan:
     common = {"version": INGEST_VERSION, "schema_version": SCHEMA_VERSION, "tokenizer_sha256": tokenizer_sha256}
     fingerprints: dict[Path, dict] = {}
 
@@ -213,21 +143,24 @@ def plan(cfg: PrepareConfig, tokenizer_sha256: str) -> tuple[list[ChunkTask], li
             fingerprints[p] = file_fingerprint(p)
         return fingerprints[p]
 
+    entity_files = _entity_files(cfg)
     entity_tasks = []
-    for f_idx, (reader, path, world) in enumerate(_entity_files(cfg)):
+    for f_idx, (reader, path, world) in enumerate(entity_files):
+        source = fp(path)  # an empty file has no chunk but is still a source
         for c_idx, (a, b) in enumerate(plan_byte_ranges(path, cfg.chunk_bytes)):
-            spec = {**common, "reader": reader, "source": fp(path), "bytes": [a, b], "world": world,
+            spec = {**common, "reader": reader, "source": source, "bytes": [a, b], "world": world,
                     "max_len": cfg.entity_max_len, "strip_title": cfg.zeshel_strip_title}
             entity_tasks.append(ChunkTask(f"entities-{f_idx:03d}-{c_idx:06d}", "entities", reader, str(path),
                                           a, b, world, b - a, spec))
     mention_tasks = []
-    for split, reader, path, deps in _mention_sources(cfg):
+    for split, reader, path, deps in _mention_sources(cfg, log):
         spec = {**common, "reader": reader, "split": split, "sources": [fp(p) for p in deps],
                 "max_len": cfg.mention_max_len}
-        root = cfg.zeshel_root if reader == "zeshel_mentions" else str(path)
-        mention_tasks.append((split, ChunkTask(f"mentions-{split}", "mentions", reader, str(root), 0, -1, split,
-                                               path.stat().st_size, spec)))
-    return entity_tasks, mention_tasks, list(fingerprints.values())
+        # A Zeshel split is read through its tree (context documents); AIDA through its file.
+        root = str(Path(cfg.zeshel_root).resolve()) if reader == "zeshel_mentions" else str(path)
+        task = ChunkTask(f"mentions-{split}", "mentions", reader, root, 0, -1, split, path.stat().st_size, spec)
+        mention_tasks.append((split, task, path))
+    return Plan(entity_files, entity_tasks, mention_tasks, list(fingerprints.values()))
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -280,26 +213,130 @@ def _content_identity(spec: dict) -> dict:
     return {**spec, "sources": [{k: v for k, v in f.items() if k != "path"} for f in spec.get("sources") or []]}
 
 
-def _check_existing(out: Path, spec: dict, overwrite: bool, log: Callable[[str], None]) -> dict | None:
-    """The existing manifest if ``out`` is already this store; raise if it is another
-    (or, with ``overwrite``, make way for preparing it again)."""
+def _existing(out: Path, spec: dict) -> tuple[dict | None, list[str]]:
+    """(its manifest, []) if ``out`` already holds this store; (None, what differs) if it
+    holds another; (None, []) if it holds none."""
     path = out / MANIFEST
     if not path.exists():
-        return None
-    old = json.loads(path.read_text(encoding="utf-8"))
+        return None, []
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, ["manifest.json (unreadable)"]
     old_spec = old.get("spec") or {}
-    same_kind = old.get("kind") == KIND and old.get("schema_version") == SCHEMA_VERSION
-    if same_kind and _content_identity(old_spec) == _content_identity(spec):
-        return old
-    differs = ([k for k in spec if _content_identity(old_spec).get(k) != _content_identity(spec)[k]]
-               if same_kind else ["kind/schema_version"])
-    if not overwrite:
+    if old.get("kind") != KIND or old.get("schema_version") != SCHEMA_VERSION:
+        return None, ["kind/schema_version"]
+    have, want = _content_identity(old_spec), _content_identity(spec)
+    if have == want:
+        return old, []
+    return None, [k for k in want if have.get(k) != want[k]] or ["spec"]
+
+
+def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
+    """Build (or resume building) the store described by ``cfg``; return its manifest."""
+    from dist_nce.text import tokenizer_fingerprint
+
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise PrepareError(str(e)) from None
+    out = Path(cfg.out)
+    recover(out, log)
+    tok_fp = tokenizer_fingerprint(tokenizer(cfg.model_dir))
+    todo = plan(cfg, tok_fp["sha256"], log)
+    spec = _spec(cfg, todo.fingerprints, tok_fp)
+    existing, differs = _existing(out, spec)
+    if existing is not None:
+        log(f"{out}: already prepared from these inputs; {NOTHING_TO_DO}")
+        return existing
+    if not differs:
+        return _build(cfg, out, todo, spec, tok_fp, log)
+    if not cfg.overwrite:
         raise PrepareError(f"{out} already holds a prepared store from other inputs (differs in: "
                            f"{', '.join(differs)}); replace it (kb.prepare --overwrite) or prepare into "
                            "another directory")
-    log(f"{out}: prepared from other inputs (differs in: {', '.join(differs)}); preparing it again")
-    path.unlink()  # the store is incomplete from here until the new manifest is written
-    return None
+    new = staging_dir(out)
+    log(f"{out}: prepared from other inputs (differs in: {', '.join(differs)}); building its replacement in {new} "
+        "(the old store stays in place until the new one is complete)")
+    staged, _ = _existing(new, spec)
+    if staged is None:
+        # Another replacement's manifest: its chunks are still reused where they match.
+        (new / MANIFEST).unlink(missing_ok=True)
+        staged = _build(cfg, new, todo, spec, tok_fp, log)
+    swap_in(new, out)
+    log(f"{out}: replaced by the new store")
+    return staged
+
+
+def _build(cfg: PrepareConfig, dest: Path, todo: Plan, spec: dict, tok_fp: dict,
+           log: Callable[[str], None]) -> dict:
+    """Ingest every chunk into ``dest/chunks``, check, assemble, then write the manifest."""
+    work = dest / WORK_DIR
+    run_id = uuid.uuid4().hex[:12]
+    settings = EncodeSettings(cfg.model_dir, cfg.entity_max_len, cfg.mention_max_len, cfg.zeshel_strip_title,
+                              cfg.on_bad_record)
+    entity_tasks = todo.entity_tasks
+    tasks = entity_tasks + [t for _, t, _ in todo.mention_tasks]
+    log(f"prepare: {len(entity_tasks)} entity chunks, {len(todo.mention_tasks)} mention splits, "
+        f"{cfg.workers} worker(s) -> {dest}")
+    t0 = time.perf_counter()
+    fn = functools.partial(process_chunk, work_dir=str(work), settings=settings, run_id=run_id)
+    markers = run_chunks(tasks, work, fn, workers=cfg.workers, policy=cfg.on_bad_record,
+                         progress=cfg.progress, log=log)
+    t_chunks = time.perf_counter() - t0
+
+    # Before assembly, so that an empty input writes nothing (its chunks stay for a rerun).
+    entity_rows = {str(path): 0 for _, path, _ in todo.entity_files}
+    for task, marker in zip(entity_tasks, markers):
+        entity_rows[task.path] += marker["result"]["rows"]
+    mention_rows = [(split, str(path), marker["result"]["rows"])
+                    for (split, _, path), marker in zip(todo.mention_tasks, markers[len(entity_tasks):])]
+    try:
+        warnings = check_not_empty(entity_rows.items(), mention_rows, cfg.allow_empty, log)
+    except EmptyInput as e:
+        raise PrepareError(str(e)) from None
+
+    chunks = load_chunks(work, tasks, markers)
+    entity_chunks, mention_chunks = chunks[:len(entity_tasks)], chunks[len(entity_tasks):]
+    assembly_bad = BadRecordLog(cfg.on_bad_record)
+    entities = assemble_entities(dest, entity_chunks, cfg.entity_max_len, cfg.rows_per_part, assembly_bad)
+    fields = {
+        "source": {"format": todo.entity_files[0][0],
+                   "entity_files": [str(p) for _, p, _ in todo.entity_files],
+                   "aida_dir": str(Path(cfg.aida_dir).resolve()) if cfg.aida_dir else None,
+                   "zeshel_root": str(Path(cfg.zeshel_root).resolve()) if cfg.zeshel_root else None,
+                   "files": todo.fingerprints, **_zeshel_selection(cfg)},
+        "tokenizer": tok_fp, "tokenizer_sha256": tok_fp["sha256"],
+        "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
+        "zeshel_strip_title": cfg.zeshel_strip_title,
+        "entities": entities,
+    }
+    store = EntityStore.from_manifest(dest, fields)
+    shutil.rmtree(dest / MENTIONS_DIR, ignore_errors=True)  # splits of an earlier attempt
+    mentions = {}
+    for (split, _, path), chunk in zip(todo.mention_tasks, mention_chunks):
+        section = assemble_mentions(dest, split, chunk, store, cfg.mention_max_len)
+        section["source"] = str(path)
+        section["gold_resolution"] = gold_resolution(section["gold"], cfg.min_gold_resolution)
+        warning = resolution_warning(split, str(path), section["gold_resolution"])
+        if warning:
+            log(f"WARNING: {warning}")
+            warnings.append(warning)
+        mentions[split] = section
+    fields["mentions"] = mentions
+    fields["skipped"] = _skipped(chunks, assembly_bad)
+    fields["warnings"] = warnings
+    reused = sum(m["run"] != run_id for m in markers)
+    fields["ingest"] = {"run": run_id, "chunks": len(tasks), "reused_chunks": reused, "workers": cfg.workers,
+                        "chunk_bytes": cfg.chunk_bytes, "on_bad_record": cfg.on_bad_record,
+                        "chunk_seconds": round(t_chunks, 2),
+                        "seconds": round(time.perf_counter() - t0, 2),
+                        "chunk_runs": {m["task"]: m["run"] for m in markers}}
+    fields["spec"] = spec
+    manifest = write_manifest(dest, KIND, SCHEMA_VERSION, **fields)
+    if not cfg.keep_chunks:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
 
 
 def ensure_store(cfg: PrepareConfig, log: Callable[[str], None] = print,
@@ -311,6 +348,7 @@ def ensure_store(cfg: PrepareConfig, log: Callable[[str], None] = print,
       from files under it that have changed since is prepared again instead of refused.
     """
     out = Path(cfg.out)
+    recover(out, log)
     before = (out / MANIFEST).read_bytes() if (out / MANIFEST).exists() else None
     if regenerate_from is not None and derived_from(out, regenerate_from):
         cfg = dataclasses.replace(cfg, overwrite=True)
@@ -335,112 +373,14 @@ def derived_from(out: str | os.PathLike, directory: str | os.PathLike) -> bool:
     return bool(files) and all(Path(f["path"]).resolve().is_relative_to(root) for f in files)
 
 
-def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
-    """Build (or resume building) the store described by ``cfg``; return its manifest."""
-    from dist_nce.text import tokenizer_fingerprint
-
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise PrepareError(str(e)) from None
-    out = Path(cfg.out)
-    tok = tokenizer(cfg.model_dir)
-    tok_fp = tokenizer_fingerprint(tok)
-    entity_tasks, mention_tasks, fingerprints = plan(cfg, tok_fp["sha256"])
-    spec = _spec(cfg, fingerprints, tok_fp)
-    existing = _check_existing(out, spec, cfg.overwrite, log)
-    if existing is not None:
-        log(f"{out}: already prepared from these inputs; {NOTHING_TO_DO}")
-        return existing
-
-    work = out / WORK_DIR
-    run_id = uuid.uuid4().hex[:12]
-    settings = EncodeSettings(cfg.model_dir, cfg.entity_max_len, cfg.mention_max_len, cfg.zeshel_strip_title,
-                              cfg.on_bad_record)
-    tasks = entity_tasks + [t for _, t in mention_tasks]
-    log(f"prepare: {len(entity_tasks)} entity chunks, {len(mention_tasks)} mention splits, "
-        f"{cfg.workers} worker(s) -> {out}")
-    t0 = time.perf_counter()
-    fn = functools.partial(process_chunk, work_dir=str(work), settings=settings, run_id=run_id)
-    markers = run_chunks(tasks, work, fn, workers=cfg.workers, policy=cfg.on_bad_record,
-                         progress=cfg.progress, log=log)
-    t_chunks = time.perf_counter() - t0
-
-    chunks = load_chunks(work, tasks, markers)
-    entity_chunks, mention_chunks = chunks[:len(entity_tasks)], chunks[len(entity_tasks):]
-    assembly_bad = BadRecordLog(cfg.on_bad_record)
-    entities = assemble_entities(out, entity_chunks, cfg.entity_max_len, cfg.rows_per_part, assembly_bad)
-    fields = {
-        "source": {"format": entity_tasks[0].reader if entity_tasks else "none",
-                   "entity_files": [str(p) for _, p, _ in _entity_files(cfg)],
-                   "aida_dir": cfg.aida_dir, "zeshel_root": cfg.zeshel_root, "files": fingerprints,
-                   **_zeshel_selection(cfg)},
-        "tokenizer": tok_fp, "tokenizer_sha256": tok_fp["sha256"],
-        "entity_max_len": cfg.entity_max_len, "mention_max_len": cfg.mention_max_len,
-        "zeshel_strip_title": cfg.zeshel_strip_title,
-        "entities": entities,
-    }
-    store = EntityStore.from_manifest(out, fields)
-    shutil.rmtree(out / MENTIONS_DIR, ignore_errors=True)  # splits of an overwritten store
-    fields["mentions"] = {split: assemble_mentions(out, split, c, store, cfg.mention_max_len)
-                          for (split, _), c in zip(mention_tasks, mention_chunks)}
-    fields["skipped"] = _skipped(chunks, assembly_bad)
-    reused = sum(m["run"] != run_id for m in markers)
-    fields["ingest"] = {"run": run_id, "chunks": len(tasks), "reused_chunks": reused, "workers": cfg.workers,
-                        "chunk_bytes": cfg.chunk_bytes, "on_bad_record": cfg.on_bad_record,
-                        "chunk_seconds": round(t_chunks, 2),
-                        "seconds": round(time.perf_counter() - t0, 2),
-                        "chunk_runs": {m["task"]: m["run"] for m in markers}}
-    fields["spec"] = spec
-    manifest = write_manifest(out, KIND, SCHEMA_VERSION, **fields)
-    if not cfg.keep_chunks:
-        shutil.rmtree(work, ignore_errors=True)
-    return manifest
-
-
-# --------------------------------------------------------------------------- summary and CLI
-
-
-def summarize(store_dir: str | os.PathLike) -> str:
-    """A human summary of a prepared store (what the job prints at the end)."""
-    m = open_manifest(store_dir)
-    ent = m["entities"]
-    ts = ent["token_stats"]
-    lines = [f"prepared KB: {Path(store_dir).resolve()}",
-             f"  source: {m['source']['format']} ({', '.join(m['source']['entity_files'])})",
-             f"  tokenizer: {m['tokenizer']['name']} (sha256 {m['tokenizer_sha256'][:12]}), "
-             f"entity max {m['entity_max_len']}, mention max {m['mention_max_len']}",
-             f"  entities: {ent['count']:,} in {len(ent['parts'])} part(s); tokens mean {ts['mean']}, "
-             f"max {ts['max']}, {100 * ts['truncated_fraction']:.1f}% truncated at {m['entity_max_len']}"]
-    if ent.get("worlds"):
-        lines.append(f"  worlds: {len(ent['worlds'])} (" + ", ".join(
-            f"{w} {b - a:,}" for w, (a, b) in ent["worlds"].items()) + ")")
-    for split, info in m.get("mentions", {}).items():
-        g = info["gold"]
-        lines.append(f"  mentions {split}: {info['count']:,}; gold by id {g['id']:,}, by title {g['title']:,}, "
-                     f"missing {g['missing']:,}, unlabelled {g['unlabelled']:,}; tokens mean "
-                     f"{info['token_stats']['mean']}, {100 * info['token_stats']['truncated_fraction']:.1f}% "
-                     f"truncated")
-        if g["missing"]:
-            ids = info["missing_gold"]["mention_ids"]
-            lines.append(f"    missing gold (mention ids, see manifest): {', '.join(ids[:5])}"
-                         + (" ..." if len(ids) > 5 else ""))
-    sk = m["skipped"]
-    lines.append(f"  skipped records: {sk['count']:,}")
-    lines += [f"    {r['path']}:{r['line']}: {r['reason']}" for r in sk["records"][:10]]
-    if sk["count"] > 10:
-        lines.append(f"    ... {sk['count'] - 10:,} more (first {sk['listed']} in manifest.json)")
-    ing = m.get("ingest", {})
-    if ing:
-        lines.append(f"  ingest: {ing['chunks']} chunks ({ing['reused_chunks']} reused), {ing['workers']} "
-                     f"worker(s), {ing['seconds']} s")
-    return "\n".join(lines)
+# --------------------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
     """argparse flags generated from :class:`PrepareConfig` (one source of truth for help)."""
     parser = argparse.ArgumentParser(prog="prepare_kb", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = {"int": int, int: int, "float": float, float: float}
     for f in dataclasses.fields(PrepareConfig):
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
@@ -453,9 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif f.name == "on_bad_record":
             parser.add_argument(flag, dest=f.name, choices=["error", "skip"], default=f.default, help=help_)
         else:
-            kind = int if f.type in ("int", int) else str
             shown = f" (default: {f.default})" if f.default not in (None, "") else ""
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+            parser.add_argument(flag, dest=f.name, type=kinds.get(f.type, str), default=f.default,
                                 required=f.name == "out", help=help_ + shown)
     return parser
 
@@ -473,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted: completed chunks are kept in {Path(args.out) / WORK_DIR}; run the same command "
-              "again to resume", file=sys.stderr)
+        print(f"interrupted: completed chunks are kept in {Path(args.out) / WORK_DIR} (or, when replacing a store, "
+              f"in {staging_dir(args.out) / WORK_DIR}); run the same command again to resume", file=sys.stderr)
         return 130
     print(summarize(cfg.out))
     return 0

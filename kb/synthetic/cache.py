@@ -45,8 +45,9 @@ def ensure_generated(out: str | os.PathLike, kind: str, settings: dict, files: S
                      generate: Callable[[], object], log: Callable[[str], None] = print) -> bool:
     """Make ``out`` hold the synthetic data ``settings`` describe; True if it was (re)generated.
 
-    ``files``: the data files (relative paths) ``generate`` writes; ``generate`` writes
-    them and the manifest (recording ``settings``) into ``out``.
+    ``files``: every data file (relative path) ``generate`` may write; ``generate`` writes
+    them, except mention files that would be empty, and the manifest (recording
+    ``settings`` and the ``files`` it wrote) into ``out``.
     """
     out = Path(out)
     manifest_path = out / MANIFEST
@@ -60,7 +61,8 @@ def ensure_generated(out: str | os.PathLike, kind: str, settings: dict, files: S
         if old.get("kind") != kind:
             raise SyntheticDataError(f"{out} holds a '{old.get('kind')}' artifact, not '{kind}' synthetic data; "
                                      "not overwriting it: point the synthetic directory elsewhere")
-        missing = [f for f in files if not (out / f).is_file()]
+        written = old.get("files") or files  # a split with no mentions has no file
+        missing = [f for f in written if not (out / f).is_file()]
         differs = settings_differences(old.get("settings"), settings)
         if not differs and not missing:
             return False
@@ -81,8 +83,8 @@ def ensure_generated(out: str | os.PathLike, kind: str, settings: dict, files: S
     atomic_write_json(marker, {"kind": kind, "settings": settings})
     manifest_path.unlink(missing_ok=True)
     generate()
-    keep = set(files) | {MANIFEST}
-    for stale in sorted(set((old or {}).get("files", {})) - keep):
+    keep = set(json.loads(manifest_path.read_text(encoding="utf-8")).get("files", files)) | {MANIFEST}
+    for stale in sorted((set((old or {}).get("files", {})) | set(files)) - keep):
         (out / stale).unlink(missing_ok=True)
     marker.unlink()
     return True
@@ -106,7 +108,9 @@ def ensure_kilt(out: str | os.PathLike, num_entities: int, num_train: int, num_d
                          workers=workers, progress=progress)
 
     ensure_generated(out, _kilt.MANIFEST_KIND, settings, _kilt.kilt_files(blink), generate, log)
-    paths = {"kb": Path(out) / _kilt.KB_FILE, **{s: Path(out) / f for s, f in _kilt.AIDA_FILES.items()}}
+    counts = {"train": num_train, "dev": num_dev, "test": num_test}
+    paths = {"kb": Path(out) / _kilt.KB_FILE,
+             **{s: Path(out) / f for s, f in _kilt.AIDA_FILES.items() if counts[s] > 0}}
     if blink:
         paths["blink"] = Path(out) / _kilt.BLINK_FILE
     paths["manifest"] = Path(out) / MANIFEST

@@ -232,7 +232,8 @@ def kilt_settings(num_entities: int, num_train: int, num_dev: int, num_test: int
 
 
 def kilt_files(blink: bool = False) -> list[str]:
-    """The data files :func:`write_kilt` writes, relative to its directory."""
+    """The data files :func:`write_kilt` may write, relative to its directory (an AIDA
+    split asked for 0 mentions gets no file: an empty split file is an error to kb.prepare)."""
     return [KB_FILE, *AIDA_FILES.values(), *([BLINK_FILE] if blink else [])]
 
 
@@ -269,7 +270,8 @@ def write_kilt(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ku = KiltUniverse(seed, num_entities, knobs, vocab_path)
-    paths = {"kb": out / KB_FILE, **{s: out / f for s, f in AIDA_FILES.items()}}
+    num_mentions = {"train": num_train, "dev": num_dev, "test": num_test}
+    paths = {"kb": out / KB_FILE, **{s: out / f for s, f in AIDA_FILES.items() if num_mentions[s] > 0}}
     if blink:
         paths["blink"] = out / BLINK_FILE
     show = num_entities >= 100_000 if progress is None else progress
@@ -299,7 +301,7 @@ def write_kilt(
                 else:
                     c["missing_gold"] += facts["missing"]
                     c["title_drift"] += facts["drifted"]
-                sinks[name].write(record)
+                sinks[name].write(record)  # num > 0, so the split has its sink
             counts[name] = c
     files = {p.name: s.summary() for p, s in ((s.path, s) for s in sinks.values())}
     settings = kilt_settings(num_entities, num_train, num_dev, num_test, seed, blink=blink, title_drift=title_drift,

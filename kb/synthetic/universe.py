@@ -23,7 +23,7 @@ _TWO53 = float(1 << 53)
 # Bump whenever the same settings would generate different files (a new word, a new
 # knob default, a changed draw): directories made by another generator are regenerated
 # instead of reused (kb.synthetic.cache).
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: a split with no mentions gets no (empty) file
 BLOCK = 8  # name groups never straddle a block, so a group is found in O(BLOCK)
 _ROMAN = ("", " II", " III", " IV", " V", " VI", " VII", " VIII")
 

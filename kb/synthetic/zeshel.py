@@ -148,7 +148,8 @@ def zeshel_settings(worlds: Sequence[str] | None = None, entities_per_world: int
 
 
 def zeshel_files(worlds: Sequence[str] | None = None) -> list[str]:
-    """The data files :func:`write_zeshel` writes, relative to its directory."""
+    """The data files :func:`write_zeshel` may write, relative to its directory (a split
+    that gets no mention gets no file: an empty split file is an error to kb.prepare)."""
     return [f"documents/{w}.json" for w in _check_worlds(worlds)] + [f"mentions/{s}.json" for s in SPLITS]
 
 
@@ -213,7 +214,11 @@ def write_zeshel(
                     bar.update(1)
             files[f"documents/{w}.json"] = dsink.summary()
             counts["worlds"][w] = {"split": world.split, "documents": docs[w], "mentions": serial}
-    files.update({f"mentions/{s}.json": sink.summary() for s, sink in msinks.items()})
+    for s, sink in msinks.items():
+        if sink.lines:
+            files[f"mentions/{s}.json"] = sink.summary()
+        else:
+            sink.path.unlink()
     settings = zeshel_settings(worlds, docs, ments, seed, heldout_seen=heldout_seen, heldout_unseen=heldout_unseen,
                                knobs=knobs, lexicon_sha256=lexicon.sha256)
     write_manifest(

@@ -71,6 +71,18 @@ def test_job_bad_record_is_a_clean_error(tmp_path, minilm_dir):
     assert "Traceback" not in r.stderr and "--on-bad-record skip" in r.stderr
 
 
+def test_job_empty_source_is_a_clean_error(tmp_path, tiny_model_dir):
+    (tmp_path / "ks.json").write_text("")
+    r = job(["--kilt-ks", str(tmp_path / "ks.json"), "--model-dir", tiny_model_dir, "--out", str(tmp_path / "o"),
+             "--no-progress"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: {(tmp_path / 'ks.json').resolve()}: no entities" in r.stderr and "--allow-empty" in r.stderr
+    r = job(["--kilt-ks", str(tmp_path / "ks.json"), "--model-dir", tiny_model_dir, "--out", str(tmp_path / "o"),
+             "--no-progress", "--allow-empty"])
+    assert r.returncode == 0, r.stderr
+    assert "entities: 0" in r.stdout and "WARNING:" in r.stdout
+
+
 def _markers(work: Path) -> dict[str, str]:
     out = {}
     for p in work.glob("*.json"):

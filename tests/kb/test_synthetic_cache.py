@@ -119,3 +119,14 @@ def test_zeshel_world_change_regenerates_and_drops_old_world_files(tmp_path):
     assert any("differs in: entities_per_world, mentions_per_world, worlds" in m for m in log), log
     assert sorted(p.name for p in (out / "documents").iterdir()) == ["muppets.json", "starwars.json"]
     assert lines(out / "documents" / "muppets.json") == 12
+
+
+def test_a_split_asked_for_no_mentions_loses_its_file_and_is_still_reused(tmp_path):
+    out = tmp_path / "kilt"
+    ensure_kilt(out, 30, 2, 2, 2, log=lambda _m: None)
+    assert (out / AIDA_FILES["dev"]).is_file()
+    log: list[str] = []
+    paths = ensure_kilt(out, 30, 2, 0, 2, log=log.append)
+    assert not (out / AIDA_FILES["dev"]).exists() and "dev" not in paths
+    assert ensure_kilt(out, 30, 2, 0, 2, log=log.append) == paths
+    assert sum(m.startswith("generating") for m in log) == 1, log  # the second call reused the directory
