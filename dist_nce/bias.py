@@ -58,6 +58,8 @@ from typing import Callable, Iterable, Literal, NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+from dist_nce.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range, check_fields
+
 NegativeKind = Literal["random", "hard", "mixed", "iid_model"]
 KINDS: tuple[str, ...] = ("random", "hard", "mixed", "iid_model")
 
@@ -362,31 +364,35 @@ def labelled_mentions_bias(
 class SyntheticConfig:
     """Section 5.5 of the paper; defaults are the authors' (gradient-bias/main.py)."""
 
-    num_labels: int = field(default=1000, metadata={"help": "size N of the label space"})
+    num_labels: int = field(default=1000, metadata={"help": "size N of the label space",
+                                                    "range": Range(ge=2, why="a gold and a negative")})
     temperature: float = field(default=1e-3, metadata={
-        "help": "pop = softmax(u / temperature), u ~ U(0,1)^N; small values give a small-entropy population"})
-    hidden: int = field(default=300, metadata={"help": "width of the input vector and of the one ReLU layer"})
-    updates: int = field(default=30, metadata={"help": "Adam updates on the cross-entropy loss"})
-    batch_size: int = field(default=128, metadata={"help": "iid labels from pop per update"})
-    lr: float = field(default=1e-3, metadata={"help": "Adam learning rate"})
-    num_negatives: int = field(default=4, metadata={"help": "K-1 negatives per gold (K=5 candidates)"})
-    num_draws: int = field(default=10, metadata={"help": "Monte Carlo draws of the negatives per measurement"})
+        "help": "pop = softmax(u / temperature), u ~ U(0,1)^N; small values give a small-entropy population",
+        "range": POSITIVE})
+    hidden: int = field(default=300, metadata={"help": "width of the input vector and of the one ReLU layer",
+                                               "range": AT_LEAST_1})
+    updates: int = field(default=30, metadata={"help": "Adam updates on the cross-entropy loss", "range": AT_LEAST_0})
+    batch_size: int = field(default=128, metadata={"help": "iid labels from pop per update", "range": AT_LEAST_1})
+    lr: float = field(default=1e-3, metadata={"help": "Adam learning rate", "range": POSITIVE})
+    num_negatives: int = field(default=4, metadata={"help": "K-1 negatives per gold (K=5 candidates)",
+                                                    "range": AT_LEAST_1})
+    num_draws: int = field(default=10, metadata={"help": "Monte Carlo draws of the negatives per measurement",
+                                                 "range": Range(ge=2, why="the Monte Carlo error needs two")})
     schemes: list[str] = field(default_factory=lambda: ["hard", "random", "mixed"], metadata={
         "help": f"negative kinds to measure, from {list(KINDS)}"})
-    hard_fraction: float = field(default=0.5, metadata={"help": "share of hard negatives in 'mixed'"})
+    hard_fraction: float = field(default=0.5, metadata={"help": "share of hard negatives in 'mixed'",
+                                                        "range": FRACTION})
     adjusted: bool = field(default=False, metadata={"help": "measure losses.adjusted_nce_loss instead of losses.nce_loss"})
-    seed: int = field(default=42, metadata={"help": "seeds the population, the model, the batches and the negatives"})
+    seed: int = field(default=42, metadata={"help": "seeds the population, the model, the batches and the negatives",
+                                            "range": AT_LEAST_0})
 
     def validate(self) -> None:
         for kind in self.schemes:
             if kind not in KINDS:
                 raise ValueError(f"schemes: {kind!r} is not one of {list(KINDS)}")
-        if self.num_draws < 2:
-            raise ValueError(f"num_draws must be >= 2 (the Monte Carlo error needs two), got {self.num_draws}")
-        if not 0 < self.num_negatives < self.num_labels:
-            raise ValueError(f"num_negatives must be in [1, num_labels), got {self.num_negatives}")
-        if self.updates < 0 or self.batch_size < 1 or self.temperature <= 0:
-            raise ValueError("updates >= 0, batch_size >= 1 and temperature > 0 are required")
+        check_fields(self)  # the loader did already; direct constructions did not
+        if self.num_negatives >= self.num_labels:
+            raise ValueError(f"num_negatives: {self.num_negatives}: must be < num_labels ({self.num_labels})")
 
     def negative_schemes(self) -> list[NegativeScheme]:
         return [NegativeScheme(k, self.num_negatives, self.hard_fraction, self.adjusted) for k in self.schemes]

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dist_nce.config import AT_LEAST_0, AT_LEAST_1, Range, check_fields
 from dist_nce.index import faiss_backend
 from dist_nce.index.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
@@ -50,8 +51,9 @@ _TAIL_SALT = 0x7A11_5A3D
 log = logging.getLogger(__name__)
 
 
-def _help(text: str, default):
-    return dataclasses.field(default=default, metadata={"help": text})
+def _help(text: str, default, bounds: Range | None = None):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    return dataclasses.field(default=default, metadata={"help": text, **({"range": bounds} if bounds else {})})
 
 
 @dataclasses.dataclass
@@ -69,24 +71,22 @@ class IndexConfig:
         "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
     gumbel: Literal["auto", "exact", "candidates"] = _help(
         "Gumbel-top-k: exact brute force over all rows, or within the backend's top `candidates`", "auto")
-    candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024)
-    tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024)
+    candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024, AT_LEAST_1)
+    tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024,
+                             AT_LEAST_1)
     chunk_rows: int = _help(
         "entities per block on the exact path; blocks follow a global grid, so keep it equal across shards "
-        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d)", 8192)
-    nlist: int = _help("IVF lists", 1024)
-    nprobe: int = _help("IVF lists probed per query", 32)
-    ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0)
-    hnsw_m: int = _help("HNSW graph degree", 32)
-    ef_construction: int = _help("HNSW build beam", 200)
-    ef_search: int = _help("HNSW search beam (raised to the fetch size when smaller)", 128)
-    seed: int = _help("seed of index construction (IVF training sample)", 0)
+        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d)", 8192, AT_LEAST_1)
+    nlist: int = _help("IVF lists", 1024, AT_LEAST_1)
+    nprobe: int = _help("IVF lists probed per query", 32, AT_LEAST_1)
+    ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0, AT_LEAST_0)
+    hnsw_m: int = _help("HNSW graph degree", 32, AT_LEAST_1)
+    ef_construction: int = _help("HNSW build beam", 200, AT_LEAST_1)
+    ef_search: int = _help("HNSW search beam (raised to the fetch size when smaller)", 128, AT_LEAST_1)
+    seed: int = _help("seed of index construction (IVF training sample)", 0, AT_LEAST_0)
 
     def validate(self) -> None:
-        for name in ("candidates", "tail_sample", "chunk_rows", "nlist", "nprobe", "hnsw_m",
-                     "ef_construction", "ef_search"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"index.{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self, "index")  # the loader did already; direct constructions did not
         if self.backend != "torch" and self.storage == "bf16":
             raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
 

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
-from dist_nce.config import from_dict, to_dict
+from dist_nce.config import Range, check_fields, from_dict, to_dict
 from dist_nce.modeling.encoder import load_transformer, trim_padding
 from dist_nce.testing import default_model_dir
 from dist_nce.text import SpecialIds, assemble_mention_ids, load_tokenizer, special_ids, tokenizer_fingerprint
@@ -48,21 +48,21 @@ class RerankerConfig:
     model: str | None = field(
         default=None, metadata={"help": "Hugging Face model directory; None = dist_nce.testing.default_model_dir()"}
     )
-    max_len: int = field(default=256, metadata={"help": "pair length L; the mention part gets at most (L-3)//2"})
+    max_len: int = field(default=256, metadata={
+        "help": "pair length L; the mention part gets at most (L-3)//2",
+        "range": Range(ge=9, why="the mention part needs its two markers and one token: (L-3)//2 >= 3")})
     head: Literal["pooler", "cls"] = field(
         default="pooler",
         metadata={"help": "'pooler': pooler->dropout->linear (paper's code); 'cls': dropout->linear on [CLS]"},
     )
-    dropout: float = field(default=0.1, metadata={"help": "dropout before the score layer"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout before the score layer",
+                                                  "range": Range(ge=0, lt=1)})
     trim_padding: bool = field(
         default=True, metadata={"help": "drop all-padding columns of a batch before the transformer"}
     )
 
     def validate(self) -> None:
-        if self.max_len < 9:  # the mention part needs its two markers + 1 token: (L-3)//2 >= 3
-            raise ValueError(f"max_len must be >= 9, got {self.max_len}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_fields(self)  # the loader did already; direct constructions did not
 
 
 class Pairs(NamedTuple):

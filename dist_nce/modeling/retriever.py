@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
-from dist_nce.config import ConfigError, from_dict, to_dict
+from dist_nce.config import AT_LEAST_1, ConfigError, check_fields, from_dict, to_dict
 from dist_nce.modeling.encoder import Encoder, trim_padding
 from dist_nce.modeling.scoring import PRESETS, Reps, ScoreSpec, entity_reps, mention_reps, score_all, score_candidates
 from dist_nce.testing import default_model_dir
@@ -49,7 +49,8 @@ class RetrieverConfig:
         default="dual", metadata={"help": f"score function, one of {list(PRESETS)} (paper, section 4)"}
     )
     m: int | None = field(
-        default=None, metadata={"help": "vectors/codes for poly, multi, genpoly; unset for dual, som"}
+        default=None, metadata={"help": "vectors/codes for poly, multi, genpoly; unset for dual, som",
+                                "range": AT_LEAST_1}
     )
     mention_model: str | None = field(
         default=None, metadata={"help": "Hugging Face model directory for the mention encoder; None = default model"}
@@ -65,6 +66,7 @@ class RetrieverConfig:
     )
 
     def validate(self) -> None:
+        check_fields(self)  # the loader did already; direct constructions did not
         self.spec()
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {list(STORAGE_DTYPES)}, got {self.storage_dtype!r}")

@@ -12,14 +12,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.config import ConfigError
+from dist_nce.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, plain_name
 from dist_nce.modeling.reranker import RerankerConfig
 from dist_nce.train.config import DeepSpeedConfig, OptimConfig
 from kb.zeshel import ZESHEL_SPLITS
 
 
-def _help(text: str, **kw):
-    return field(metadata={"help": text}, **kw)
+def _help(text: str, bounds: Range | None = None, check=None, **kw):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    meta = {"help": text, **({"range": bounds} if bounds else {}), **({"check": check} if check else {})}
+    return field(metadata=meta, **kw)
 
 
 @dataclass
@@ -38,13 +40,12 @@ class RerankDataConfig:
     eval_splits: list[str] = _help("Splits evaluated after training (accuracy macro over worlds).",
                                    default_factory=lambda: ["val", "test"])
     num_candidates: int = _help("C: candidates per mention in training and evaluation (64 in the paper).",
-                                default=64)
-    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", default=0)
-    max_eval_mentions: int = _help("Evaluate only the first N mentions of each split (0 = all).", default=0)
+                                Range(ge=2, why="the gold and at least one other candidate"), default=64)
+    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", AT_LEAST_0, default=0)
+    max_eval_mentions: int = _help("Evaluate only the first N mentions of each split (0 = all).", AT_LEAST_0,
+                                   default=0)
 
     def validate(self) -> None:
-        if self.num_candidates < 2:
-            raise ValueError(f"data.num_candidates must be >= 2, got {self.num_candidates}")
         bad = [s for s in [self.train_split, *self.eval_splits] if s not in ZESHEL_SPLITS]
         if bad:
             raise ValueError(f"data: unknown Zeshel splits {bad}; expected some of {list(ZESHEL_SPLITS)}")
@@ -61,23 +62,25 @@ class RerankModelConfig:
 @dataclass
 class RerankRunConfig:
     name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
-                      default="zeshel_reranker")
+                      check=plain_name, default="zeshel_reranker")
     storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
                               default="runs/ray_results")
     output_dir: str = _help("Exported reranker, TensorBoard, metrics.jsonl, summary.json.",
                             default="runs/zeshel_reranker")
-    num_workers: int = _help("Ray Train (DeepSpeed) workers.", default=1)
+    num_workers: int = _help("Ray Train (DeepSpeed) workers.", AT_LEAST_1, default=1)
     use_gpu: Optional[bool] = _help("Train on GPUs (default: auto-detect).", default=None)
-    cpus_per_worker: float = _help("CPUs per training worker.", default=1.0)
-    gpus_per_worker: float = _help("GPUs per training worker.", default=1.0)
+    cpus_per_worker: float = _help("CPUs per training worker.", AT_LEAST_0, default=1.0)
+    gpus_per_worker: float = _help("GPUs per training worker.", AT_LEAST_0, default=1.0)
     max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
-                              default=2)
-    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)
+                              AT_LEAST_0, default=2)
+    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", AT_LEAST_0,
+                                        default=0)
     stop_after_steps: int = _help("End this job after N steps of the run (with a checkpoint); running it "
-                                  "again continues. 0 = run to the end.", default=0)
-    num_to_keep: int = _help("Checkpoints kept by Ray Train.", default=2)
-    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", default=1)
-    eval_batch_size: int = _help("Mentions per reranker forward in evaluation (x C pairs).", default=2)
+                                  "again continues. 0 = run to the end.", AT_LEAST_0, default=0)
+    num_to_keep: int = _help("Checkpoints kept by Ray Train.", Range(ge=1, why="resuming needs one"), default=2)
+    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", AT_LEAST_1, default=1)
+    eval_batch_size: int = _help("Mentions per reranker forward in evaluation (x C pairs).", AT_LEAST_1,
+                                 default=2)
     progress: bool = _help("tqdm progress bar on rank 0.", default=True)
 
 
@@ -91,10 +94,7 @@ class RerankJobConfig:
     run: RerankRunConfig = _help("Ray Train run, checkpoints, logging, export.", default_factory=RerankRunConfig)
 
     def validate(self) -> None:
-        if self.run.num_workers < 1 or self.run.eval_batch_size < 1 or self.run.log_every_steps < 1:
-            raise ValueError("run.num_workers, run.eval_batch_size and run.log_every_steps must be >= 1")
-        if self.optim.epochs < 1 or self.optim.batch_size < 1 or self.optim.max_steps < 0:
-            raise ValueError("optim.epochs and optim.batch_size must be >= 1, optim.max_steps >= 0")
+        # Single-field ranges are checked by the loader (field metadata); this relates fields.
         if self.optim.batch_size % self.run.num_workers:
             raise ValueError(f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
                              f"{self.run.num_workers}")

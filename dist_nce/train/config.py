@@ -12,13 +12,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.config import ConfigError
+from dist_nce.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
 from dist_nce.index.service_config import ServiceConfig
 from dist_nce.modeling.retriever import RetrieverConfig
 
 
-def _help(text: str, **kw):
-    return field(metadata={"help": text}, **kw)
+def _help(text: str, bounds: Range | None = None, check=None, **kw):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    meta = {"help": text, **({"range": bounds} if bounds else {}), **({"check": check} if check else {})}
+    return field(metadata=meta, **kw)
+
+
+# The fixed tokens of each layout (dist_nce.text) plus one token of content.
+_MENTION_LEN = Range(ge=5, why="[CLS], [SEP] and the two mention markers take 4")
+_ENTITY_LEN = Range(ge=4, why="[CLS], [SEP] and the title marker take 3")
 
 
 @dataclass
@@ -31,19 +38,22 @@ class DataConfig:
                                     default=None)
     zeshel_root: Optional[str] = _help("Zeshel root (documents/, mentions/) to prepare from.", default=None)
     synthetic_entities: int = _help(
-        "If > 0 and no source is given, generate a synthetic KILT KB + AIDA files of this size first.", default=0)
-    synthetic_train: int = _help("Synthetic AIDA train mentions.", default=1000)
-    synthetic_dev: int = _help("Synthetic AIDA dev mentions.", default=200)
-    synthetic_test: int = _help("Synthetic AIDA test mentions.", default=200)
+        "If > 0 and no source is given, generate a synthetic KILT KB + AIDA files of this size first.",
+        AT_LEAST_0, default=0)
+    synthetic_train: int = _help("Synthetic AIDA train mentions.", AT_LEAST_1, default=1000)
+    synthetic_dev: int = _help("Synthetic AIDA dev mentions.", AT_LEAST_1, default=200)
+    synthetic_test: int = _help("Synthetic AIDA test mentions.", AT_LEAST_1, default=200)
     synthetic_dir: str = _help("Where synthetic source files are written.", default="data/synthetic/aida")
-    synthetic_seed: int = _help("Seed of the synthetic generator (same seed, byte-identical files).", default=0)
+    synthetic_seed: int = _help("Seed of the synthetic generator (same seed, byte-identical files).", AT_LEAST_0,
+                                 default=0)
     train_split: str = _help("Mention split to train on.", default="train")
     dev_split: str = _help("Mention split for periodic evaluation.", default="dev")
-    mention_max_len: int = _help("Mention tokens (32 in BLINK, 128 in the paper).", default=32)
-    entity_max_len: int = _help("Entity tokens ([CLS] title [unused2] description [SEP]).", default=128)
-    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", default=0)
-    max_dev_mentions: int = _help("Use only the first N dev mentions (0 = all).", default=0)
-    prepare_workers: int = _help("Processes for preparing the KB.", default=2)
+    mention_max_len: int = _help("Mention tokens (32 in BLINK, 128 in the paper).", _MENTION_LEN, default=32)
+    entity_max_len: int = _help("Entity tokens ([CLS] title [unused2] description [SEP]).", _ENTITY_LEN,
+                                 default=128)
+    max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", AT_LEAST_0, default=0)
+    max_dev_mentions: int = _help("Use only the first N dev mentions (0 = all).", AT_LEAST_0, default=0)
+    prepare_workers: int = _help("Processes for preparing the KB.", AT_LEAST_1, default=2)
 
 
 @dataclass
@@ -63,26 +73,20 @@ class ModelConfig:
 class NegativesConfig:
     mode: Literal["random", "hard", "mixed"] = _help("Negative distribution (paper section 3).", default="hard")
     p: float = _help("mixed-p: percent of the K-1 negatives that are hard (negatives.num_hard: round half "
-                     "up, so p=50, K=64 gives 32 hard + 31 random).", default=50.0)
-    num_candidates: int = _help("K: gold + K-1 negatives per mention (64 in the paper).", default=64)
+                     "up, so p=50, K=64 gives 32 hard + 31 random).", Range(ge=0, le=100, why="a percentage"),
+                     default=50.0)
+    num_candidates: int = _help("K: gold + K-1 negatives per mention (64 in the paper).",
+                                 Range(ge=2, why="the gold and at least one negative"), default=64)
     schedule: Literal["pipelined", "per_epoch"] = _help(
         "pipelined: mine each batch P batches ahead with the current mention encoder; per_epoch: the paper's "
         "mode, mine all training mentions at each epoch start.", default="pipelined")
-    prefetch: int = _help("P: mining requests kept in flight ahead of the current batch.", default=2)
-    request_size: int = _help("Mentions per mining request in per_epoch mode (batched requests).", default=256)
+    prefetch: int = _help("P: mining requests kept in flight ahead of the current batch.", AT_LEAST_0, default=2)
+    request_size: int = _help("Mentions per mining request in per_epoch mode (batched requests).", AT_LEAST_1,
+                               default=256)
     adjusted_loss: bool = _help("Use the score-adjusted loss (eq. 6) instead of plain hard NCE (eq. 7).",
                                 default=False)
-    temperature: float = _help("Softmax temperature of the NCE loss (1 in the paper).", default=1.0)
-
-    def validate(self) -> None:
-        if self.num_candidates < 2:
-            raise ValueError(f"negatives.num_candidates must be >= 2, got {self.num_candidates}")
-        if not 0 <= self.p <= 100:
-            raise ValueError(f"negatives.p must be in [0, 100], got {self.p}")
-        if self.prefetch < 0:
-            raise ValueError("negatives.prefetch must be >= 0")
-        if self.request_size < 1:
-            raise ValueError("negatives.request_size must be >= 1")
+    temperature: float = _help("Softmax temperature of the NCE loss (1 in the paper).",
+                                Range(gt=0, why="scores are divided by it"), default=1.0)
 
 
 @dataclass
@@ -90,56 +94,63 @@ class RefreshConfig:
     mode: Literal["async", "sync", "never"] = _help(
         "async: train on the old index while shards re-encode (ANCE-style); sync: wait (paper-exact with "
         "every_steps=0 and at_epoch_start); never: encode once (frozen entity encoder).", default="async")
-    every_steps: int = _help("Publish entity-encoder weights every N optimizer steps (0 = off).", default=0)
+    every_steps: int = _help("Publish entity-encoder weights every N optimizer steps (0 = off).", AT_LEAST_0,
+                              default=0)
     at_epoch_start: bool = _help("Refresh at the start of every epoch after the first.", default=True)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _help("Peak learning rate (paper: chosen from {5e-5, 2e-5, 1e-5}).", default=2e-5)
-    epochs: int = _help("Training epochs (paper: up to 4).", default=1)
-    max_steps: int = _help("Stop after this many optimizer steps (0 = run all epochs).", default=0)
-    batch_size: int = _help("Mentions per optimizer step over all workers (paper: 4).", default=4)
-    weight_decay: float = _help("AdamW weight decay.", default=0.0)
-    warmup_proportion: float = _help("Linear warm-up fraction of total steps (BLINK: 0.1).", default=0.1)
-    grad_clip: float = _help("Gradient norm clipping (BLINK: 1.0).", default=1.0)
-    seed: int = _help("Seed for data order, negatives and initialisation.", default=0)
+    lr: float = _help("Peak learning rate (paper: chosen from {5e-5, 2e-5, 1e-5}).", POSITIVE, default=2e-5)
+    epochs: int = _help("Training epochs (paper: up to 4).", AT_LEAST_1, default=1)
+    max_steps: int = _help("Stop after this many optimizer steps (0 = run all epochs).", AT_LEAST_0, default=0)
+    batch_size: int = _help("Mentions per optimizer step over all workers (paper: 4).", AT_LEAST_1, default=4)
+    weight_decay: float = _help("AdamW weight decay.", AT_LEAST_0, default=0.0)
+    warmup_proportion: float = _help("Linear warm-up fraction of total steps (BLINK: 0.1).",
+                                      Range(ge=0, le=1, why="above 1 the rate never reaches its peak"),
+                                      default=0.1)
+    grad_clip: float = _help("Gradient norm clipping (BLINK: 1.0; 0 = none).", AT_LEAST_0, default=1.0)
+    seed: int = _help("Seed for data order, negatives and initialisation.", AT_LEAST_0, default=0)
 
 
 @dataclass
 class DeepSpeedConfig:
     config: str = _help("DeepSpeed JSON (configs/deepspeed/).", default="configs/deepspeed/zero0_fp32.json")
-    zero_stage: Optional[int] = _help("Override zero_optimization.stage of the JSON.", default=None)
+    zero_stage: Optional[int] = _help("Override zero_optimization.stage of the JSON.",
+                                      Range(ge=0, le=3, why="ZeRO has stages 0 to 3"), default=None)
     bf16: Optional[bool] = _help("Override bf16.enabled of the JSON.", default=None)
 
 
 @dataclass
 class RunConfig:
     name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
-                      default="aida_tiny")
+                      check=plain_name, default="aida_tiny")
     storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
                               default="runs/ray_results")
     output_dir: str = _help("Exports: Hugging Face model, BLINK layout, KB snapshot, eval JSON.",
                             default="runs/aida_tiny")
-    num_workers: int = _help("Ray Train (DeepSpeed) workers.", default=1)
+    num_workers: int = _help("Ray Train (DeepSpeed) workers.", AT_LEAST_1, default=1)
     use_gpu: Optional[bool] = _help("Train on GPUs (default: auto-detect).", default=None)
-    cpus_per_worker: float = _help("CPUs per training worker.", default=1.0)
+    cpus_per_worker: float = _help("CPUs per training worker.", AT_LEAST_0, default=1.0)
     gpus_per_worker: float = _help("GPUs per training worker (fractional shares GPUs with shards).",
-                                   default=1.0)
+                                   AT_LEAST_0, default=1.0)
     resources_per_worker: dict[str, float] = _help(
         "Custom Ray resources each training worker requires, e.g. {trainer: 1} to keep the workers on nodes "
-        "started with --resources='{\"trainer\": N}' (multi-node placement).", default_factory=dict)
+        "started with --resources='{\"trainer\": N}' (multi-node placement).", AT_LEAST_0, default_factory=dict)
     max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
-                              default=2)
-    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", default=0)
+                              AT_LEAST_0, default=2)
+    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", AT_LEAST_0,
+                                         default=0)
     stop_after_steps: int = _help(
         "End this job after N steps of the run (with a checkpoint) without finishing it; running the same "
-        "run.name again continues (time-boxed or preemptible clusters). 0 = run to the end.", default=0)
-    num_to_keep: int = _help("Checkpoints kept by Ray Train.", default=2)
-    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", default=1)
-    eval_every_steps: int = _help("Dev recall/accuracy every N steps (0 = only at the end).", default=0)
-    eval_k: list[int] = _help("Recall@k cut-offs for dev evaluation.", default_factory=lambda: [1, 10, 64])
-    eval_batch_size: int = _help("Dev mentions per encoder forward / top-k request.", default=64)
+        "run.name again continues (time-boxed or preemptible clusters). 0 = run to the end.", AT_LEAST_0,
+        default=0)
+    num_to_keep: int = _help("Checkpoints kept by Ray Train.", Range(ge=1, why="resuming needs one"), default=2)
+    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", AT_LEAST_1, default=1)
+    eval_every_steps: int = _help("Dev recall/accuracy every N steps (0 = only at the end).", AT_LEAST_0, default=0)
+    eval_k: list[int] = _help("Recall@k cut-offs for dev evaluation.", AT_LEAST_1,
+                              default_factory=lambda: [1, 10, 64])
+    eval_batch_size: int = _help("Dev mentions per encoder forward / top-k request.", AT_LEAST_1, default=64)
     progress: bool = _help("tqdm progress bar on rank 0.", default=True)
     export: bool = _help("Export model (HF + BLINK layout) and KB snapshot at the end.", default=True)
     evaluate_before: bool = _help("Evaluate the untrained model on dev first (before vs after).", default=True)
@@ -157,18 +168,9 @@ class TrainJobConfig:
     run: RunConfig = _help("Ray Train run, checkpoints, logging, exports.", default_factory=RunConfig)
 
     def validate(self) -> None:
-        for name in ("num_workers", "eval_batch_size", "log_every_steps"):
-            if getattr(self.run, name) < 1:
-                raise ValueError(f"run.{name} must be >= 1, got {getattr(self.run, name)}")
-        for name in ("checkpoint_every_steps", "stop_after_steps", "eval_every_steps", "max_failures"):
-            if getattr(self.run, name) < 0:
-                raise ValueError(f"run.{name} must be >= 0, got {getattr(self.run, name)}")
-        if not self.run.eval_k or min(self.run.eval_k) < 1:
-            raise ValueError(f"run.eval_k must be positive cut-offs, got {self.run.eval_k}")
-        if self.optim.epochs < 1 or self.optim.max_steps < 0 or self.optim.batch_size < 1:
-            raise ValueError("optim.epochs and optim.batch_size must be >= 1, optim.max_steps >= 0")
-        if self.refresh.every_steps < 0:
-            raise ValueError("refresh.every_steps must be >= 0")
+        # Single-field ranges are checked by the loader (field metadata); these relate fields.
+        if not self.run.eval_k:
+            raise ValueError("run.eval_k: []: needs at least one recall@k cut-off")
         if self.optim.batch_size % self.run.num_workers:
             raise ValueError(
                 f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
@@ -228,6 +230,23 @@ def check_inputs(cfg: TrainJobConfig) -> None:
                         "data.synthetic_entities > 0")
     if problems:
         raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))
+
+
+def check_against_store(cfg: TrainJobConfig, store_dir: str) -> None:
+    """Refuse settings the prepared KB is too small for. Call once the store exists and
+    before Ray starts: otherwise this surfaces only after version 0 was encoded."""
+    manifest = os.path.join(store_dir, "manifest.json")
+    n = int(json.loads(open(manifest, encoding="utf-8").read())["entities"]["count"])
+    problems = []
+    k = cfg.negatives.num_candidates
+    if k > n:
+        problems.append(f"negatives.num_candidates: {k}: must be <= the {n:,} entities of {store_dir} (the gold "
+                        "and K-1 distinct other entities)")
+    if cfg.service.num_shards > n:
+        problems.append(f"service.num_shards: {cfg.service.num_shards}: must be <= the {n:,} entities of "
+                        f"{store_dir} (every shard owns at least one row)")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 # Fields holding local paths; resolved on the driver because Ray Train workers run in

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
-from dist_nce.config import ConfigError
+from dist_nce.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range
 from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths
 from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 
@@ -28,8 +28,9 @@ TRAIN_STORE_SPLITS = ("train", "heldout_train_seen", "heldout_train_unseen")
 EVAL_STORE_SPLITS = ("val", "test")
 
 
-def _help(text: str, **kw):
-    return field(metadata={"help": text}, **kw)
+def _help(text: str, bounds: Range | None = None, **kw):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    return field(metadata={"help": text, **({"range": bounds} if bounds else {})}, **kw)
 
 
 @dataclass
@@ -41,16 +42,16 @@ class ZeshelConfig:
                               default=False)
     synthetic_entities_per_world: int = _help(
         "If > 0 and data.zeshel_root is unset: generate a synthetic Zeshel tree first (kb.synthetic).",
-        default=0)
-    synthetic_mentions_per_world: int = _help("Synthetic mentions per world.", default=200)
+        AT_LEAST_0, default=0)
+    synthetic_mentions_per_world: int = _help("Synthetic mentions per world.", AT_LEAST_1, default=200)
     synthetic_eval_mentions_per_world: int = _help(
         "Synthetic mentions per val/test world (0 = synthetic_mentions_per_world): evaluation needs fewer "
-        "mentions than training, and exact SOM scoring costs per mention.", default=0)
+        "mentions than training, and exact SOM scoring costs per mention.", AT_LEAST_0, default=0)
     synthetic_worlds: list[str] = _help("Synthetic worlds (real names; each goes to its real split).",
                                         default_factory=lambda: [w for ws in ZESHEL_WORLDS.values() for w in ws])
     synthetic_dir: str = _help("Where the synthetic Zeshel tree is written.", default="data/synthetic/zeshel")
-    synthetic_seed: int = _help("Seed of the synthetic generator.", default=0)
-    k: int = _help("Top-k of the evaluation and of the candidates files (64 in the paper).", default=64)
+    synthetic_seed: int = _help("Seed of the synthetic generator.", AT_LEAST_0, default=0)
+    k: int = _help("Top-k of the evaluation and of the candidates files (64 in the paper).", AT_LEAST_1, default=64)
     eval_splits: list[str] = _help("Splits evaluated (recall@k own world and split union) after training.",
                                    default_factory=lambda: list(EVAL_STORE_SPLITS))
     candidate_splits: list[str] = _help(
@@ -61,18 +62,14 @@ class ZeshelConfig:
     eval_backend: Literal["auto", "torch", "flat"] = _help(
         "In-process index of the evaluation: auto = faiss flat for dual/multi, exact torch otherwise.",
         default="auto")
-    eval_batch_size: int = _help("Mentions per encoder batch in the evaluation.", default=128)
+    eval_batch_size: int = _help("Mentions per encoder batch in the evaluation.", AT_LEAST_1, default=128)
     eval_device: str = _help("Device of the evaluation (auto: cuda if available).", default="auto")
 
     def validate(self) -> None:
-        if self.k < 1 or self.eval_batch_size < 1:
-            raise ValueError("zeshel.k and zeshel.eval_batch_size must be >= 1")
         for name in ("eval_splits", "candidate_splits"):
             bad = [s for s in getattr(self, name) if s not in ZESHEL_SPLITS]
             if bad:
                 raise ValueError(f"zeshel.{name}: unknown splits {bad}; expected some of {list(ZESHEL_SPLITS)}")
-        if self.synthetic_eval_mentions_per_world < 0:
-            raise ValueError("zeshel.synthetic_eval_mentions_per_world must be >= 0")
         known = {w for ws in ZESHEL_WORLDS.values() for w in ws}
         bad = [w for w in self.synthetic_worlds if w not in known]
         if bad:

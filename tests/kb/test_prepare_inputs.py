@@ -2,7 +2,6 @@
 --allow-empty), and warns loudly, with counts, when a split's gold entities mostly miss."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

@@ -174,7 +174,7 @@ def test_save_and_load_round_trip(reranker, tmp_path):
 def test_config_checks(tiny_model_dir):
     from dist_nce.config import ConfigError, from_dict
 
-    with pytest.raises(ConfigError, match="max_len must be >= 9"):
+    with pytest.raises(ConfigError, match=r"max_len: 8: must be >= 9"):
         from_dict(RerankerConfig, {"max_len": 8})
     with pytest.raises(ValueError, match="max_len 600 exceeds the model's max_position_embeddings 512"):
         Reranker.build(RerankerConfig(model=tiny_model_dir, max_len=600))
