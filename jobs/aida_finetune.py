@@ -32,6 +32,7 @@ field: ``--help-config``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_nce.config import ConfigError, describe, load_config, to_dict  # noqa: E402
-from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths  # noqa: E402
+from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from dist_nce.artifacts import atomic_write_json
+    from dist_nce.artifacts import ArtifactMismatch, atomic_write_json
+    from dist_nce.cluster_fit import DoesNotFit, check_fits, service_request, workers_request
     from dist_nce.index.service import NegativeService
     from dist_nce.runtime import configure_process, init_ray
     from dist_nce.train.data import ensure_prepared
@@ -73,10 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.train.trainer import describe_plan, dev_table, fit, kb_snapshot, plan_for, unflatten, use_gpu
 
     configure_process(threads=None)
-    # 2. data: the prepared KB (generated and prepared on first use)
-    ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
+    # 2. data: the prepared KB (generated and prepared on first use), and what must fit its size
+    try:
+        ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
+        check_against_store(cfg, cfg.data.prepared_dir)
+    except (ArtifactMismatch, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # 3. the service: S shards over the KB, index version 0 from the initial weights
     init_ray()
+    try:  # shards and workers must fit the cluster together, or Ray Train waits, then times out
+        check_fits([service_request(cfg.service), workers_request(cfg.run, use_gpu(cfg))], ray.cluster_resources())
+    except DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     service = NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, cfg.service, cfg.run.output_dir)
     retriever = build_retriever(cfg.model, cfg.optim.seed)
     version = service.ensure_encoded(ray.put(retriever.entity_encoder_state()), version=0)
@@ -89,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": bool(final.get("done")),
                "step": final.get("step"), "dev_before": final.get("dev_before"),
                "dev_after": final.get("dev_after"), "index_version": final.get("index_version"),
-               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1)}
+               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
+               # The path may be inside Ray's temporary copy of the working directory: keep the content.
+               "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     # 5. export: where the final KB embeddings live (the shards persisted them)
     if summary["done"] and cfg.run.export:
         summary["kb_snapshot"] = kb_snapshot(service, cfg, Path(cfg.run.output_dir) / "kb_snapshot")

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
 
+    import ray
+
     from dist_nce.artifacts import atomic_write_json
+    from dist_nce.cluster_fit import DoesNotFit, check_fits, workers_request
     from dist_nce.rerank.data import load_training_set, make_plan
     from dist_nce.rerank.loop import RESULT_FILE
     from dist_nce.rerank.trainer import accuracy_table, describe_plan, fit, use_gpu
@@ -67,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ts = load_training_set(cfg)
     plan = make_plan(cfg, ts)
     init_ray()
+    try:  # else Ray Train waits for workers it cannot place, then times out
+        check_fits([workers_request(cfg.run, use_gpu(cfg))], ray.cluster_resources())
+    except DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, ts, use_gpu(cfg)), flush=True)
     # 2. train, evaluate, export (on the workers; resumes a run with the same name)
     result = fit(cfg)
@@ -75,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     done = bool((result.metrics or {}).get("done")) and final.get("step") == plan.total_steps
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
                "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
-               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1)}
+               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
+               # The path may be inside Ray's temporary copy of the working directory: keep the content.
+               "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     atomic_write_json(out / "summary.json", summary)
     if done:
         print(f"reranker over {cfg.data.candidates_format} candidates (C = {cfg.data.num_candidates}); macro = mean "

@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = run_retriever(cfg, progress=args.progress, log=log)
+    try:  # what the store's size or the cluster's resources cannot hold is refused before any encoding
+        summary = run_retriever(cfg, progress=args.progress, log=log)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     state = "finished" if summary["done"] else f"stopped at step {summary['step']} (run again to continue)"
     print(f"{state} in {summary['seconds']} s; summary: {Path(cfg.run.output_dir) / SUMMARY}", flush=True)
     return 0

@@ -7,6 +7,7 @@ negatives from the NegativeService's shards over that store.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +34,11 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     import ray
 
     from dist_nce.artifacts import atomic_write_json
+    from dist_nce.cluster_fit import check_fits, service_request, workers_request
     from dist_nce.index.service import NegativeService
     from dist_nce.modeling.retriever import Retriever
     from dist_nce.runtime import init_ray
-    from dist_nce.train.config import check_inputs
+    from dist_nce.train.config import check_against_store, check_inputs
     from dist_nce.train.model import MODEL_DIR, build_retriever
     from dist_nce.train.trainer import describe_plan, fit, kb_snapshot, plan_for, unflatten, use_gpu
     from dist_nce.zeshel.data import ensure_zeshel_stores
@@ -47,8 +49,11 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     train_store, eval_store = ensure_zeshel_stores(cfg, log)
     train_cfg = training_config(cfg)
     check_inputs(train_cfg)  # now against the prepared store's splits
+    check_against_store(train_cfg, train_store)  # K and shards within its entities, before Ray starts
     # 2. the service over the TRAIN worlds only: every negative is a training-world entity
     init_ray()
+    # Shards and workers must fit the cluster together (else Ray Train waits, then times out).
+    check_fits([service_request(cfg.service), workers_request(cfg.run, use_gpu(train_cfg))], ray.cluster_resources())
     service = NegativeService.create(train_store, cfg.model.retriever, cfg.service, cfg.run.output_dir)
     try:
         retriever = build_retriever(cfg.model, cfg.optim.seed)
@@ -62,7 +67,9 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
         summary: dict[str, Any] = {
             "config": to_dict(cfg), "plan": plan.as_dict(), "done": bool(final.get("done")), "step": final.get("step"),
             "dev_split": cfg.data.dev_split, "dev_before": final.get("dev_before"), "dev_after": final.get("dev_after"),
-            "index_version": final.get("index_version"), "export": final.get("export")}
+            "index_version": final.get("index_version"), "export": final.get("export"),
+            # The path may be inside Ray's temporary copy of the working directory: keep the content.
+            "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
         if summary["done"]:
             summary["kb_snapshot"] = kb_snapshot(service, train_cfg, Path(cfg.run.output_dir) / "kb_snapshot")
     finally:
