@@ -23,6 +23,7 @@ equal the per-record functions.
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -52,10 +53,12 @@ class SpecialIds(NamedTuple):
     title_sep: int
 
 
-def load_tokenizer(model_dir: str | None = None):
-    """A Hugging Face fast tokenizer from ``model_dir`` (default: the shipped MiniLM)
-    with ``[unused0..2]`` registered as never-split special tokens.
+def load_tokenizer(model_dir: str | os.PathLike | None = None):
+    """A Hugging Face fast tokenizer from the local directory ``model_dir`` (default: the
+    shipped MiniLM) with ``[unused0..2]`` registered as never-split special tokens.
 
+    Offline only, like the encoders: a hub id is refused rather than fetched, so a config
+    can never make a run depend on the network (or on what the hub serves that day).
     The markers must already be in the vocabulary: registering them must not append
     new ids, or the encoder's embedding matrix would not cover them.
     """
@@ -65,7 +68,12 @@ def load_tokenizer(model_dir: str | None = None):
         from dist_nce.testing import default_model_dir
 
         model_dir = default_model_dir()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: tokenizer directory not found (dist-nce loads tokenizers from a local "
+                                "Hugging Face model directory only and never downloads a hub id: fetch the model "
+                                "where the network is reachable and give its directory)")
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{model_dir}: need a fast (Rust) tokenizer, got {type(tok).__name__}")
     vocab = tok.get_vocab()
