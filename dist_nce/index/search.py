@@ -13,7 +13,7 @@ Backends (``IndexConfig.backend``):
   product).
 * ``ivf`` / ``hnsw``: faiss approximate maximum inner product.
 
-Gumbel-top-k (hard negatives, DESIGN section 5), ``IndexConfig.gumbel``:
+Gumbel-top-k (hard negatives, docs/design.md section 5), ``IndexConfig.gumbel``:
 
 * ``exact``: brute force over every row (torch, chunked): keys s + G with the
   counter-based noise of ``negatives.gumbel_noise``; ``log_z`` is exact. Sharded and

@@ -4,7 +4,7 @@ Everything a worker needs to know WHICH mentions it trains on at global step ``t
 pure function of the config, the training split and ``t``:
 
 * eligible mentions: those whose gold entity is in the KB (``gold_row >= 0``); the others
-  are excluded and counted (DESIGN section 8: counted and reported, never silently dropped);
+  are excluded and counted (docs/design.md section 8: counted and reported, never silently dropped);
 * epoch ``e`` visits the eligible mentions in a permutation seeded by ``(seed, e)``; step
   ``t`` of the run is step ``t % steps_per_epoch`` of epoch ``t // steps_per_epoch`` and
   takes ``global_batch`` consecutive mentions of that permutation (the tail that does not
