@@ -52,7 +52,11 @@ class Nodes:
         cluster.wait_for_nodes()
 
     def add(self, kind: str):
-        node = self.cluster.add_node(num_cpus=1, resources=SHARD_NODE if kind == "shard" else TRAINER_NODE)
+        # Each node unpacks a job's working_dir into a directory of its own, as on separate
+        # machines: sharing one, a node re-extracting the package pulls the files (and the
+        # working directory) from under the processes of another.
+        node = self.cluster.add_node(num_cpus=1, resources=SHARD_NODE if kind == "shard" else TRAINER_NODE,
+                                     runtime_env_dir_name=f"runtime_resources_{len(self.kinds)}")
         self.kinds[node.node_id] = kind
         return node
 
@@ -76,6 +80,10 @@ def cluster(tmp_path_factory):
     if ray.is_initialized():  # the session's one-node Ray (tests/conftest.py); it restarts for later modules
         ray.shutdown()
     enable_token_auth()  # as ray.init does for a local cluster; kept on for the rest of the session
+    # A job's entrypoint `python` is found on the PATH of the head that runs it: this venv's.
+    bin_dir = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     dash = free_port()
     head = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
@@ -280,12 +288,13 @@ def test_ray_job_submit_to_the_multinode_cluster(cluster, kb, tiny_model_dir, tm
            "--set", f"data.prepared_dir={kb / 'prepared'}", "--set", f"data.synthetic_dir={kb / 'synthetic'}",
            "--set", f"run.output_dir={out}", "--set", f"run.storage_path={tmp_path / 'ray_results'}",
            "--set", "run.evaluate_before=false", *[x for p in PLACEMENT for x in ("--set", p)]]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = dict(os.environ)
     for _ in range(30):  # the head's job agent comes up a little after the head itself
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         if "No available agent" not in r.stdout + r.stderr:
             break
         time.sleep(2)
+    (tmp_path / "submit.log").write_text(r.stdout + r.stderr)
     assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-4000:] + r.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["done"] and summary["step"] == 24 and summary["dev_after"]["n_mentions"] == 32
