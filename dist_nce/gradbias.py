@@ -149,4 +149,5 @@ def summary(est: BiasEstimate) -> dict[str, float]:
     independent across mentions), the sampling-noise floor, and ||mean b|| (Theorem 1's E_x)."""
     p = est.norm.shape[0]
     return {"bias/norm": float(est.norm.mean()), "bias/norm_se": float(est.se.pow(2).sum().sqrt() / p),
-            "bias/noise_floor": float(est.noise.mean()), "bias/mean_vector_norm": float(est.bias.flatten(1).mean(0).norm())}
+            "bias/noise_floor": float(est.noise.mean()),
+            "bias/mean_vector_norm": float(est.bias.flatten(1).mean(0).norm())}
