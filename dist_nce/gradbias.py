@@ -45,6 +45,11 @@ def _wide(scores: Tensor) -> Tensor:
     return scores.float() if scores.dtype in (torch.bfloat16, torch.float16) else scores
 
 
+def _saveable(x: Tensor) -> Tensor:
+    """A shard builds its index under inference_mode; autograd cannot save such tensors."""
+    return x.clone() if x.is_inference() else x
+
+
 def _leaf(q: Reps, dtype: torch.dtype) -> tuple[Tensor, Reps]:
     vecs = q.vecs.detach().to(dtype).requires_grad_(True)
     return vecs, Reps(vecs, q.mask)
@@ -65,7 +70,8 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
     for a in range(0, n, chunk_rows):
         b = min(n, a + chunk_rows)
         leaf, reps = _leaf(q, dtype)
-        block = Reps(entities.vecs[a:b].to(dtype), None if entities.mask is None else entities.mask[a:b])
+        block = Reps(_saveable(entities.vecs[a:b].to(dtype)),
+                     None if entities.mask is None else _saveable(entities.mask[a:b]))
         lse = torch.logsumexp(_wide(score_all(spec, reps, block)), dim=1)
         # Query b's score depends on q[b] only, so the gradient of the sum is per row.
         (grad,) = torch.autograd.grad(lse.sum(), leaf)
@@ -88,7 +94,8 @@ def lse_grad_rows(spec: ScoreSpec, q: Reps, entities: Reps, rows: Tensor, dtype:
     safe = rows.clamp_min(0)
     flat_q = Reps(q.vecs.repeat_interleave(sets, dim=0), None if q.mask is None else q.mask.repeat_interleave(sets, 0))
     leaf, reps = _leaf(flat_q, dtype)
-    ents = Reps(entities.vecs[safe.reshape(-1)].reshape(batch * sets, k, *entities.vecs.shape[1:]).to(dtype),
+    picked = entities.vecs[safe.reshape(-1)].reshape(batch * sets, k, *entities.vecs.shape[1:])
+    ents = Reps(_saveable(picked.to(dtype)),
                 None if entities.mask is None else
                 entities.mask[safe.reshape(-1)].reshape(batch * sets, k, *entities.mask.shape[1:]))
     scores = _wide(score_candidates(spec, reps, ents)).masked_fill(~real.reshape(batch * sets, k), float("-inf"))

@@ -42,7 +42,8 @@ from torch import Tensor
 
 from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall, cause
 from dist_nce.index.service_config import ServiceConfig
-from dist_nce.index.shard import ScoredSample, VersionUnavailable, start_shard
+from dist_nce.gradbias import merge as merge_lse_grad
+from dist_nce.index.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
 from dist_nce.index.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
@@ -83,6 +84,10 @@ class MineFuture(_Future):
 
 class TopkFuture(_Future):
     """``result() -> ShardResult`` (merged over shards, with its version)."""
+
+
+class LseGradFuture(_Future):
+    """``result() -> LseGradPart`` (lse, grad merged over shards, version)."""
 
 
 class RefreshHandle:
@@ -388,6 +393,31 @@ class NegativeService:
             raise ValueError(f"k must be an int in [1, {self.num_entities}], got {k!r}")
         fan = FanOut(self._handles, "topk", (ray.put(reps), k, gold), {}, self._policy)
         return TopkFuture(fan, lambda parts: merge_results(parts, k))
+
+    def lse_grad(self, mention_reps: Reps | Tensor, rows: Tensor | None = None, version: int | None = None
+                 ) -> LseGradFuture:
+        """d/dq log-sum-exp of s(x, .) over the whole KB (``rows`` None) or over candidate sets
+        ``rows`` [B, S, K] of global rows, merged over shards (``dist_nce.gradbias``); for the
+        bias monitor. ``version``: the index version to answer from (e.g. the one a mined
+        sample came from); default: the one the shards agree on."""
+        reps = self._reps(mention_reps)
+        batch = reps.vecs.shape[0]
+        if rows is not None:
+            if not isinstance(rows, Tensor) or rows.dtype != torch.int64 or rows.dim() != 3 or rows.shape[0] != batch:
+                raise ValueError(f"rows must be an int64 tensor [B={batch}, S, K], got "
+                                 f"{getattr(rows, 'dtype', type(rows).__name__)} {list(getattr(rows, 'shape', []))}")
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.num_entities):
+                raise ValueError(f"rows must be in [0, {self.num_entities}), got [{int(rows.min())}, "
+                                 f"{int(rows.max())}]")
+            rows = rows.detach().cpu()
+        kwargs = {} if version is None else {"version": int(version)}
+        fan = FanOut(self._handles, "lse_grad", (ray.put(reps), rows), kwargs, self._policy)
+
+        def finish(parts: list[LseGradPart]) -> LseGradPart:
+            merged = merge_lse_grad(parts)
+            return LseGradPart(merged.lse, merged.grad, parts[0].version)
+
+        return LseGradFuture(fan, finish)
 
     def shutdown(self) -> None:
         """Kill the shard actors (persisted versions stay on disk)."""

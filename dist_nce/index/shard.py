@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from dist_nce.artifacts import ArtifactMismatch
+from dist_nce.gradbias import lse_grad_all, lse_grad_rows
 from dist_nce.index.encode import autocast_dtype, encode_rows, state_fingerprint, store_fingerprint
 from dist_nce.index.search import ShardIndex
 from dist_nce.index.service_config import ServiceConfig
@@ -295,6 +296,21 @@ class EntityShard:
         sample = index.gumbel_topk(queries, k, gold, seed, query_keys)
         return ScoredSample(sample, self._owned_scores(index, queries, rows))
 
+    def lse_grad(self, queries: Reps | Tensor, rows: Tensor | None = None, version: int | None = None,
+                 wait_s: float = 0.0) -> LseGradPart:
+        """This shard's part of d/dq log-sum-exp s(x, .) (the bias monitor, ``dist_nce.gradbias``):
+        over all its rows (``rows`` None) or over the rows it owns of global ``rows`` [B, S, K]."""
+        index = self._index(version, wait_s)
+        q = Reps(queries) if isinstance(queries, Tensor) else queries
+        dtype = torch.promote_types(index.compute, torch.float32)  # gradients of half scores are too coarse
+        if rows is None:
+            part = lse_grad_all(index.spec, q, index.entities, index.config.chunk_rows, dtype)
+        else:
+            local = rows - index.row_start
+            local = torch.where((local >= 0) & (local < index.num_rows), local, torch.full_like(local, -1))
+            part = lse_grad_rows(index.spec, q, index.entities, local, dtype)
+        return LseGradPart(part.lse, part.grad, index.version)
+
     def score_rows(self, queries: Reps | Tensor, rows: Tensor, version: int) -> Tensor:
         """Exact s(x_b, y) [B, r] float32 for global ``rows`` [B, r]; NaN where a row is not this shard's."""
         return self._owned_scores(self._index(version), queries, rows)
@@ -317,6 +333,14 @@ class EntityShard:
         out["node"] = ray.get_runtime_context().get_node_id()  # which Ray node holds these rows
         out["persisted"] = self.versions.valid_versions()
         return out
+
+
+class LseGradPart(NamedTuple):
+    """A shard's (lse, grad) for the bias monitor (``dist_nce.gradbias.LseGrad``) and its version."""
+
+    lse: Tensor
+    grad: Tensor
+    version: int
 
 
 def actor_options(config: ServiceConfig) -> dict[str, Any]:
