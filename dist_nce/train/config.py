@@ -100,6 +100,18 @@ class RefreshConfig:
 
 
 @dataclass
+class BiasConfig:
+    every_steps: int = _help(
+        "Measure Theorem 1's gradient bias every N steps on a fixed probe set of training mentions (0 = off): "
+        "one extra scoring pass over the KB plus probe_mentions x draws mining queries (dist_nce.train."
+        "bias_monitor); logged as bias/* to TensorBoard and metrics.jsonl.", AT_LEAST_0, default=0)
+    probe_mentions: int = _help("Training mentions in the probe set (the first eligible ones).", AT_LEAST_1,
+                                default=16)
+    draws: int = _help("Candidate sets drawn per probe mention for the Monte Carlo term (its SE shrinks as "
+                       "1/sqrt(draws)).", Range(ge=2, why="a standard error needs two draws"), default=16)
+
+
+@dataclass
 class OptimConfig:
     lr: float = _help("Peak learning rate (paper: chosen from {5e-5, 2e-5, 1e-5}).", POSITIVE, default=2e-5)
     epochs: int = _help("Training epochs (paper: up to 4).", AT_LEAST_1, default=1)
@@ -163,6 +175,7 @@ class TrainJobConfig:
     negatives: NegativesConfig = _help("Negative sampling.", default_factory=NegativesConfig)
     service: ServiceConfig = _help("The sharded negative service.", default_factory=ServiceConfig)
     refresh: RefreshConfig = _help("When the KB is re-encoded.", default_factory=RefreshConfig)
+    bias: BiasConfig = _help("The live gradient-bias monitor (Theorem 1).", default_factory=BiasConfig)
     optim: OptimConfig = _help("Optimisation.", default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = _help("DeepSpeed engine.", default_factory=DeepSpeedConfig)
     run: RunConfig = _help("Ray Train run, checkpoints, logging, exports.", default_factory=RunConfig)
