@@ -6,9 +6,15 @@
         --mention-max-len 128 --out data/zeshel_minilm
     .venv/bin/python jobs/prepare_kb.py --blink-entities entity.jsonl --aida-dir aida/ --out data/blink
 
-Interrupted? Run the same command again: completed chunks are reused. Malformed lines
-stop the run with ``file:line: reason``; ``--on-bad-record skip`` skips and lists them.
-All logic lives in kb/prepare.py (also runnable as ``python -m kb.prepare``).
+Interrupted (Ctrl-C, or the process killed: its workers exit with it)? Run the same
+command again: completed chunks are reused. Malformed lines stop the run with
+``file:line: reason``; ``--on-bad-record skip`` skips and lists them. An empty source or
+mention split is an error naming the file (``--allow-empty`` accepts it); a split whose
+gold entities mostly miss the KB is prepared with a loud warning. A Zeshel tree gives the
+mention splits it has (the log names any of train/val/test it lacks). ``--overwrite``
+replaces a store prepared from other inputs only once the new one is complete, so a
+failed attempt leaves the old store as it was. All logic lives in kb/prepare.py (also
+runnable as ``python -m kb.prepare``).
 """
 import sys
 from pathlib import Path
