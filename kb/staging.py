@@ -22,13 +22,18 @@ from typing import Callable
 from dist_nce.artifacts import MANIFEST
 
 
+def _named(out: str | os.PathLike) -> Path:
+    # Absolute, so that "." or "data/kb/" still has a name to derive siblings from.
+    return Path(os.path.abspath(out))
+
+
 def staging_dir(out: str | os.PathLike) -> Path:
-    out = Path(out)
+    out = _named(out)
     return out.parent / f".{out.name}.new"
 
 
 def retired_dir(out: str | os.PathLike) -> Path:
-    out = Path(out)
+    out = _named(out)
     return out.parent / f".{out.name}.old"
 
 
