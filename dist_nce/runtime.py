@@ -1,4 +1,4 @@
-"""The one place for this project's process-level workarounds (DESIGN section 7a).
+"""The one place for this project's process-level workarounds (docs/design.md, section 7a).
 
 Nothing here runs at import time: jobs, actors and tests call these functions
 explicitly at their start.
