@@ -35,6 +35,11 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     from kb.prepare import PrepareConfig, ensure_store
 
     present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
+    if not present:
+        from dist_nce.config import ConfigError
+
+        raise ConfigError(f"{root}: no mentions/{{{','.join(splits)}}}.json: the {worlds} worlds' store needs at "
+                          f"least one of these mention splits")
     d = cfg.data
     if not (Path(out) / "manifest.json").exists():
         log(f"preparing {out}: {worlds} worlds, mentions {', '.join(present)} (entity max {d.entity_max_len}, "

@@ -53,3 +53,14 @@ def test_given_stores_without_a_tree_are_checked_not_rebuilt(tmp_path, tiny_mode
     with pytest.raises(ValueError, match=r"data.entity_max_len is 16 but the store has 32"):
         ensure_zeshel_stores(config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0",
                                     "data.entity_max_len=16"))
+
+
+def test_a_tree_without_any_of_the_mention_splits_is_a_clear_error(tmp_path, tiny_model_dir):
+    from dist_nce.config import ConfigError
+    from dist_nce.zeshel.data import prepare_store
+
+    (tmp_path / "tree" / "mentions").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"no mentions/\{val,test\}.json: the val,test worlds' store needs"):
+        prepare_store(str(tmp_path / "tree"), str(tmp_path / "out"), "val,test", ("val", "test"),
+                      config(tmp_path, tiny_model_dir))
+    assert not (tmp_path / "out").exists()
