@@ -46,7 +46,8 @@ def die_with_parent() -> None:
 class LocalHead:
     """``ray start --head --block`` on loopback with token auth; a context manager.
 
-    ``env``: the environment clients (``ray job submit``, drivers) need: the head's PATH,
+    ``env`` (argument): overrides of this process's environment for the head, ``""`` removing a
+    variable. ``env`` (attribute): what clients (``ray job submit``, drivers) need: the head's PATH,
     ``RAY_AUTH_MODE=token`` and the token's location. ``address``: the dashboard URL that
     ``ray job submit --address`` takes; ``gcs_address``: what ``ray.init(address=...)`` takes.
     ``temp_dir``: Ray's session files and logs (default: a new short directory, removed by
@@ -60,6 +61,9 @@ class LocalHead:
         self.env = ray_env({"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                             "RAY_AUTH_MODE": "token", **(env or {})})
         self.env.pop("RAY_ADDRESS", None)  # a head of its own, not a client of another cluster
+        for var, value in (env or {}).items():  # an override given as "" removes the variable
+            if value == "":
+                self.env.pop(var, None)
         self.token_location = ensure_auth_token(self.env)
         # Short: Ray's socket paths under the temp dir have a length limit (~107 bytes).
         self._own_temp = temp_dir is None
@@ -105,22 +109,20 @@ class LocalHead:
             return False
 
     def stop(self) -> None:
-        """SIGTERM to ``ray start --block`` (it stops the processes it started), then the
-        process group, SIGKILL if anything is left."""
+        """SIGTERM to ``ray start --block``: it stops every process it started and exits; then
+        SIGKILL to the process group for anything left behind."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                try:
-                    os.killpg(self.proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.5)
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(timeout=10)
         self.proc = None
         self._log.close()

@@ -53,3 +53,16 @@ def ray_local():
     if not ray.is_initialized():
         init_ray(num_cpus=2)
     yield ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """``ray start --head`` as the demo starts it (dist_nce.ray_head.LocalHead), on a machine
+    that has never run Ray: HOME is a new empty directory, so the token is made from nothing.
+    ``env`` is what a client needs (PATH, RAY_AUTH_MODE=token, that HOME)."""
+    from dist_nce.ray_head import LocalHead
+
+    home = tmp_path_factory.mktemp("fresh_home")
+    fresh = {"HOME": str(home), "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": ""}
+    with LocalHead(num_cpus=2, env=fresh) as head:
+        yield {"address": head.address, "env": head.env, "home": home, "bin_dir": head.bin_dir}

@@ -50,31 +50,28 @@ def _submit(address: str, headers: dict[str, str]) -> int:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_demo_head_on_a_fresh_home_requires_the_token(tmp_path, monkeypatch):
-    from dist_nce.ray_head import LocalHead
-
-    home = tmp_path / "home"
-    home.mkdir()
-    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_ADDRESS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    with LocalHead(num_cpus=1) as head:
-        token = (home / ".ray" / "auth_token").read_text()
-        assert head.env["RAY_AUTH_MODE"] == "token"
-        # Refused without the token and with a wrong one, over HTTP and through the CLI.
-        assert _submit(head.address, {}) in (401, 403)
-        assert _submit(head.address, {"Authorization": "Bearer " + "0" * 64}) in (401, 403)
-        cmd = [str(head.bin_dir / "ray"), "job", "submit", "--address", head.address, "--",
-               "python", "-c", "print('hello')"]
-        # Accepted with it: the client finds the token where the head made it (HOME/.ray).
-        for _ in range(30):  # the job agent comes up a little after the dashboard
-            ok = subprocess.run(cmd, env=head.env, capture_output=True, text=True, timeout=300, cwd=REPO)
-            if "No available agent" not in ok.stdout + ok.stderr:
-                break
-            time.sleep(2)
-        assert ok.returncode == 0 and "succeeded" in ok.stdout + ok.stderr, ok.stdout[-3000:] + ok.stderr[-3000:]
-        wrong = subprocess.run(cmd, env={**head.env, "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True,
-                               timeout=120, cwd=REPO)
-        said = (wrong.stdout + wrong.stderr).lower()
-        assert wrong.returncode != 0 and "invalid authentication token" in said, said[-3000:]
-        assert _submit(head.address, {"Authorization": f"Bearer {token}"}) == 200
+def test_demo_head_on_a_fresh_home_requires_the_token(ray_head):
+    """The session's head (tests/conftest.py) was started as the demo starts it, with an empty
+    HOME: the token was made there, private; a job is refused without it or with another one,
+    and runs with it (the whole AIDA pipeline runs through this head in tests/jobs too)."""
+    home, address, env = ray_head["home"], ray_head["address"], ray_head["env"]
+    token_file = home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and env["RAY_AUTH_MODE"] == "token"
+    assert "RAY_AUTH_TOKEN" not in env and "RAY_AUTH_TOKEN_PATH" not in env
+    # Refused without the token and with a wrong one, over HTTP and through the CLI.
+    assert _submit(address, {}) in (401, 403)
+    assert _submit(address, {"Authorization": "Bearer " + "0" * 64}) in (401, 403)
+    cmd = [str(ray_head["bin_dir"] / "ray"), "job", "submit", "--address", address, "--",
+           "python", "-c", "print('hello')"]
+    # Accepted with it: the client finds the token where the head made it (HOME/.ray).
+    for _ in range(30):  # the job agent comes up a little after the dashboard
+        ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        if "No available agent" not in ok.stdout + ok.stderr:
+            break
+        time.sleep(2)
+    assert ok.returncode == 0 and "succeeded" in ok.stdout + ok.stderr, ok.stdout[-3000:] + ok.stderr[-3000:]
+    wrong = subprocess.run(cmd, env={**env, "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True,
+                           timeout=120, cwd=REPO)
+    said = (wrong.stdout + wrong.stderr).lower()
+    assert wrong.returncode != 0 and "invalid authentication token" in said, said[-3000:]
+    assert _submit(address, {"Authorization": f"Bearer {token_file.read_text()}"}) == 200

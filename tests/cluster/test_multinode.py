@@ -224,57 +224,49 @@ def test_sharded_answers_equal_one_node_answers(cluster, kb, tiny_model_dir, tmp
             s.shutdown()
 
 
-def test_a_lost_shard_node_costs_nothing(cluster, reference, kb, tiny_model_dir, tmp_path):
-    """The node holding shard 1 is removed mid-training: Ray restarts the shard on the spare
-    shard node, it reloads its persisted version, training finishes with the same losses."""
-    nodes, _ = cluster
-    cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC)
-    before: dict[str, list[dict]] = {}
-    remover: list[NodeRemover] = []
-
-    def start(service):
-        before["status"] = service.status()
-        remover.append(NodeRemover(nodes, Path(cfg.run.output_dir) / "metrics.jsonl", after=6,
-                                   pick=lambda: before["status"][1]["node"]))
-        remover[0].start()
-
-    final, status = train(cfg, during=start)
-    remover[0].stop.set()
-    assert remover[0].error is None, remover[0].error
-    assert remover[0].removed == before["status"][1]["node"], "no shard node was removed during training"
-    assert status[1]["node"] != before["status"][1]["node"] and nodes.kind(status[1]["node"]) == "shard"
-    assert status[1]["pid"] != before["status"][1]["pid"]
-    assert status[0]["node"] == before["status"][0]["node"]  # the other shard never moved
-    assert final["done"] and final["step"] == 24
-    loss, ref = losses(cfg), reference[2]
-    assert sorted(loss) == list(range(24))
-    np.testing.assert_allclose([loss[s] for s in range(24)], [ref[s] for s in range(24)], rtol=1e-5)
-    nodes.add("shard")  # a spare again, for the tests after this one
-
-
-def test_a_lost_trainer_node_restarts_the_group_from_its_checkpoint(cluster, reference, kb, tiny_model_dir,
-                                                                    tmp_path):
+def test_a_lost_shard_node_and_a_lost_trainer_node_cost_nothing(cluster, reference, kb, tiny_model_dir, tmp_path):
+    """One run loses the node holding shard 1 (after 6 steps) and then the node running the Ray
+    Train workers (after 14). Ray restarts the shard on the spare shard node, where it reloads
+    its persisted version; Ray Train restarts the group on the spare trainer node from the last
+    checkpoint; the run ends with exactly the undisturbed run's losses."""
     nodes, _ = cluster
     cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC)
     metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
-    remover = NodeRemover(nodes, metrics, after=8, pick=lambda: next(iter(train_worker_nodes())))
-    final, _ = train(cfg, during=lambda service: remover.start())
+    before: dict[str, list[dict]] = {}
+    removers: list[NodeRemover] = []
+
+    def start(service):
+        before["status"] = service.status()
+        removers.extend([NodeRemover(nodes, metrics, after=6, pick=lambda: before["status"][1]["node"]),
+                         NodeRemover(nodes, metrics, after=14, pick=lambda: next(iter(train_worker_nodes())))])
+        for r in removers:
+            r.start()
+
+    final, status = train(cfg, during=start)
+    for r in removers:
+        r.stop.set()
+        assert r.error is None, r.error
+    shard_loss, trainer_loss = removers
+    nodes.add("shard")  # spares again, for the tests after this one
     nodes.add("trainer")
-    remover.stop.set()
-    assert remover.error is None, remover.error
-    assert remover.removed is not None and nodes.kind(remover.removed) == "trainer", \
+    # the shard node: shard 1 moved to the spare shard node, a new process; shard 0 never moved
+    assert shard_loss.removed == before["status"][1]["node"], "no shard node was removed during training"
+    assert status[1]["node"] != before["status"][1]["node"] and nodes.kind(status[1]["node"]) == "shard"
+    assert status[1]["pid"] != before["status"][1]["pid"] and status[0]["node"] == before["status"][0]["node"]
+    # the trainer node: logged steps run in order but for one jump back, to a checkpoint (every
+    # 3 steps and at each 4-step epoch's end), from which the group trained the steps again
+    assert trainer_loss.removed is not None and nodes.kind(trainer_loss.removed) == "trainer", \
         "no trainer node was removed during training"
-    # Logged steps run in order but for one jump back: the group restarted on the spare
-    # trainer node from a checkpoint (every 3 steps and at each 4-step epoch's end) and trained
-    # the steps after it again.
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
              if "train/loss" in json.loads(line)]
     back = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
     assert len(back) == 1, f"expected one restart from a checkpoint, steps were {steps}"
     restart = steps[back[0]]
     assert (restart % 3 == 0 or restart % 4 == 0) and 0 < restart <= steps[back[0] - 1], steps
+    # and nothing changed: every loss equals the undisturbed run's
     assert final["done"] and final["step"] == 24
     loss, ref = losses(cfg), reference[2]
+    assert sorted(loss) == list(range(24))
     np.testing.assert_allclose([loss[s] for s in range(24)], [ref[s] for s in range(24)], rtol=1e-5)
 
 

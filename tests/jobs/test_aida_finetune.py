@@ -45,15 +45,6 @@ def test_missing_files_are_all_named_before_any_cluster_work(tmp_path):
     assert r.returncode == 2 and "none.yaml: config file not found" in r.stderr
 
 
-@pytest.fixture(scope="session")
-def ray_head():
-    """``ray start --head --block`` with token auth, loopback only (the demo's launcher)."""
-    from dist_nce.ray_head import LocalHead
-
-    with LocalHead(num_cpus=2) as head:
-        yield {"address": head.address, "env": head.env}
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_path):
