@@ -161,13 +161,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     if dashboard:
         kwargs.setdefault("dashboard_host", "127.0.0.1")
         kwargs.setdefault("dashboard_port", free_port())
-    return ray.init(
+    context = ray.init(
         address="local",
         num_cpus=num_cpus,
         include_dashboard=dashboard,
         runtime_env=runtime_env,
         **kwargs,
     )
+    # The raylet's agents outlive a killed driver by 60 s (dist_nce/ray_reaper.py): end them with it.
+    from dist_nce.ray_reaper import reap_when_driver_dies
+
+    reap_when_driver_dies(context.address_info["session_dir"])
+    return context
 
 
 def forget_stopped_head(port: int) -> bool:
