@@ -11,12 +11,39 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Started in its own process so that no other cluster of the test session is counted; it
-# prints the TCP sockets listening before and after init_ray (from /proc/net/tcp{,6}).
+# prints the TCP sockets its own Ray processes listen on (from /proc/net/tcp{,6} and /proc/<pid>/fd).
 SCRIPT = r"""
-import json, ray
+import json, os, ray
 from dist_nce.runtime import init_ray
 
-def listening():
+def descendants(root):
+    parent = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                parent[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in out} - out
+        out |= more
+        grew = bool(more)
+    return out
+
+def socket_inodes(pids):
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+def listening(inodes):
     out = set()
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -24,14 +51,15 @@ def listening():
         except OSError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A":  # LISTEN
-                out.add(local)
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN, and a socket of this Ray's processes
+                out.add(f[1])
     return out
 
-before = listening()
 init_ray(num_cpus=1)
-new = sorted(listening() - before)
+# Only this cluster's sockets: the processes init_ray started descend from this one, so other
+# programs on the machine (another Ray, a server) cannot make the check fail or pass.
+new = sorted(listening(socket_inodes(descendants(os.getpid()))))
 ray.shutdown()
 print(json.dumps(new))
 """
