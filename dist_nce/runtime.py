@@ -6,7 +6,9 @@ explicitly at their start.
 * threads: 2-core machines slow down 10-50x when processes oversubscribe cores;
 * faiss: faiss skips BLAS for query batches below ``distance_compute_blas_threshold``
   (default 128000), which makes flat search ~8x slower for training-size batches;
-* Ray: bind to loopback unless configured otherwise, no usage-stats network call;
+* Ray: bind to loopback unless configured otherwise, no usage-stats network call; token
+  authentication made and switched on before any head starts (``ray start`` leaves it off on
+  a machine that has never run Ray); a local cluster ends with its driver (ray_reaper);
 * DeepSpeed: a single process outside a launcher needs the torch.distributed env vars.
 """
 from __future__ import annotations
