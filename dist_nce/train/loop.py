@@ -5,6 +5,7 @@
     resume    engine + RNG + step + index bookkeeping from ray.train.get_checkpoint()
     negatives a prefetcher (pipelined) or the epoch's mined negatives (per_epoch)
     loop      refresh when due -> negatives -> batch -> scores [B, K] -> NCE -> backward -> step
+              (+ every bias.every_steps: Theorem 1's bias on a probe set, train.bias_monitor)
     finish    final refresh with the final weights, dev evaluation, export, report
 
 ``train_func`` is TorchTrainer's ``train_loop_per_worker``; :class:`Worker` takes the Ray
@@ -26,6 +27,7 @@ from dist_nce.losses import adjusted_nce_loss, nce_loss
 from dist_nce.text import tokenizer_fingerprint
 from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
+from dist_nce.train.bias_monitor import BiasMonitor
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.engine import build_engine, load_deepspeed_config
 from dist_nce.train.evaluate import evaluate
@@ -136,6 +138,7 @@ class Worker:
         if self.plan.num_workers != self.world:
             raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
         self.order = DataOrder(self.plan, eligible)
+        self.probe = eligible[:cfg.bias.probe_mentions]  # the bias monitor's fixed probe set
         self.end = stop_step(self.plan, cfg.run.stop_after_steps)
         n_dev = min(len(self.dev), d.max_dev_mentions) if d.max_dev_mentions else len(self.dev)
         self.dev_idx = np.arange(n_dev, dtype=np.int64)
@@ -192,6 +195,9 @@ class Worker:
                                "re-encoding the KB with the current weights")
                 self.state.book.skip_past(newest)
                 self.publisher.publish(self.state.step, wait=True)
+        self.monitor = BiasMonitor(self.service, self.sampling, self.encode, self.probe,
+                                   torch.from_numpy(self.train_gold[self.probe]), cfg.bias.draws,
+                                   self.plan.seed) if cfg.bias.every_steps else None
         if cfg.negatives.schedule == "pipelined":
             self.prefetcher = NegativePrefetcher(self.service, self.sampling, self.encode, self.request,
                                                  self.end, cfg.negatives.prefetch)
@@ -283,6 +289,10 @@ class Worker:
             self.log.log(step, metrics)
         self.log.progress({"loss": f"{metrics['train/loss']:.3f}", "v": int(metrics["index/version"]),
                            "wait": f"{metrics['time/negatives_wait_s']:.2f}s"})
+        if self.monitor is not None and done % self.cfg.bias.every_steps == 0:
+            bias = self.monitor.measure(done, self.rank)  # every rank encodes (ZeRO-3); rank 0 measures
+            if bias is not None:
+                self.log.log(step, bias)
         if run.eval_every_steps and done % run.eval_every_steps == 0 and done < self.plan.total_steps:
             self.evaluate("dev", step=done)  # dev metrics are indexed by optimizer steps taken
         epoch_end = done % self.plan.steps_per_epoch == 0

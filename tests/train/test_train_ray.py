@@ -113,7 +113,9 @@ def straight(ray_local, kb, tiny_model_dir, tmp_path_factory):
     Train worker (after 14: the group restarts from the step-12 checkpoint). The resume test
     shows every loss equals a run interrupted differently, so neither kill changed anything."""
     cfg = tiny_config(kb, tiny_model_dir, tmp_path_factory.mktemp("straight"), *DETERMINISTIC,
-                      "run.checkpoint_every_steps=3", "run.max_failures=2")
+                      "run.checkpoint_every_steps=3", "run.max_failures=2",
+                      # the bias monitor too: the resume test then also shows it changes no loss
+                      "bias.every_steps=8", "bias.probe_mentions=4", "bias.draws=4")
     metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
     killers = {}
 
@@ -168,3 +170,14 @@ def test_resume_reproduces_the_uninterrupted_run(straight, kb, tiny_model_dir, t
     resumed = losses(first)
     assert sorted(resumed) == list(range(24))
     np.testing.assert_allclose([resumed[s] for s in range(24)], [reference[s] for s in range(24)], rtol=1e-5)
+
+
+def test_the_bias_monitor_logs_theorem_1s_bias_with_its_standard_error(straight):
+    cfg = straight[0]
+    steps = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
+    measured = sorted(s for s, v in steps.items() if "bias/norm" in v)
+    assert measured == [7, 15, 23], measured  # after 8, 16 and 24 optimizer steps
+    for s in measured:
+        v = steps[s]
+        assert np.isfinite(v["bias/norm"]) and v["bias/norm"] > 0 and v["bias/norm_se"] > 0, v
+        assert v["bias/version"] >= 0 and v["bias/seconds"] > 0
