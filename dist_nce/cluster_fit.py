@@ -68,9 +68,9 @@ def service_request(service: Any) -> Request:
 
 def workers_request(run: Any, gpu: bool) -> Request:
     """The Ray Train workers of a run config (``gpu``: whether they are given GPUs)."""
-    # RerankRunConfig may not declare custom resources; the training RunConfig does.
-    custom = dict(getattr(run, "resources_per_worker", None) or {})
-    each = {"CPU": run.cpus_per_worker, **({"GPU": run.gpus_per_worker} if gpu else {}), **custom}
+    from dist_nce.worker.launch import worker_resources
+
+    each = worker_resources(run, gpu)  # exactly what the TorchTrainer will ask for
     keys = {"CPU": "run.cpus_per_worker", "GPU": "run.gpus_per_worker",
-            **{k: f"run.resources_per_worker.{k}" for k in custom}}
+            **{k: f"run.resources_per_worker.{k}" for k in run.resources_per_worker}}
     return Request("training workers", run.num_workers, each, keys)

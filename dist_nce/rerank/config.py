@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 from dist_nce.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, plain_name
 from dist_nce.modeling.reranker import RerankerConfig
-from dist_nce.train.config import DeepSpeedConfig, OptimConfig
+from dist_nce.train.config import DeepSpeedConfig, OptimConfig, WorkerRunConfig
 from kb.zeshel import ZESHEL_SPLITS
 
 
@@ -60,28 +60,13 @@ class RerankModelConfig:
 
 
 @dataclass
-class RerankRunConfig:
+class RerankRunConfig(WorkerRunConfig):
     name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
                       check=plain_name, default="zeshel_reranker")
-    storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
-                              default="runs/ray_results")
     output_dir: str = _help("Exported reranker, TensorBoard, metrics.jsonl, summary.json.",
                             default="runs/zeshel_reranker")
-    num_workers: int = _help("Ray Train (DeepSpeed) workers.", AT_LEAST_1, default=1)
-    use_gpu: Optional[bool] = _help("Train on GPUs (default: auto-detect).", default=None)
-    cpus_per_worker: float = _help("CPUs per training worker.", AT_LEAST_0, default=1.0)
-    gpus_per_worker: float = _help("GPUs per training worker.", AT_LEAST_0, default=1.0)
-    max_failures: int = _help("Ray Train FailureConfig.max_failures (worker restarts from checkpoint).",
-                              AT_LEAST_0, default=2)
-    checkpoint_every_steps: int = _help("Checkpoint every N steps (0 = only at epoch ends).", AT_LEAST_0,
-                                        default=0)
-    stop_after_steps: int = _help("End this job after N steps of the run (with a checkpoint); running it "
-                                  "again continues. 0 = run to the end.", AT_LEAST_0, default=0)
-    num_to_keep: int = _help("Checkpoints kept by Ray Train.", Range(ge=1, why="resuming needs one"), default=2)
-    log_every_steps: int = _help("TensorBoard/report scalars every N steps.", AT_LEAST_1, default=1)
     eval_batch_size: int = _help("Mentions per reranker forward in evaluation (x C pairs).", AT_LEAST_1,
                                  default=2)
-    progress: bool = _help("tqdm progress bar on rank 0.", default=True)
 
 
 @dataclass

@@ -7,13 +7,12 @@
     finish    evaluation on val/test (ranks split the mentions), export, final report
 
 Unlike the retriever there is no negative service: the candidates are fixed by the
-retriever that wrote them. The engine, checkpoint files, TensorBoard logger and data
-order are the retriever trainer's (``dist_nce.train``), reused as they are.
+retriever that wrote them. Device, accelerator, engine, resume, logging and checkpoints are
+the scaffold shared with the retriever (``dist_nce.worker.scaffold``).
 """
 from __future__ import annotations
 
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,20 +20,16 @@ import numpy as np
 import torch
 
 from dist_nce.artifacts import atomic_write_json
-from dist_nce.config import from_dict
 from dist_nce.eval.metrics import PAD
 from dist_nce.eval.zeshel import rerank, reranker_report
 from dist_nce.losses import nce_loss
 from dist_nce.modeling.reranker import Reranker, build_pairs
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
-from dist_nce.train import checkpoint
-from dist_nce.train.engine import build_engine, load_deepspeed_config
 from dist_nce.train.evaluate import rank_slice
-from dist_nce.train.loop import Collectives
 from dist_nce.train.model import full_state_dict
 from dist_nce.train.plan import stop_step
-from dist_nce.train.tb import RunLogger
+from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 MODEL_DIR = "reranker"
 # The worker's final result (plan, per-split reports, export); nested, so a file rather than a
@@ -52,16 +47,7 @@ def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
 
 def train_func(config: dict[str, Any]) -> None:
     """Ray Train entry point; ``config`` = {"job": RerankJobConfig as a dict}."""
-    import ray.train
-    import ray.train.torch
-
-    from dist_nce.runtime import configure_process
-
-    cfg = from_dict(RerankJobConfig, config["job"], source="train_loop_config.job")
-    configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
-    ctx = ray.train.get_context()
-    RerankWorker(cfg, ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(),
-                 report=ray.train.report, get_checkpoint=ray.train.get_checkpoint).run()
+    worker_main(RerankJobConfig, config, RerankWorker)
 
 
 def candidate_scores(engine: Any, reranker: Reranker, mention_tokens: np.ndarray, entity_tokens: np.ndarray,
@@ -105,22 +91,12 @@ def evaluate_sets(module: Reranker, sets: Sequence[EvalSet], num_candidates: int
     return out if rank == 0 else None
 
 
-class RerankWorker:
-    def __init__(self, cfg: RerankJobConfig, rank: int, world: int, device: torch.device | str,
-                 report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
-        self.cfg, self.rank, self.world, self.device = cfg, rank, world, torch.device(device)
-        self.report = report or (lambda metrics, checkpoint=None, **kw: None)
-        self.get_checkpoint = get_checkpoint or (lambda: None)
-        self.comm = Collectives(world, self.device)
+class RerankWorker(WorkerScaffold):
+    label = "reranker worker"
+    ckpt_prefix = "dist_nce_rerank_ckpt_"
+    mean_keys = ("train/loss", "train/accuracy", "train/gold_score")
 
-    def run(self) -> dict[str, Any]:
-        self.build()
-        self.resume()
-        for step in range(self.state.step, self.end):
-            self.after_step(step, self.train_step(step))
-        return self.finish()
-
-    def build(self) -> None:
+    def setup(self) -> None:
         from dist_nce.text import tokenizer_fingerprint
 
         cfg = self.cfg
@@ -128,30 +104,11 @@ class RerankWorker:
         sha = tokenizer_fingerprint(reranker.tokenizer)["sha256"]
         self.train = load_training_set(cfg, sha)
         self.plan = make_plan(cfg, self.train)
-        if self.plan.num_workers != self.world:
-            raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
+        self.check_world()
         self.order = data_order(self.plan)
         self.end = stop_step(self.plan, cfg.run.stop_after_steps)  # type: ignore[arg-type]
         self.eval_sets = load_eval_sets(cfg, sha)
-        ds = load_deepspeed_config(cfg.deepspeed.config, self.plan.per_worker_batch, self.world, cfg.optim.grad_clip,
-                                   cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
-        self.engine, self.optimizer, _ = build_engine(
-            reranker.to(self.device), ds, cfg.optim.lr, cfg.optim.weight_decay, self.plan.total_steps,
-            cfg.optim.warmup_proportion, dist_init_required=False)
-        checkpoint.install_weights_only_loading(self.engine)
-        self.module: Reranker = self.engine.module
-        self.zero3 = self.engine.zero_optimization_stage() == 3
-
-    def resume(self) -> None:
-        self.state, resumed = checkpoint.TrainState(), self.get_checkpoint()
-        if resumed is not None:
-            with resumed.as_directory() as d:
-                self.state, _ = checkpoint.load(self.engine, d, self.rank, self.plan.as_dict())
-        self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
-                             self.cfg.run.progress)
-        self.log.write(f"reranker worker {self.rank}/{self.world}: " + (
-            f"resumed at step {self.state.step}" if resumed else "fresh start")
-            + f"; this job trains steps [{self.state.step}, {self.end}) of {self.plan.total_steps}")
+        self.make_engine(reranker)
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -174,32 +131,11 @@ class RerankWorker:
                 "train/gold_inserted": float(self.train.inserted[pos].mean()),
                 "time/step_s": time.perf_counter() - t0}
 
-    def after_step(self, step: int, metrics: dict[str, float]) -> None:
-        run, done = self.cfg.run, step + 1
-        if done % run.log_every_steps == 0 or done == self.end:
-            keys = ("train/loss", "train/accuracy", "train/gold_score")
-            for k, v in zip(keys, self.comm.mean([metrics[k] for k in keys])):
-                metrics[k] = v
-            self.log.log(step, metrics)
-        self.log.progress({"loss": f"{metrics['train/loss']:.3f}"})
-        epoch_end = done % self.plan.steps_per_epoch == 0
-        if ((run.checkpoint_every_steps and done % run.checkpoint_every_steps == 0) or epoch_end) and done < self.end:
-            self.save_checkpoint({"step": done, "loss": metrics["train/loss"]})
-
-    def save_checkpoint(self, metrics: dict[str, Any], suffix: str = "") -> None:
-        import tempfile
-
-        from ray.train import Checkpoint
-
-        with tempfile.TemporaryDirectory(prefix="dist_nce_rerank_ckpt_") as tmp:
-            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict())
-            self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
-                        checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
-
     def finish(self) -> dict[str, Any]:
         cfg = self.cfg
         done = self.state.step >= self.plan.total_steps
-        out: dict[str, Any] = {"step": self.state.step, "done": done, "plan": self.plan.as_dict()}
+        out: dict[str, Any] = {"step": self.state.step, "done": done, "plan": self.plan.as_dict(),
+                               "engine": self.engine_info()}
         if done:
             t0 = time.perf_counter()
             out["eval"] = evaluate_sets(self.module, self.eval_sets, cfg.data.num_candidates, cfg.run.eval_batch_size,
@@ -216,7 +152,5 @@ class RerankWorker:
             self.comm.barrier()
         if self.rank == 0:
             atomic_write_json(Path(cfg.run.output_dir) / RESULT_FILE, out)
-        self.log.close()
-        suffix = self.comm.broadcast(f"_end_{uuid.uuid4().hex[:8]}" if self.rank == 0 else None)
-        self.save_checkpoint({"step": self.state.step, "done": done}, suffix)
+        self.end_checkpoint({"step": self.state.step, "done": done})
         return out

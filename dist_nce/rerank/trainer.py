@@ -8,35 +8,14 @@ from typing import Any
 from dist_nce.config import to_dict
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import RerankPlan, TrainingSet
-
-
-def use_gpu(cfg: RerankJobConfig) -> bool:
-    if cfg.run.use_gpu is not None:
-        return cfg.run.use_gpu
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0) > 0
+from dist_nce.worker.launch import make_torch_trainer, use_gpu  # noqa: F401 (re-exported)
 
 
 def fit(cfg: RerankJobConfig):
     """Train (or resume: same run.name and storage_path) on ``run.num_workers`` workers; the ray.train Result."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     from dist_nce.rerank.loop import train_func
-    from dist_nce.train.trainer import storage_uri
 
-    gpu = use_gpu(cfg)
-    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {})}
-    return TorchTrainer(
-        train_func,
-        train_loop_config={"job": to_dict(cfg)},
-        scaling_config=ScalingConfig(num_workers=cfg.run.num_workers, use_gpu=gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-        run_config=RunConfig(name=cfg.run.name, storage_path=storage_uri(cfg.run.storage_path),
-                             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep)),
-    ).fit()
+    return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg)}).fit()
 
 
 def describe_plan(cfg: RerankJobConfig, plan: RerankPlan, ts: TrainingSet, gpu: bool) -> str:

@@ -134,7 +134,9 @@ class DeepSpeedConfig:
 
 
 @dataclass
-class RunConfig:
+class WorkerRunConfig:
+    """The ``run`` fields every training job has (retriever and reranker): the Ray Train run,
+    its workers' resources, fault tolerance, checkpoints and logging (``dist_nce.worker``)."""
     name: str = _help("Run name; Ray Train resumes a run with the same name and storage_path.",
                       check=plain_name, default="aida_tiny")
     storage_path: str = _help("Ray Train storage (shared storage or s3:// on multi-node).",
@@ -159,11 +161,15 @@ class RunConfig:
         default=0)
     num_to_keep: int = _help("Checkpoints kept by Ray Train.", Range(ge=1, why="resuming needs one"), default=2)
     log_every_steps: int = _help("TensorBoard/report scalars every N steps.", AT_LEAST_1, default=1)
+    progress: bool = _help("tqdm progress bar on rank 0.", default=True)
+
+
+@dataclass
+class RunConfig(WorkerRunConfig):
     eval_every_steps: int = _help("Dev recall/accuracy every N steps (0 = only at the end).", AT_LEAST_0, default=0)
     eval_k: list[int] = _help("Recall@k cut-offs for dev evaluation.", AT_LEAST_1,
                               default_factory=lambda: [1, 10, 64])
     eval_batch_size: int = _help("Dev mentions per encoder forward / top-k request.", AT_LEAST_1, default=64)
-    progress: bool = _help("tqdm progress bar on rank 0.", default=True)
     export: bool = _help("Export model (HF + BLINK layout) and KB snapshot at the end.", default=True)
     evaluate_before: bool = _help("Evaluate the untrained model on dev first (before vs after).", default=True)
 

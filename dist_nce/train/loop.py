@@ -8,20 +8,19 @@
               (+ every bias.every_steps: Theorem 1's bias on a probe set, train.bias_monitor)
     finish    final refresh with the final weights, dev evaluation, export, report
 
-``train_func`` is TorchTrainer's ``train_loop_per_worker``; :class:`Worker` takes the Ray
-calls as arguments so one process can run it too (tests, benchmarks).
+``train_func`` is TorchTrainer's ``train_loop_per_worker``. Device, accelerator, collectives,
+resume, logging and checkpoint files are the scaffold shared with the reranker
+(``dist_nce.worker.scaffold``); :class:`Worker` takes the Ray calls as arguments so one
+process can run it too (tests, benchmarks).
 """
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from dist_nce.config import from_dict
 from dist_nce.index.encode import store_fingerprint
 from dist_nce.losses import adjusted_nce_loss, nce_loss
 from dist_nce.text import tokenizer_fingerprint
@@ -29,7 +28,6 @@ from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
 from dist_nce.train.bias_monitor import BiasMonitor
 from dist_nce.train.config import TrainJobConfig
-from dist_nce.train.engine import build_engine, load_deepspeed_config
 from dist_nce.train.evaluate import evaluate
 from dist_nce.train.model import build_retriever, export_model, full_state_dict, standalone_copy
 from dist_nce.train.pipeline import (
@@ -37,91 +35,35 @@ from dist_nce.train.pipeline import (
 )
 from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, query_keys, request_seed, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
-from dist_nce.train.tb import RunLogger
+from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 
 def train_func(config: dict[str, Any]) -> None:
     """Ray Train entry point; ``config`` = {"job": TrainJobConfig as a dict, "service": NegativeService}."""
-    import ray.train
-    import ray.train.torch
-
-    from dist_nce.runtime import configure_process
-
-    cfg = from_dict(TrainJobConfig, config["job"], source="train_loop_config.job")
-    configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
-    device = ray.train.torch.get_device()
-    # The runtime env carries the DRIVER's DS_ACCELERATOR (cpu on a GPU-less head); DeepSpeed
-    # must use this worker's device. Set before DeepSpeed is first imported (build_engine).
-    os.environ["DS_ACCELERATOR"] = "cuda" if device.type == "cuda" else "cpu"
-    ctx = ray.train.get_context()
-    worker = Worker(cfg, config["service"], ctx.get_world_rank(), ctx.get_world_size(), device,
-                    report=ray.train.report, get_checkpoint=ray.train.get_checkpoint)
-    worker.run()
+    worker_main(TrainJobConfig, config, lambda cfg, *a, **kw: Worker(cfg, config["service"], *a, **kw))
 
 
-class Collectives:
-    """torch.distributed helpers that are no-ops for a single process."""
+class Worker(WorkerScaffold):
+    mean_keys = ("train/loss", "train/gold_score", "train/negative_score", "time/negatives_wait_s")
 
-    def __init__(self, world: int, device: torch.device):
-        self.world, self.device = world, device
-
-    @property
-    def dist(self):
-        import torch.distributed as dist
-
-        return dist if self.world > 1 and dist.is_available() and dist.is_initialized() else None
-
-    def barrier(self) -> None:
-        if self.dist:
-            self.dist.barrier()
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.dist:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.dist:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def mean(self, values: list[float]) -> list[float]:
-        if not self.dist:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(t)
-        return (t / self.world).tolist()
-
-
-class Worker:
     def __init__(self, cfg: TrainJobConfig, service: Any, rank: int, world: int, device: torch.device | str,
                  report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
-        self.cfg, self.service, self.rank, self.world = cfg, service, rank, world
-        self.device = torch.device(device)
-        self.report = report or (lambda metrics, checkpoint=None, **kw: None)
-        self.get_checkpoint = get_checkpoint or (lambda: None)
-        self.comm = Collectives(world, self.device)
+        super().__init__(cfg, rank, world, device, report, get_checkpoint)
+        self.service = service
         self.epoch_neg: EpochNegatives | None = None
         self.restored_pending: StepNegatives | None = None
         self.prefetcher: NegativePrefetcher | None = None
 
-    # ------------------------------------------------------------------ the story
+    # ------------------------------------------------------------------ the story (WorkerScaffold.run)
 
-    def run(self) -> dict[str, Any]:
+    def setup(self) -> None:
         self.load_data()
         self.build_model()
-        self.resume()
+
+    def before_training(self) -> None:
         self.setup_negatives()
         if self.cfg.run.evaluate_before and self.state.step == 0 and self.state.dev_before is None:
             self.state.dev_before = self.evaluate("dev_before", step=0)
-        for step in range(self.state.step, self.end):
-            metrics = self.train_step(step)
-            self.after_step(step, metrics)
-        return self.finish()
 
     # ------------------------------------------------------------------ setup
 
@@ -135,8 +77,7 @@ class Worker:
         self.train_gold, self.train_len = self.train.gold_rows, self.train.lengths
         eligible, _ = eligible_mentions(self.train_gold, d.max_train_mentions)
         self.plan = make_plan(cfg, self.train_gold, self.store.num_entities, store_fingerprint(d.prepared_dir))
-        if self.plan.num_workers != self.world:
-            raise RuntimeError(f"run.num_workers={self.plan.num_workers} but Ray Train started {self.world} workers")
+        self.check_world()
         self.order = DataOrder(self.plan, eligible)
         self.probe = eligible[:cfg.bias.probe_mentions]  # the bias monitor's fixed probe set
         self.end = stop_step(self.plan, cfg.run.stop_after_steps)
@@ -151,26 +92,12 @@ class Worker:
         if tokenizer_fingerprint(retriever.tokenizer)["sha256"] != want:
             raise ValueError(f"{cfg.data.prepared_dir} was prepared with another tokenizer than the model's; "
                              "prepare the KB with the model's tokenizer")
-        ds = load_deepspeed_config(cfg.deepspeed.config, self.plan.per_worker_batch, self.world, cfg.optim.grad_clip,
-                                   cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
-        self.engine, self.optimizer, self.scheduler = build_engine(
-            retriever.to(self.device), ds, cfg.optim.lr, cfg.optim.weight_decay, self.plan.total_steps,
-            cfg.optim.warmup_proportion, dist_init_required=False)
-        checkpoint.install_weights_only_loading(self.engine)
-        self.module = self.engine.module
-        self.zero3 = self.engine.zero_optimization_stage() == 3
+        self.make_engine(retriever)
 
-    def resume(self) -> None:
-        self.state, resumed = checkpoint.TrainState(), self.get_checkpoint()
-        if resumed is not None:
-            with resumed.as_directory() as d:
-                self.state, self.epoch_neg = checkpoint.load(self.engine, d, self.rank, self.plan.as_dict())
-                self.restored_pending = checkpoint.load_pending(d, self.rank)
-        self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
-                             self.cfg.run.progress)
-        self.log.write(f"worker {self.rank}/{self.world}: " + (f"resumed at step {self.state.step}" if resumed
-                       else "fresh start") + f"; this job trains steps [{self.state.step}, {self.end}) of "
-                       f"{self.plan.total_steps}")
+    def restore(self, directory: str) -> checkpoint.TrainState:
+        state, self.epoch_neg = checkpoint.load(self.engine, directory, self.rank, self.plan.as_dict())
+        self.restored_pending = checkpoint.load_pending(directory, self.rank)
+        return state
 
     def setup_negatives(self) -> None:
         cfg = self.cfg
@@ -280,25 +207,18 @@ class Worker:
             "index/published": self.state.book.version,
         }
 
-    def after_step(self, step: int, metrics: dict[str, float]) -> None:
-        run, done = self.cfg.run, step + 1
-        if done % run.log_every_steps == 0 or done == self.end:
-            mean_keys = ("train/loss", "train/gold_score", "train/negative_score", "time/negatives_wait_s")
-            for k, v in zip(mean_keys, self.comm.mean([metrics[k] for k in mean_keys])):
-                metrics[k] = v
-            self.log.log(step, metrics)
-        self.log.progress({"loss": f"{metrics['train/loss']:.3f}", "v": int(metrics["index/version"]),
-                           "wait": f"{metrics['time/negatives_wait_s']:.2f}s"})
+    def progress_postfix(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {"loss": f"{metrics['train/loss']:.3f}", "v": int(metrics["index/version"]),
+                "wait": f"{metrics['time/negatives_wait_s']:.2f}s"}
+
+    def during_training(self, step: int, done: int, metrics: dict[str, float]) -> None:
         if self.monitor is not None and done % self.cfg.bias.every_steps == 0:
             bias = self.monitor.measure(done, self.rank)  # every rank encodes (ZeRO-3); rank 0 measures
             if bias is not None:
                 self.log.log(step, bias)
+        run = self.cfg.run
         if run.eval_every_steps and done % run.eval_every_steps == 0 and done < self.plan.total_steps:
             self.evaluate("dev", step=done)  # dev metrics are indexed by optimizer steps taken
-        epoch_end = done % self.plan.steps_per_epoch == 0
-        due = (run.checkpoint_every_steps and done % run.checkpoint_every_steps == 0) or epoch_end
-        if due and done < self.end:  # the last one is saved by finish(), with the final metrics
-            self.save_checkpoint({"step": done, "loss": metrics["train/loss"]})
 
     # ------------------------------------------------------------------ evaluation, checkpoints, end
 
@@ -313,26 +233,17 @@ class Worker:
                 f"{k} {v:.4f}" for k, v in out.items() if k.startswith(("recall", "accuracy"))))
         return out
 
-    def save_checkpoint(self, metrics: dict[str, Any], suffix: str = "") -> None:
-        """Every rank writes its part; Ray Train merges them into one checkpoint directory
-        (named alike on every rank)."""
-        import tempfile
-
-        from ray.train import Checkpoint
-
+    def checkpoint_extras(self) -> dict[str, Any]:
         mid_epoch = self.state.step % self.plan.steps_per_epoch != 0
-        neg = self.epoch_neg if mid_epoch else None  # a new epoch mines afresh
-        pending = self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None
-        with tempfile.TemporaryDirectory(prefix="dist_nce_ckpt_") as tmp:
-            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), neg, pending)
-            self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
-                        checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
+        return {"epoch_negatives": self.epoch_neg if mid_epoch else None,  # a new epoch mines afresh
+                "pending": self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None}
 
     def finish(self) -> dict[str, Any]:
         cfg, state = self.cfg, self.state
         done = state.step >= self.plan.total_steps
         out: dict[str, Any] = {"step": state.step, "done": done, "plan": self.plan.as_dict(),
-                               "dev_before": state.dev_before}
+                               "dev_before": state.dev_before,
+                               "engine": self.engine_info()}
         if done:
             if not cfg.model.freeze_entity_encoder:
                 self.publisher.publish(state.step, wait=True)  # the KB snapshot of the final weights
@@ -343,10 +254,7 @@ class Worker:
                 if self.rank == 0:
                     out["export"] = export_model(standalone_copy(self.module, sd), cfg.run.output_dir)
                 self.comm.barrier()
-        self.log.close()
-        # Unique even when a finished run is run again (it re-evaluates and re-exports).
-        suffix = self.comm.broadcast(f"_end_{uuid.uuid4().hex[:8]}" if self.rank == 0 else None)
-        self.save_checkpoint(_flat(out), suffix)
+        self.end_checkpoint(_flat(out))
         return out
 
 

@@ -13,43 +13,14 @@ from typing import Any
 from dist_nce.config import to_dict
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import TrainPlan
-
-
-def use_gpu(cfg: TrainJobConfig) -> bool:
-    """run.use_gpu, or auto-detect: GPUs in the Ray cluster."""
-    if cfg.run.use_gpu is not None:
-        return cfg.run.use_gpu
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0) > 0
-
-
-def storage_uri(path: str) -> str:
-    """Ray Train wants an absolute local path (or a URI such as s3://...)."""
-    return path if "://" in path else os.path.abspath(path)
+from dist_nce.worker.launch import make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
 
 
 def make_trainer(cfg: TrainJobConfig, service: Any):
     """A TorchTrainer running :func:`dist_nce.train.loop.train_func` on ``run.num_workers`` workers."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     from dist_nce.train.loop import train_func
 
-    gpu = use_gpu(cfg)
-    resources = {"CPU": cfg.run.cpus_per_worker, **({"GPU": cfg.run.gpus_per_worker} if gpu else {}),
-                 **cfg.run.resources_per_worker}
-    return TorchTrainer(
-        train_func,
-        train_loop_config={"job": to_dict(cfg), "service": service},
-        scaling_config=ScalingConfig(num_workers=cfg.run.num_workers, use_gpu=gpu, resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
-        run_config=RunConfig(
-            name=cfg.run.name, storage_path=storage_uri(cfg.run.storage_path),
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-        ),
-    )
+    return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg), "service": service})
 
 
 def fit(cfg: TrainJobConfig, service: Any):
