@@ -302,7 +302,10 @@ def check_ray(root: Path, cmd: Command) -> None:
 
 def check_make(root: Path, cmd: Command) -> None:
     target = cmd.words[1]
-    r = ok(sh(root, f"make -n {target}", timeout=60), cmd)
+    # As a user types it: not with the settings of a `make test` this may run under.
+    env = {k: v for k, v in env_for(root).items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "FAISS", "VENV",
+                                                                 "PY", "PYTHON", "PYTEST_ARGS")}
+    r = ok(subprocess.run(["make", "-n", target], cwd=root, env=env, capture_output=True, text=True, timeout=60), cmd)
     recipe = [ln.strip() for ln in r.stdout.replace("\\\n", " ").splitlines()]
     assert any("-m venv .venv" in ln for ln in recipe), f"{cmd}: a fresh clone must create .venv first"
     jobs = [ln for ln in recipe if re.match(r"\.venv/bin/python (jobs/|-m pytest)", ln)]
