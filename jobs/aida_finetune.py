@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dist_nce.config import ConfigError, describe, load_config, to_dict  # noqa: E402
+from dist_nce.testing import ensure_tiny_models  # noqa: E402
 from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths  # noqa: E402
 
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="experiment YAML (configs/aida/*.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the config and every input path, then exit (no data generation, no Ray)")
     ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
     args = ap.parse_args(argv)
     if args.help_config:
@@ -58,10 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     # 1. config: every key and every input path checked before any cluster work
     try:
         cfg = with_absolute_paths(load_config(TrainJobConfig, args.config, args.set))
+        # A config naming the project's tiny-model path (data/models/tiny_bert) runs from a fresh
+        # clone: the random tiny BERT is built there on first use, before the input checks.
+        ensure_tiny_models({"model.retriever.mention_model": cfg.model.retriever.mention_model,
+                            "model.retriever.entity_model": cfg.model.retriever.entity_model})
         check_inputs(cfg)
-    except ConfigError as e:
+    except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(f"{args.config}: config and inputs OK (dry run: nothing generated, no Ray started)")
+        return 0
     start = time.perf_counter()
 
     import ray

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="grid directory (one sub-directory per row)")
     ap.add_argument("--only", help="comma-separated row names to run (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check every row's config and input paths, then exit (no data generation, no Ray)")
     ap.add_argument("--no-untrained", dest="untrained", action="store_false",
                     help="do not evaluate the untrained model of each architecture")
     args = ap.parse_args(argv)
@@ -61,11 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         configs = [(r, row_config(args.config, r, out, args.set)) for r in rows]
         from dist_nce.zeshel.config import check_zeshel_inputs
 
+        from dist_nce.testing import ensure_tiny_models
+
         for _, cfg in configs:
+            # The project's tiny-model path (data/models/tiny_bert) is built on first use.
+            ensure_tiny_models({"model.retriever.mention_model": cfg.model.retriever.mention_model,
+                                "model.retriever.entity_model": cfg.model.retriever.entity_model})
             check_zeshel_inputs(cfg)
-    except ConfigError as e:
+    except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(f"{args.rows}: config and inputs OK (dry run: nothing generated, no Ray started)")
+        return 0
 
     from dist_nce.artifacts import atomic_write_json, atomic_write_text
     from dist_nce.runtime import configure_process

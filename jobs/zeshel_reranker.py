@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
 
 from dist_nce.config import ConfigError, describe, load_config, to_dict  # noqa: E402
+from dist_nce.testing import ensure_tiny_models  # noqa: E402
 from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths  # noqa: E402
 
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="experiment YAML (configs/zeshel/reranker_*.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the config and every input path, then exit (no data generation, no Ray)")
     ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
     args = ap.parse_args(argv)
     if args.help_config:
@@ -50,10 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--config is required")
     try:  # every key and input checked before any cluster work
         cfg = with_absolute_paths(load_config(RerankJobConfig, args.config, args.set))
+        # A config naming the project's tiny-model path (data/models/tiny_bert) runs from a fresh
+        # clone: the random tiny BERT is built there on first use, before the input checks.
+        ensure_tiny_models({"model.reranker.model": cfg.model.reranker.model})
         check_inputs(cfg)
-    except ConfigError as e:
+    except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(f"{args.config}: config and inputs OK (dry run: nothing generated, no Ray started)")
+        return 0
     start = time.perf_counter()
 
     import ray

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
 
 from dist_nce.config import ConfigError, describe, load_config  # noqa: E402
+from dist_nce.testing import ensure_tiny_models  # noqa: E402
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs  # noqa: E402
 
 
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="experiment YAML (configs/zeshel/retriever_*.yaml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no evaluation progress bars")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the config and every input path, then exit (no data generation, no Ray)")
     ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
     args = ap.parse_args(argv)
     if args.help_config:
@@ -51,10 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--config is required")
     try:  # every key and input path checked before any data or cluster work
         cfg = absolute(load_config(ZeshelRetrieverConfig, args.config, args.set))
+        # A config naming the project's tiny-model path (data/models/tiny_bert) runs from a fresh
+        # clone: the random tiny BERT is built there on first use, before the input checks.
+        ensure_tiny_models({"model.retriever.mention_model": cfg.model.retriever.mention_model,
+                            "model.retriever.entity_model": cfg.model.retriever.entity_model})
         check_zeshel_inputs(cfg)
-    except ConfigError as e:
+    except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(f"{args.config}: config and inputs OK (dry run: nothing generated, no Ray started)")
+        return 0
 
     from dist_nce.artifacts import ArtifactMismatch
     from dist_nce.runtime import configure_process
