@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                "step": final.get("step"), "dev_before": final.get("dev_before"),
                "dev_after": final.get("dev_after"), "index_version": final.get("index_version"),
                "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
+               "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
                "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     # 5. export: where the final KB embeddings live (the shards persisted them)

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
                "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
                "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
+               "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
                "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     atomic_write_json(out / "summary.json", summary)

@@ -68,6 +68,7 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
             "config": to_dict(cfg), "plan": plan.as_dict(), "done": bool(final.get("done")), "step": final.get("step"),
             "dev_split": cfg.data.dev_split, "dev_before": final.get("dev_before"), "dev_after": final.get("dev_after"),
             "index_version": final.get("index_version"), "export": final.get("export"),
+            "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
             # The path may be inside Ray's temporary copy of the working directory: keep the content.
             "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
         if summary["done"]:

@@ -68,6 +68,7 @@ def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_pa
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["done"] and summary["step"] == 24
+    assert summary["engine"] == {"device": "cpu", "accelerator": "cpu", "zero_stage": 2, "bf16": False, "world_size": 2}
     for phase in ("dev_before", "dev_after"):
         assert summary[phase]["n_mentions"] == 32 and 0 <= summary[phase]["accuracy"] <= 1
     # exports: HF retriever, BLINK layout (weights only), KB embeddings of the final index

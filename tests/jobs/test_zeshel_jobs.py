@@ -111,6 +111,7 @@ def test_reranker_job_trains_resumes_and_evaluates(retriever_run, tiny_model_dir
 
     summary = json.loads((tmp / "rerank" / "summary.json").read_text())
     assert summary["done"] and summary["step"] == summary["plan"]["total_steps"] == 32
+    assert summary["engine"]["accelerator"] == "cpu" and summary["engine"]["device"] == "cpu"  # the worker's own
     losses = [m["train/loss"] for _, m in sorted(read_metrics(tmp / "rerank" / "metrics.jsonl").items())
               if "train/loss" in m]
     assert len(losses) == 32 and np.mean(losses[-8:]) < np.mean(losses[:8]) - 0.1  # it learns
