@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dist_nce.train.tb import read_metrics
-from tests.train.tinyrun import prepare_tiny, tiny_config
+from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multinode]
 
@@ -104,30 +104,6 @@ def kb(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("multinode_kb")
     prepare_tiny(root, tiny_model_dir)
     return root
-
-
-def train(cfg, during=None):
-    """The driver side of jobs/aida_finetune.py; ``during(service)`` runs once version 0 is served.
-    Returns the final metrics and the shards' status at the end."""
-    import ray
-
-    from dist_nce.index.service import NegativeService
-    from dist_nce.train.model import build_retriever
-    from dist_nce.train.trainer import fit, unflatten
-
-    service = NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, cfg.service, cfg.run.output_dir)
-    try:
-        service.ensure_encoded(ray.put(build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state()))
-        if during:
-            during(service)
-        return unflatten(fit(cfg, service).metrics), service.status()
-    finally:
-        service.shutdown()
-
-
-def losses(cfg) -> dict[int, float]:
-    return {s: v["train/loss"] for s, v in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl").items()
-            if "train/loss" in v}
 
 
 def train_worker_nodes() -> set[str]:

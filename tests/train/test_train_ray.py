@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from dist_nce.train.tb import read_metrics
-from tests.train.tinyrun import prepare_tiny, tiny_config
+from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 # Deterministic runs: sync refresh at epoch starts (every batch after it uses the new index).
@@ -29,33 +29,6 @@ def kb(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("tiny_kb")
     prepare_tiny(root, tiny_model_dir)
     return root
-
-
-def train(cfg, on_start=None):
-    """Driver side of jobs/aida_finetune.py: service + version 0, fit, shut the shards down.
-
-    Returns the final metrics and the shards' status at the end."""
-    import ray
-
-    from dist_nce.index.service import NegativeService
-    from dist_nce.train.model import build_retriever
-    from dist_nce.train.trainer import fit, unflatten
-
-    service = NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, cfg.service, cfg.run.output_dir)
-    try:
-        state = build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state()
-        service.ensure_encoded(ray.put(state))
-        if on_start:
-            on_start(service)
-        result = fit(cfg, service)
-        return unflatten(result.metrics), service.status()
-    finally:
-        service.shutdown()
-
-
-def losses(cfg) -> dict[int, float]:
-    return {s: v["train/loss"] for s, v in read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl").items()
-            if "train/loss" in v}
 
 
 class ShardKiller(threading.Thread):
@@ -125,7 +98,7 @@ def straight(ray_local, kb, tiny_model_dir, tmp_path_factory):
         for k in killers.values():
             k.start()
 
-    final, status = train(cfg, on_start=with_killers)
+    final, status = train(cfg, during=with_killers)
     for k in killers.values():
         k.killed.set()  # stop polling if the run ended first
     return cfg, final, losses(cfg), killers, status
