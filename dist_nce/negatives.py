@@ -223,12 +223,38 @@ def hard_negatives(result: ShardResult, num_negatives: int) -> Negatives:
     return Negatives(ids, log_q.float(), torch.ones_like(ids, dtype=torch.bool))
 
 
-def sample_hard(scores: Tensor, num_negatives: int, gold: Tensor, seed: int, query_keys: Tensor) -> Negatives:
+def sample_hard(scores: Tensor, num_negatives: int, gold: Tensor, seed: int, query_keys: Tensor,
+                sampler: str = "dense", block_rows: int = 128) -> Negatives:
     """Flat reference: exact hard negatives from the full score matrix ``scores`` [B, N].
 
-    Same noise and tie rule as the sharded search, so it returns the same sample.
+    sampler: "dense" (one Gumbel per row, :func:`gumbel_topk_dense`) or "block" (top-down over
+    blocks of ``block_rows`` rows, ``index.block_gumbel``): the same law, different draws.
+    Same noise and tie rule as the sharded search of the same sampler, so it returns the same
+    sample.
     """
-    return hard_negatives(gumbel_topk_dense(scores, num_negatives, gold, seed, query_keys), num_negatives)
+    if sampler == "dense":
+        result = gumbel_topk_dense(scores, num_negatives, gold, seed, query_keys)
+    elif sampler == "block":
+        from dist_nce.index.block_gumbel import gumbel_topk_block
+
+        result = gumbel_topk_block(scores, num_negatives, gold, seed, query_keys, block_rows)
+    else:
+        raise ValueError(f"sample_hard: sampler must be 'dense' or 'block', got {sampler!r}")
+    return hard_negatives(result, num_negatives)
+
+
+def mask_gold(scores: Tensor, gold: Tensor | None, row_start: int = 0) -> Tensor:
+    """A copy of scores [B, n] (global rows [row_start, row_start+n)), at least float32, with
+    the gold rows (gold [B] or [B, e] int64, -1 = none; outside the range: ignored) at -inf."""
+    batch, n = scores.shape
+    masked = scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True)
+    if gold is not None:
+        gold = _as_gold(gold, batch)
+        local = gold - row_start
+        hit = (local >= 0) & (local < n)
+        b = torch.arange(batch, device=scores.device)[:, None].expand_as(local)
+        masked[b[hit], local[hit]] = float("-inf")
+    return masked
 
 
 def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | None, query_keys: Tensor | None,
@@ -241,13 +267,7 @@ def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | N
     """
     batch, n = scores.shape
     rows = torch.arange(row_start, row_start + n, device=scores.device)
-    masked = scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True)
-    if gold is not None:
-        gold = _as_gold(gold, batch)
-        local = gold - row_start
-        hit = (local >= 0) & (local < n)
-        b = torch.arange(batch, device=scores.device)[:, None].expand_as(local)
-        masked[b[hit], local[hit]] = float("-inf")
+    masked = mask_gold(scores, gold, row_start)
     log_z = torch.logsumexp(masked, dim=1).double()
     keys = masked if seed is None else masked.double().add_(gumbel_noise(seed, query_keys, rows))
     return result_from_keys(keys, scores, rows.expand(batch, n), k, log_z=log_z, version=version)

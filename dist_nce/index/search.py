@@ -44,7 +44,8 @@ from dist_nce.index import faiss_backend
 from dist_nce.index.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
     score_candidates
-from dist_nce.negatives import gumbel_noise, gumbel_topk_dense
+from dist_nce.index.block_gumbel import BlockSet, block_log_mass, block_maxima, keep_best_blocks, rows_from_blocks
+from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
@@ -71,6 +72,14 @@ class IndexConfig:
         "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
     gumbel: Literal["auto", "exact", "candidates"] = _help(
         "Gumbel-top-k: exact brute force over all rows, or within the backend's top `candidates`", "auto")
+    sampler: Literal["dense", "block"] = _help(
+        "exact Gumbel-top-k sampler: dense draws one Gumbel per (query, row) (the reference); block draws "
+        "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
+        "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/index/block_gumbel.py)", "dense")
+    block_rows: int = _help(
+        "rows per block of the block sampler, on a global grid; must divide chunk_rows. sqrt(N/(K-1)) "
+        "minimises the noise drawn. Sharded == flat bit for bit when every shard starts on this grid", 128,
+        AT_LEAST_1)
     candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024, AT_LEAST_1)
     tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024,
                              AT_LEAST_1)
@@ -89,6 +98,9 @@ class IndexConfig:
         check_fields(self, "index")  # the loader did already; direct constructions did not
         if self.backend != "torch" and self.storage == "bf16":
             raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
+        if self.sampler == "block" and self.chunk_rows % self.block_rows:
+            raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
+                             f"({self.chunk_rows}) with sampler 'block'")
 
     def gumbel_mode(self) -> str:
         if self.gumbel != "auto":
@@ -132,7 +144,8 @@ def _padded_block(entities: Reps, a: int, b: int, offset: int, grid: int, dtype:
 
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
-                 query_keys: Tensor | None = None, version: int = 0) -> ShardResult:
+                 query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
+                 block_rows: int = 128) -> ShardResult:
     """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
 
     queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
@@ -145,9 +158,18 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     shapes are what makes every score, hence every Gumbel key, identical whichever shard
     computes it (same chunk_rows, device, dtype and thread count). The cost is at most
     two padded blocks per shard.
+
+    ``sampler`` (Gumbel only): "dense" adds a Gumbel to every score; "block" samples top-down
+    over blocks of ``block_rows`` rows (``block_gumbel``; ``block_rows`` must divide
+    ``chunk_rows``), keeping the K-1 best blocks across chunks.
     """
+    if sampler not in ("dense", "block"):
+        raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
     q = Reps(queries.vecs.to(compute), queries.mask)
     n = entities.vecs.shape[0]
+    if seed is not None and sampler == "block":
+        return _exact_block_gumbel(spec, q, entities, row_start, k, gold, chunk_rows, compute, seed, query_keys,
+                                   version, block_rows)
     result = None
     for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
         block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
@@ -158,6 +180,40 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
         result = gumbel_topk_dense(q.vecs.new_zeros((q.vecs.shape[0], 0), dtype=torch.float32), k, gold, seed,
                                    query_keys, row_start=row_start, version=version)
     return result
+
+
+def _exact_block_gumbel(spec: ScoreSpec, q: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
+                        chunk_rows: int, compute: torch.dtype, seed: int, query_keys: Tensor, version: int,
+                        block_rows: int) -> ShardResult:
+    """The block sampler over the score grid of :func:`exact_search` (see block_gumbel).
+
+    Each chunk is scored in its full padded grid layout [B, chunk_rows]; rows outside the
+    shard and the gold are set to -inf and the chunk is viewed as [B, chunk_rows / b, b]
+    blocks, so a block's scores, log mass and maximum are computed on the same tensor shapes
+    whichever shard (or the flat search) holds it: identical bits. Only the blocks meeting
+    the shard's rows take part; a block the shard owns only partly is a piece with its own
+    counter (its first row), exact but not the flat draw (block_gumbel docstring).
+    """
+    if block_rows < 1 or chunk_rows % block_rows:
+        raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
+    batch, n = q.vecs.shape[0], entities.vecs.shape[0]
+    kept, log_z = None, torch.full((batch,), float("-inf"), dtype=torch.float64, device=q.vecs.device)
+    for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
+        block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
+        scores = mask_gold(score_all(spec, q, block).float(), gold, b0)
+        scores[:, :lo - b0] = float("-inf")
+        scores[:, hi - b0:] = float("-inf")
+        j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
+        blocks = scores.view(batch, chunk_rows // block_rows, block_rows)
+        counters = (b0 + block_rows * torch.arange(j0, j1, device=scores.device)).clamp(min=lo)
+        log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
+        top = block_maxima(log_mass, counters, seed, query_keys)
+        log_z = torch.logaddexp(log_z, torch.logsumexp(log_mass, dim=1))
+        kept = keep_best_blocks(kept, BlockSet(top, counters.expand(batch, -1), blocks[:, j0:j1]), k)
+    if kept is None:  # empty shard
+        kept = BlockSet(log_z.new_zeros((batch, 0)), torch.zeros((batch, 0), dtype=torch.int64, device=log_z.device),
+                        torch.zeros((batch, 0, block_rows), device=log_z.device))
+    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
 
 
 def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:
@@ -293,7 +349,8 @@ class ShardIndex:
                query_keys: Tensor | None = None) -> ShardResult:
         res = exact_search(self.spec, queries, self.entities, self.row_start, k,
                            None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute,
-                           seed, None if query_keys is None else query_keys.to(self.device), self.version)
+                           seed, None if query_keys is None else query_keys.to(self.device), self.version,
+                           self.config.sampler, self.config.block_rows)
         return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
 
     def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None) -> ShardResult:

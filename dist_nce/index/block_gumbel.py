@@ -1,0 +1,201 @@
+"""Exact Gumbel-top-k at top-k cost: top-down sampling over a fixed global grid of row blocks.
+
+The dense sampler (``negatives.gumbel_topk_dense``) draws one Gumbel per (query, row): the
+top K-1 of s_i + G_i is K-1 rows without replacement proportional to exp(s) (Plackett-Luce
+order). Here the same law is drawn top-down, with noise for N/b blocks plus (K-1) x b rows
+per query (b = ``block_rows``):
+
+1. **Block maxima.** The global rows are cut into blocks [j*b, (j+1)*b). For independent
+   G_i ~ Gumbel(0), max_{i in B} (s_i + G_i) ~ Gumbel(L_B), L_B = logsumexp_{i in B} s_i
+   (Maddison et al. 2014, "A* sampling", sec. 2; Kool et al. 2019, "Stochastic Beams and
+   Where to Find Them", eq. 7). So each block's maximum key is drawn directly:
+   T_B = L_B + G_B, G_B from counter-based noise of the block (:func:`block_noise`, a counter
+   stream disjoint from the per-row one).
+2. **Keep the K-1 best blocks.** The maximum key of a block is the key of one of its rows,
+   so a block with K-1 blocks ahead of it (by T desc, then block id asc) has K-1 rows ahead
+   of each of its rows, and none of its rows is in the top K-1: every row of the top K-1
+   lies in the K-1 best blocks (:func:`keep_best_blocks`).
+3. **Rows given their block maximum.** Inside a kept block, draw unconditioned keys
+   phi_i = s_i + G_i with the per-row noise G_i = ``gumbel_noise(seed, query key, row)``,
+   Z = max_i phi_i, and set (Kool et al. 2019, eq. 23; Maddison et al. 2014, sec. 4)
+
+       key_i = -log(exp(-T) - exp(-Z) + exp(-phi_i)),
+
+   i.e. the keys conditioned on their maximum being T. The row at Z gets exactly T. Computed
+   in the numerically stable form of Kool et al. 2019, appendix B.3 (:func:`truncated_gumbel`).
+
+Jointly, the keys of all rows (those of dropped blocks are never computed) have the law of
+independent Gumbel(s_i): T_B ~ Gumbel(L_B) is the law of the block maximum, and given the
+maximum eq. 23 gives the conditional law of the keys, independently across blocks (distinct
+counters). Hence the top K-1 rows by key is exactly the dense sampler's law: K-1 without
+replacement, proportional to exp(s), in successive-sampling order, gold excluded (gold
+scores are -inf before L_B is taken). ``log_z`` keeps its meaning (gold-excluded logsumexp
+of the rows searched). The samples differ from the dense sampler's draw for draw (another
+coupling of the same law); the dense sampler stays the reference.
+
+**Sharded == flat.** A row's key is a pure function of (seed, query key, its block's scores,
+its row): it does not depend on which shard computes it, provided the block lies in one
+shard. Each shard keeps its own K-1 best blocks, which hold its own top K-1 rows (step 2 on
+the shard); the global top K-1 rows are among the union of the shards' top K-1 rows, so
+``merge_results`` of the shards' answers is the flat answer bit for bit (same keys, same
+(key desc, row asc) order), given bit-identical scores (``search.exact_search``'s grid).
+
+A shard whose rows start or end inside a block (``row_start`` not a multiple of b) owns only
+a PIECE of it. The piece is treated as a block of its own: its maximum is drawn from the
+piece's logsumexp with the noise of the piece's first row (distinct from the other piece's),
+so the sample is still exact, but the flat search draws that block whole: bit-for-bit
+equality with flat holds only when every shard starts on the block grid.
+
+Tie rule: blocks ordered by (T desc, first row asc); rows by (key desc, row asc). Blocks are
+contiguous ranges, so a block that wins a tie on T holds a row that wins the same tie on key.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dist_nce.index.topk import NEG_INF, ShardResult, result_from_keys, select_topk
+
+# Block counters are rows with bit 62 set: gumbel_noise hashes (row ^ salt) through a bijection,
+# so the block stream never meets the per-row stream of any row < 2**62.
+BLOCK_COUNTER_BIT = 1 << 62
+
+
+def block_noise(seed: int, query_keys: Tensor, block_counters: Tensor) -> Tensor:
+    """Standard Gumbel noise G_B [B, nb] float64 for block counters [nb] or [B, nb] int64.
+
+    The counter of a block is its first global row (of the piece a shard owns); the stream
+    is ``negatives.gumbel_noise`` at rows counter | 2**62, disjoint from every row's noise.
+    """
+    from dist_nce.negatives import gumbel_noise
+
+    return gumbel_noise(seed, query_keys, block_counters | BLOCK_COUNTER_BIT)
+
+
+def log1mexp(a: Tensor) -> Tensor:
+    """log(1 - exp(a)) for a <= 0, stable at both ends (Maechler 2012): -inf at a = 0."""
+    return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def truncated_gumbel(phi: Tensor, top: Tensor) -> Tensor:
+    """Keys conditioned on their maximum: Kool et al. 2019 eq. 23, stable form (appendix B.3).
+
+    phi: [..., b] float64 unconditioned keys s_i + G_i (-inf for masked rows);
+    top: [...] float64 the maximum T the keys must have.
+    Returns [..., b] float64 -log(exp(-T) - exp(-Z) + exp(-phi_i)), Z = max_i phi_i, computed as
+    T - softplus(v_i), v_i = T - phi_i + log(1 - exp(phi_i - Z)); the argmax row gets T
+    exactly, masked rows (and every row when T = -inf) get -inf.
+    """
+    z = phi.amax(dim=-1, keepdim=True)
+    t = top.unsqueeze(-1)
+    v = t - phi + log1mexp(phi - z)
+    out = t - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
+    dead = (phi == NEG_INF) | (t == NEG_INF)
+    return torch.where(dead, torch.full_like(out, NEG_INF), out)
+
+
+class BlockSet(NamedTuple):
+    """The K-1 (or fewer) best blocks of a batch so far, block counter ascending along dim 1.
+
+    top:      [B, c] float64 block maxima T = L + G (-inf: no eligible row).
+    counters: [B, c] int64 first global row of each block (piece); -1 marks an empty slot.
+    scores:   [B, c, b] float32 the block's scores in grid layout (block start = counter // b * b),
+              -inf for the gold and rows outside the block's piece.
+    """
+
+    top: Tensor
+    counters: Tensor
+    scores: Tensor
+
+
+def block_log_mass(blocks: Tensor) -> Tensor:
+    """L_B = logsumexp of each block [B, nb] float64, from blocks [B, nb, b] float32 masked scores.
+
+    Taken in float64 (the float32 scores are exact in it), so T_B's location is the block's
+    mass to float64 rounding; -inf for a block with no eligible row (gold only, or outside
+    the shard). (A float32 logsumexp would halve this pass's cost at an error of the order of
+    the float32 scores' own rounding; kept exact here.)
+    """
+    return torch.logsumexp(blocks.double(), dim=-1)
+
+
+def block_maxima(log_mass: Tensor, counters: Tensor, seed: int, query_keys: Tensor) -> Tensor:
+    """Block maxima T_B = L_B + G_B ~ Gumbel(L_B) [B, nb] float64 (A* sampling, sec. 2).
+
+    log_mass: [B, nb] float64 from :func:`block_log_mass`; counters: [nb] int64 first global
+    row of each block's piece (:func:`block_noise`).
+    """
+    return log_mass + block_noise(seed, query_keys, counters)
+
+
+def keep_best_blocks(kept: BlockSet | None, new: BlockSet, k: int) -> BlockSet:
+    """The k best blocks of ``kept`` and ``new`` by (T desc, counter asc), re-sorted by counter.
+
+    Every counter in ``new`` must exceed every counter in ``kept`` (blocks come in row order),
+    so concatenation keeps counters ascending and ``select_topk``'s lower-position tie rule is
+    the lower-counter rule.
+    """
+    both = new if kept is None else BlockSet(*(torch.cat([a, b], dim=1) for a, b in zip(kept, new)))
+    if both.top.shape[1] <= k:
+        return both
+    pos = select_topk(both.top, k).sort(dim=1).values  # [B, k] positions, counter ascending
+    return BlockSet(both.top.gather(1, pos), both.counters.gather(1, pos),
+                    both.scores.gather(1, pos[:, :, None].expand(-1, -1, both.scores.shape[2])))
+
+
+def rows_from_blocks(kept: BlockSet, k: int, seed: int, query_keys: Tensor, log_z: Tensor,
+                     version: int = 0) -> ShardResult:
+    """Top k rows of the kept blocks, each key drawn given its block's maximum (eq. 23).
+
+    Returns a ShardResult [B, k] like ``gumbel_topk_dense``'s: ids global rows, scores float32,
+    keys float64, ``log_z`` as given; noise is drawn for c x b rows per query only.
+    """
+    from dist_nce.negatives import gumbel_noise
+
+    batch, c, b = kept.scores.shape
+    starts = torch.where(kept.counters >= 0, kept.counters // b * b, 0)
+    rows = (starts[:, :, None] + torch.arange(b, device=starts.device)).reshape(batch, c * b)
+    phi = kept.scores.double() + gumbel_noise(seed, query_keys, rows).view(batch, c, b)
+    phi = phi.masked_fill(kept.scores == NEG_INF, NEG_INF)
+    keys = truncated_gumbel(phi, kept.top).reshape(batch, c * b)
+    return result_from_keys(keys, kept.scores.reshape(batch, c * b), rows, k, log_z=log_z, version=version)
+
+
+def grid_view(scores: Tensor, row_start: int, block_rows: int) -> tuple[Tensor, Tensor]:
+    """Scores [B, n] of global rows [row_start, row_start+n) in block-grid layout.
+
+    Returns (blocks [B, nb, b] with -inf outside the rows, counters [nb] int64: the first
+    row of [row_start, row_start+n) in each block).
+    """
+    batch, n = scores.shape
+    first = row_start // block_rows * block_rows
+    nb = -(-(row_start + n - first) // block_rows) if n else 0
+    padded = scores.new_full((batch, nb * block_rows), NEG_INF)
+    padded[:, row_start - first:row_start - first + n] = scores
+    starts = first + block_rows * torch.arange(nb, device=scores.device)
+    return padded.view(batch, nb, block_rows), starts.clamp(min=row_start)
+
+
+def gumbel_topk_block(scores: Tensor, k: int, gold: Tensor | None, seed: int, query_keys: Tensor,
+                      block_rows: int, row_start: int = 0, version: int = 0) -> ShardResult:
+    """Flat block sampler: k rows of scores [B, n] (global rows [row_start, row_start+n))
+    without replacement proportional to exp(s), gold excluded, drawn top-down (module docstring).
+
+    gold: [B] or [B, e] int64 global rows (-1 = none); query_keys: [B] int64. Same law and
+    ``log_z`` (float64 [B], gold-excluded logsumexp) as ``negatives.gumbel_topk_dense``; equal
+    bit for bit to ``search.exact_search(..., sampler="block")`` over any shards starting on
+    the grid of ``block_rows``.
+    """
+    from dist_nce.negatives import mask_gold
+
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    masked = mask_gold(scores.float(), gold, row_start)
+    blocks, counters = grid_view(masked, row_start, block_rows)
+    log_mass = block_log_mass(blocks)
+    top = block_maxima(log_mass, counters, seed, query_keys)
+    batch = scores.shape[0]
+    kept = keep_best_blocks(None, BlockSet(top, counters.expand(batch, -1), blocks), k)
+    return rows_from_blocks(kept, k, seed, query_keys, torch.logsumexp(log_mass, dim=1), version)
