@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist_nce import negatives as ng
+from dist_nce.index.block_gumbel import gumbel_topk_block
 from dist_nce.index.topk import ShardResult, first_occurrence, isin_rows, merge_results, result_from_keys, select_topk
 
 MASK64 = (1 << 64) - 1
@@ -65,6 +66,12 @@ def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor, min_expected: floa
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+# Both exact samplers: the dense reference, and the block sampler (index.block_gumbel) with
+# blocks small enough that the 10 labels make 4-5 blocks (so K-1 = 3 keeps only some of them).
+SAMPLERS = [pytest.param({"sampler": "dense"}, id="dense"),
+            pytest.param({"sampler": "block", "block_rows": 3}, id="block3"),
+            pytest.param({"sampler": "block", "block_rows": 2}, id="block2")]
+
 # Small label space: 10 labels, label 0 is the gold, k = 3 of the 9 others.
 SCORES = torch.tensor([2.5, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 0.8, -1.0, 1.2], dtype=torch.float64)
 DRAWS, K = 200_000, 3
@@ -106,15 +113,16 @@ def test_gumbel_noise_rejects_bad_dtypes():
         ng.gumbel_noise(0, torch.arange(3), torch.arange(4).int())
 
 
-def _gumbel_samples(seed: int = 5) -> torch.Tensor:
+def _gumbel_samples(seed: int = 5, **sampler) -> torch.Tensor:
     scores = SCORES.float().expand(DRAWS, -1)
-    neg = ng.sample_hard(scores, K, torch.zeros(DRAWS, dtype=torch.int64), seed, torch.arange(DRAWS))
+    neg = ng.sample_hard(scores, K, torch.zeros(DRAWS, dtype=torch.int64), seed, torch.arange(DRAWS), **sampler)
     return neg.ids - 1  # labels 1..9 -> 0..8
 
 
-def test_hard_sampler_matches_exact_without_replacement_law(exact_law):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_hard_sampler_matches_exact_without_replacement_law(exact_law, sampler):
     law, pi = exact_law
-    samples = _gumbel_samples()
+    samples = _gumbel_samples(**sampler)
     assert inclusion_max_z(samples, pi) < 5.0
     # the ORDER is successive sampling too: chi-square over all 504 ordered triples
     index = {seq: j for j, seq in enumerate(law)}
@@ -142,12 +150,13 @@ def test_inclusion_statistic_rejects_wrong_samplers(exact_law):
     assert chi2_pvalue(counts.double(), expected) < 1e-10
 
 
-def test_hard_negatives_log_q_and_gold_exclusion():
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_hard_negatives_log_q_and_gold_exclusion(sampler):
     torch.manual_seed(0)
     scores = torch.randn(6, 40)
     gold = torch.tensor([0, 5, 39, 7, 7, 12])
     scores[torch.arange(6), gold] = 10.0  # the gold has the top score
-    neg = ng.sample_hard(scores, 8, gold, seed=1, query_keys=torch.arange(6))
+    neg = ng.sample_hard(scores, 8, gold, seed=1, query_keys=torch.arange(6), **sampler)
     assert not (neg.ids == gold[:, None]).any()
     assert first_occurrence(neg.ids).all() and neg.hard.all()
     masked = scores.double().clone()
@@ -156,19 +165,21 @@ def test_hard_negatives_log_q_and_gold_exclusion():
     torch.testing.assert_close(neg.log_q, want.float())
 
 
-def test_hard_sampler_multiple_golds_and_determinism():
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_hard_sampler_multiple_golds_and_determinism(sampler):
     scores = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     gold = torch.tensor([[1, 2], [3, -1], [0, 29], [5, 5]])
-    a = ng.sample_hard(scores, 10, gold, seed=9, query_keys=torch.arange(4))
-    b = ng.sample_hard(scores, 10, gold, seed=9, query_keys=torch.arange(4))
-    c = ng.sample_hard(scores, 10, gold, seed=10, query_keys=torch.arange(4))
+    a = ng.sample_hard(scores, 10, gold, seed=9, query_keys=torch.arange(4), **sampler)
+    b = ng.sample_hard(scores, 10, gold, seed=9, query_keys=torch.arange(4), **sampler)
+    c = ng.sample_hard(scores, 10, gold, seed=10, query_keys=torch.arange(4), **sampler)
     assert torch.equal(a.ids, b.ids) and not torch.equal(a.ids, c.ids)
     assert not isin_rows(a.ids, gold).any()
 
 
-def test_hard_sampler_too_few_entities():
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_hard_sampler_too_few_entities(sampler):
     with pytest.raises(ValueError, match="fewer than 5 eligible"):
-        ng.sample_hard(torch.randn(2, 5), 5, torch.tensor([0, 1]), 0, torch.arange(2))
+        ng.sample_hard(torch.randn(2, 5), 5, torch.tensor([0, 1]), 0, torch.arange(2), **sampler)
 
 
 @pytest.mark.parametrize("n", [40, 5000])  # dense path / rejection path
@@ -213,7 +224,9 @@ def test_num_hard_rejects_bad_p():
         ng.num_hard(101, 63)
 
 
-def _hard_result(scores: torch.Tensor, gold: torch.Tensor, k: int) -> ShardResult:
+def _hard_result(scores: torch.Tensor, gold: torch.Tensor, k: int, sampler: str = "dense") -> ShardResult:
+    if sampler == "block":
+        return gumbel_topk_block(scores, k, gold, seed=4, query_keys=torch.arange(scores.shape[0]), block_rows=3)
     return ng.gumbel_topk_dense(scores, k, gold, seed=4, query_keys=torch.arange(scores.shape[0]))
 
 
@@ -298,13 +311,14 @@ def test_first_occurrence_and_isin_rows_against_python():
         assert isin_rows(x, sets)[r].tolist() == [v >= 0 and v in sets[r].tolist() for v in row]
 
 
-def test_mixed_random_part_is_uniform_over_rows_neither_gold_nor_hard():
+@pytest.mark.parametrize("sampler", ["dense", "block"])
+def test_mixed_random_part_is_uniform_over_rows_neither_gold_nor_hard(sampler):
     # The random part is taken from a pool drawn BEFORE the hard part is known (so shards can
     # score it in the same call); dropping the pool's hard rows must leave a uniform sample.
     n, k1, draws = 12, 6, 20000
     scores = torch.randn(1, n, generator=torch.Generator().manual_seed(0))
     gold = torch.tensor([2])
-    hard = _hard_result(scores, gold, ng.num_hard(50, k1))
+    hard = _hard_result(scores, gold, ng.num_hard(50, k1), sampler)
     hard_ids = set(hard.ids[0, :3].tolist())
     same_hard = ShardResult(*(t.expand(draws, *t.shape[1:]) if isinstance(t, torch.Tensor) else t for t in hard))
     neg = ng.mixed_negatives(same_hard, n, k1, 50, gold.expand(draws), generator=0)  # one pool per row
