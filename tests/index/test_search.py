@@ -16,6 +16,8 @@ from dist_nce.runtime import configure_faiss
 
 DUAL = ScoreSpec.preset("dual")
 SPLITS = [(0, 37), (37, 38), (38, 120), (120, 200)]  # uneven, one single-row shard
+# The block sampler's bit-for-bit layouts start on its block grid (4 rows here), not on the score grid.
+BLOCK_SPLITS = [(0, 36), (36, 40), (40, 120), (120, 200)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,20 +72,23 @@ def test_sharded_topk_equals_flat_reference_with_ties(backend):
     assert merged.ids[0, :3].tolist() == [20, 60, 150]
 
 
+@pytest.mark.parametrize("sampler", ["dense", "block"])
 @pytest.mark.parametrize("backend", ["torch", "flat", "ivf", "hnsw"])
-def test_gold_never_returned_even_when_it_scores_highest(backend):
+def test_gold_never_returned_even_when_it_scores_highest(backend, sampler):
     e, _ = clustered(200, 16, 8, 0.3, seed=2)
     gold = torch.tensor([[5, 6], [100, -1], [199, 0]])
     q = e[gold[:, 0]] * 5  # the gold is each query's best match
-    cfg = IndexConfig(backend=backend, nlist=8, nprobe=8, hnsw_m=8, candidates=40, tail_sample=50)
+    cfg = IndexConfig(backend=backend, nlist=8, nprobe=8, hnsw_m=8, candidates=40, tail_sample=50,
+                      sampler=sampler, block_rows=8)
     for s in shards(DUAL, Reps(e), cfg, [(0, 200)]) + shards(DUAL, Reps(e), cfg, [(0, 100), (100, 200)]):
         for res in (s.topk(q, 12, gold), s.gumbel_topk(q, 12, gold, seed=1, query_keys=torch.arange(3))):
             assert not (res.ids[:, :, None] == gold[:, None, :]).any()
             assert (res.ids >= 0).all()
 
 
+@pytest.mark.parametrize("sampler", ["dense", "block"])
 @pytest.mark.parametrize("preset", ["dual", "som", "poly", "multi"])
-def test_sharded_gumbel_equals_flat_bit_for_bit(preset):
+def test_sharded_gumbel_equals_flat_bit_for_bit(preset, sampler):
     g = gen(3)
     spec = ScoreSpec.preset(preset, m=None if preset in ("dual", "som") else 4)
     if preset == "dual":
@@ -97,14 +102,16 @@ def test_sharded_gumbel_equals_flat_bit_for_bit(preset):
     else:
         m, ents = Reps(torch.randn(5, 4, 8, generator=g)), Reps(torch.randn(200, 8, generator=g))
     gold, keys = torch.tensor([0, 199, 37, -1, 50]), torch.arange(5) + 1000
-    cfg = IndexConfig(backend="torch", chunk_rows=16)
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler=sampler, block_rows=4)
     flat = ShardIndex(spec, ents, 0, cfg).gumbel_topk(m, 16, gold, 7, keys)
-    seven = [(a, min(a + 29, 200)) for a in range(0, 200, 29)]
-    for layout in (SPLITS, seven):
+    step = 29 if sampler == "dense" else 28  # block: shards start on the 4-row block grid
+    seven = [(a, min(a + step, 200)) for a in range(0, 200, step)]
+    for layout in ((SPLITS if sampler == "dense" else BLOCK_SPLITS), seven):
         merged = merge_results([s.gumbel_topk(m, 16, gold, 7, keys) for s in shards(spec, ents, cfg, layout)], 16)
         assert torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
     # another block size may change scores in the last ulp (BLAS), never the sample here
-    other = ShardIndex(spec, ents, 0, IndexConfig(backend="torch", chunk_rows=9)).gumbel_topk(m, 16, gold, 7, keys)
+    other = ShardIndex(spec, ents, 0, IndexConfig(backend="torch", chunk_rows=9 if sampler == "dense" else 8,
+                                                  sampler=sampler, block_rows=4)).gumbel_topk(m, 16, gold, 7, keys)
     assert torch.equal(other.ids, flat.ids)
     torch.testing.assert_close(other.keys, flat.keys, rtol=1e-6, atol=1e-6)
     scores = score_all(spec, m, ents).double()
@@ -112,11 +119,12 @@ def test_sharded_gumbel_equals_flat_bit_for_bit(preset):
     torch.testing.assert_close(merged.log_z, torch.logsumexp(scores, 1))
     torch.testing.assert_close(flat.log_z, merged.log_z)
     # and it is the flat sampler of negatives.py on the full score matrix
-    ref = sample_hard(score_all(spec, m, ents).float(), 16, gold, 7, keys)
+    ref = sample_hard(score_all(spec, m, ents).float(), 16, gold, 7, keys, sampler=sampler, block_rows=4)
     assert torch.equal(ref.ids, merged.ids)
     # a different seed gives a different sample
     assert not torch.equal(merge_results([s.gumbel_topk(m, 16, gold, 8, keys) for s in
-                                          shards(spec, ents, IndexConfig(backend="torch"))], 16).ids, merged.ids)
+                                          shards(spec, ents, IndexConfig(backend="torch", sampler=sampler,
+                                                                         block_rows=4))], 16).ids, merged.ids)
 
 
 def test_exact_topk_any_preset_equals_score_all():
@@ -142,14 +150,19 @@ def _inclusion(p: list[float], k: int) -> torch.Tensor:
     return pi
 
 
-def test_sharded_gumbel_distribution_is_the_exact_law():
+# block: shards [0, 3) [3, 4) [4, 10) cut the 2-row blocks {2, 3} into pieces, each drawn as a
+# block of its own; [0, 4) [4, 10) are on the grid.
+@pytest.mark.parametrize("sampler,layout", [("dense", [(0, 3), (3, 4), (4, 10)]),
+                                            ("block", [(0, 3), (3, 4), (4, 10)]),
+                                            ("block", [(0, 4), (4, 10)])])
+def test_sharded_gumbel_distribution_is_the_exact_law(sampler, layout):
     scores = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 0.8, -1.0, 1.2])
     ents = Reps(torch.diag(scores))  # entity i scores scores[i] against the all-ones query
     draws = 100_000
     q, gold = torch.ones(draws, 10), torch.zeros(draws, dtype=torch.int64)
-    cfg = IndexConfig(backend="torch", chunk_rows=4)
+    cfg = IndexConfig(backend="torch", chunk_rows=4, sampler=sampler, block_rows=2)
     res = merge_results([s.gumbel_topk(q, 3, gold, 11, torch.arange(draws))
-                         for s in shards(DUAL, ents, cfg, [(0, 3), (3, 4), (4, 10)])], 3)
+                         for s in shards(DUAL, ents, cfg, layout)], 3)
     pi = _inclusion(torch.softmax(scores[1:].double(), 0).tolist(), 3)
     freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(9)])
     z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
