@@ -36,11 +36,14 @@ table; writes benchmarks/results/mining.json.
 
     .venv/bin/python benchmarks/mining.py                    # N=1M, d=128, S=2: ~6-9 minutes here
     .venv/bin/python benchmarks/mining.py --n 100000 --calls 2 --repeats 1   # smoke run
+    .venv/bin/python benchmarks/mining.py --sampler both     # + the block sampler's in-process rows
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
+import dataclasses
 import os
 import shutil
 import statistics
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=4, help="requests per timed repeat and method")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (median)")
     ap.add_argument("--in-flight", default="1,4", help="comma-separated P values for the service rows")
+    ap.add_argument("--sampler", choices=["dense", "block", "both"], default="dense",
+                    help="exact Gumbel sampler (index.sampler); both: the service and the baselines use dense and "
+                         "the in-process Gumbel rows are repeated with block, interleaved in the same repeats")
+    ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
     args = ap.parse_args(argv)
     S, B, Bg, k = args.shards, args.batch, min(args.gumbel_batch, args.batch), args.k
@@ -130,30 +137,43 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- in-process: one index on S threads; S row partitions on S Python threads of 1 BLAS thread
     # each (the service's partition without Ray); the service: S actors x 1 thread
-    flat = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="flat"))
+    sampler = "dense" if args.sampler == "both" else args.sampler
+    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows)
+    index_cfg.validate()
+    flat = ShardIndex(DUAL, Reps(ents), 0, index_cfg)
     brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch"))
     ranges = even_ranges(args.n, S)
-    parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, IndexConfig(backend="flat")) for a, b in ranges]
+    parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
+
+    def with_sampler(index: ShardIndex, name: str) -> ShardIndex:
+        """The same index (same vectors and faiss structure, no copy) searching with another sampler."""
+        other = copy.copy(index)
+        other.config = dataclasses.replace(index.config, sampler=name)
+        return other
+
+    flat_block = with_sampler(flat, "block")
+    parts_block = [with_sampler(part, "block") for part in parts]
     pool = ThreadPoolExecutor(S)
     init_ray(num_cpus=os.cpu_count())
     root = tempfile.mkdtemp(prefix="dist-nce-mining-")
     cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S), threads=1,
-                        max_concurrency=max(4, max(flights)), index=IndexConfig(backend="flat"))
+                        max_concurrency=max(4, max(flights)), index=index_cfg)
     service, start_s = vector_service(root, args.n, args.d, lambda i, a, b: ents[a:b], cfg)
     print(f"service: {S} shards serving in {start_s:.1f} s (reload + faiss build)", flush=True)
 
-    def partitioned(search: Callable[[ShardIndex, int], Any], finish: Callable[[list], Any]):
+    def partitioned(search: Callable[[ShardIndex, int], Any], finish: Callable[[list], Any], over=parts):
         def run(j: int) -> _Done:
             def one(part: ShardIndex):
                 faiss.omp_set_num_threads(1)  # faiss's OpenMP threads are per calling thread
                 return search(part, j)
-            return _Done(finish(list(pool.map(one, parts))))
+            return _Done(finish(list(pool.map(one, over))))
         return run
 
     def in_process(fn: Callable[[int], Any]) -> Callable[[int], _Done]:
         return lambda j: _Done(fn(j))
 
     one, many = f"1 process x {S} threads", f"{S} partitions x 1 thread, no Ray"
+    tag = "" if args.sampler == "both" else f" {sampler}"
     # name -> (group, submit, requests per repeat, in flight, BLAS threads per search)
     methods: dict[str, tuple] = {
         f"topk: faiss flat, {one} (baseline)": (
@@ -167,16 +187,26 @@ def main(argv: list[str] | None = None) -> None:
                                 lambda res: merge_results(res, k)), topk_calls, 1, 1),
         **{f"topk: service S={S}, P={p}": (
             "topk", lambda j: service.topk(queries[j], k, gold[j]), topk_calls, p, 1) for p in flights},
-        f"gumbel: exact, {one} (baseline)": ("gumbel", in_process(lambda j: hard_negatives(
+        f"gumbel: exact{tag}, {one} (baseline)": ("gumbel", in_process(lambda j: hard_negatives(
             flat.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, S),
-        "gumbel: exact, 1 process x 1 thread": ("gumbel", in_process(lambda j: hard_negatives(
+        f"gumbel: exact{tag}, 1 process x 1 thread": ("gumbel", in_process(lambda j: hard_negatives(
             flat.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, 1),
-        f"gumbel: exact, {many}": (
+        f"gumbel: exact{tag}, {many}": (
             "gumbel", partitioned(lambda part, j: part.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]),
                                   lambda res: hard_negatives(merge_results(res, k), k)), args.calls, 1, 1),
         **{f"gumbel: service mine S={S}, P={p}": ("gumbel", lambda j: service.mine(
             gq[j], ggold[j], k, 0, 11, gkeys[j]), args.calls, p, 1) for p in flights},
     }
+    if args.sampler == "both":  # the block sampler on the same indexes, interleaved with the rows above
+        methods.update({
+            f"gumbel: exact block, {one}": ("gumbel", in_process(lambda j: hard_negatives(
+                flat_block.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, S),
+            "gumbel: exact block, 1 process x 1 thread": ("gumbel", in_process(lambda j: hard_negatives(
+                flat_block.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, 1),
+            f"gumbel: exact block, {many}": (
+                "gumbel", partitioned(lambda part, j: part.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]),
+                                      lambda res: hard_negatives(merge_results(res, k), k), parts_block),
+                args.calls, 1, 1)})
     times: dict[str, list[float]] = {name: [] for name in methods}
 
     def threads(n: int) -> None:
@@ -213,9 +243,10 @@ def main(argv: list[str] | None = None) -> None:
                "gflops": gflops, "fraction_of_gemm_peak": gflops / (S * peak[1]), "seconds_all": times[name]}
         if "baseline" in name:
             base[group] = row
-        if "no Ray" in name:
+        reference = "exact block" not in name  # --sampler both: the block rows are compared, not references
+        if "no Ray" in name and reference:
             no_ray[group] = row
-        if "1 process x 1 thread" in name:
+        if "1 process x 1 thread" in name and reference:
             single[group] = row
         rows.append(row)
     for row in rows:
@@ -247,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
           f"in-process: {agreement}")
     out = save_results("mining", {
         "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
+        "sampler": args.sampler, "block_rows": args.block_rows,
         "gemm_peak_gflops": {str(t): v for t, v in peak.items()}, "service_start_s": start_s,
         "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,
         "machine": machine_info(threads_in_process=S, threads_per_shard=1, load_average_before=load_before),

@@ -26,6 +26,14 @@ Gumbel-top-k (hard negatives, docs/design.md section 5), ``IndexConfig.gumbel``:
   for the sum (exact when R >= n, which scores every row). ``ShardResult.truncation()``
   turns it into the estimated softmax mass outside the candidates.
 * ``auto``: exact for torch/flat, candidates for ivf/hnsw.
+
+The exact mode's sampler (``IndexConfig.sampler``): ``dense`` adds one Gumbel to every
+score (the reference); ``block`` draws each ``block_rows`` block's maximum from its
+logsumexp, keeps the K-1 best blocks and draws only their rows' keys, conditioned on the
+block maximum (``block_gumbel``): the same law with noise for N/b + (K-1) b rows per query.
+Its sharded answer equals the flat one bit for bit when every shard starts on the
+``block_rows`` grid (a shard starting inside a block samples its piece as a block of its
+own: exact, but another draw than flat).
 """
 from __future__ import annotations
 

@@ -59,7 +59,10 @@ def test_truncated_keys_given_a_gumbel_maximum_are_iid_gumbels():
     # variance pi^2/6) and the keys uncorrelated.
     n, s = 400_000, torch.tensor([1.0, -0.5, 0.3, 2.0], dtype=torch.float64)
     g = gen(1)
-    gum = lambda *shape: -torch.log(-torch.log(torch.rand(*shape, generator=g, dtype=torch.float64)))  # noqa: E731
+
+    def gum(*shape):
+        return -torch.log(-torch.log(torch.rand(*shape, generator=g, dtype=torch.float64)))
+
     top = torch.logsumexp(s, 0) + gum(n)
     keys = bg.truncated_gumbel(s + gum(n, 4), top)
     euler = 0.5772156649015329
