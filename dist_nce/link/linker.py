@@ -192,11 +192,8 @@ class Linker:
         titles = self.store.titles(flat)
         sources = self.store.source_ids(flat)
         k = rows.shape[1]
-        out: list[dict] = [{"mentions": []} for _ in range(num_docs)]
-        if ids is not None:
-            for doc, id_ in zip(out, ids):
-                if id_ is not None:
-                    doc["id"] = id_
+        ids = list(ids) if ids is not None else [None] * num_docs
+        out: list[dict] = [({} if id_ is None else {"id": id_}) | {"mentions": []} for id_ in ids]
         for i, m in enumerate(mentions):
             ents = []
             for j in range(k):
