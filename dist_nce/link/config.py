@@ -49,6 +49,8 @@ class ServeConfig:
                                    AT_LEAST_1, default=1)
     ingress_replicas: int = _help("Replicas of the HTTP deployment (parse, search, answer).", AT_LEAST_1,
                                   default=1)
+    ingress_max_ongoing: int = _help("Requests one HTTP replica works on at once (more wait in Serve's queue).",
+                                     AT_LEAST_1, default=64)
     replica_cpus: float = _help("CPUs reserved per replica (fractional allowed).", Range(ge=0), default=0.5)
     max_batch_size: int = _help("@serve.batch: mentions (encoder) or mentions x k pairs / k (reranker) per "
                                 "batch.", AT_LEAST_1, default=32)

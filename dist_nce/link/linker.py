@@ -62,6 +62,33 @@ class _TokenRows:
         return self._ids[np.asarray(idx, dtype=np.int64)]
 
 
+def encode_token_rows(retriever: Retriever, ids: np.ndarray, lengths: np.ndarray) -> Reps:
+    """Token rows int32 [B, L] + lengths [B] -> mention Reps [B, ...] float32 on the CPU, in input order.
+
+    One batch of ``dist_nce.eval.retrieve.iter_mention_reps`` (the evaluation's encoder loop)."""
+    rows = _TokenRows(np.asarray(ids), np.asarray(lengths, dtype=np.int64))
+    ((order, reps),) = iter_mention_reps(retriever, rows, None, max(len(rows.lengths), 1), progress=False)
+    back = torch.from_numpy(np.argsort(order))
+    return Reps(reps.vecs[back], None if reps.mask is None else reps.mask[back])
+
+
+@torch.inference_mode()
+def rerank_scores(reranker: Any, store: Any, ids: np.ndarray, rows: np.ndarray, pairs: int) -> np.ndarray:
+    """Reranker scores float32 [B, k] of mention token rows ids [B, L] against store rows [B, k].
+
+    Entities are the store's token ids, the reranker's training input; ``pairs`` bounds the
+    (mention, candidate) pairs of one forward."""
+    rows = np.asarray(rows)
+    per = max(1, pairs // max(rows.shape[1], 1))  # mentions per forward
+    device = next(reranker.parameters()).device
+    out = np.empty(rows.shape, dtype=np.float32)
+    for a in range(0, len(rows), per):
+        m = torch.from_numpy(np.asarray(ids[a:a + per], dtype=np.int64)).to(device)
+        e = torch.from_numpy(store.token_ids(rows[a:a + per]).astype(np.int64)).to(device)
+        out[a:a + per] = reranker.score(m, e).float().cpu().numpy()
+    return out
+
+
 def _config(config: LinkConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> LinkConfig:
     """A LinkConfig from a config object or dict plus keyword overrides (unknown keys refused)."""
     base = to_dict(config) if isinstance(config, LinkConfig) else dict(config or {})
@@ -150,10 +177,7 @@ class Linker:
         """Token rows int32 [B, L] + lengths [B] -> mention Reps [B, ...] float32 on the CPU, in input order."""
         if self.retriever is None:
             raise RuntimeError("this Linker was loaded with keep_encoder=False")
-        rows = _TokenRows(np.asarray(ids), np.asarray(lengths, dtype=np.int64))
-        ((order, reps),) = iter_mention_reps(self.retriever, rows, None, max(len(rows.lengths), 1), progress=False)
-        back = torch.from_numpy(np.argsort(order))
-        return Reps(reps.vecs[back], None if reps.mask is None else reps.mask[back])
+        return encode_token_rows(self.retriever, ids, lengths)
 
     def check_k(self, k: int | None) -> int:
         k = self.config.k if k is None else k
@@ -168,20 +192,11 @@ class Linker:
             return local_search(self.searcher, reps, k)
         return self.searcher.topk(reps, k).result()
 
-    @torch.inference_mode()
     def rerank(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Mention token rows [B, L] and candidate store rows [B, k] -> reranker scores float32 [B, k]."""
         if self.reranker is None:
             raise RuntimeError("no reranker loaded (LinkConfig.reranker)")
-        rows = np.asarray(rows)
-        per = max(1, self.config.rerank_pairs // max(rows.shape[1], 1))  # mentions per forward
-        device = next(self.reranker.parameters()).device
-        out = np.empty(rows.shape, dtype=np.float32)
-        for a in range(0, len(rows), per):
-            m = torch.from_numpy(np.asarray(ids[a:a + per], dtype=np.int64)).to(device)
-            e = torch.from_numpy(self.store.token_ids(rows[a:a + per]).astype(np.int64)).to(device)
-            out[a:a + per] = self.reranker.score(m, e).float().cpu().numpy()
-        return out
+        return rerank_scores(self.reranker, self.store, ids, rows, self.config.rerank_pairs)
 
     def answers(self, mentions: Sequence[Mention], num_docs: int, rows: np.ndarray, scores: np.ndarray,
                 rerank: np.ndarray | None, ids: Sequence[Any] | None = None) -> list[dict]:
