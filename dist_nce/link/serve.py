@@ -180,7 +180,7 @@ class LinkIngress:
         cand = found.ids.numpy()
         rerank = None
         if self.reranker is not None:
-            scored = await asyncio.wait_for(asyncio.gather(*[self.reranker.score.remote(rows[i], cand[i].tolist())
+            scored = await asyncio.wait_for(asyncio.gather(*[self.reranker.score.remote((rows[i], cand[i].tolist()))
                                                              for i in range(n)]), self.cfg.request_timeout_s)
             rerank = np.stack(list(scored))
         return self.linker.answers(prepared.mentions, len(docs), cand, found.scores.float().numpy(), rerank,
@@ -205,6 +205,8 @@ class LinkIngress:
             return JSONResponse({"docs": await self._link(payload)})
         except BadRequest as e:
             return JSONResponse({"error": e.message}, status_code=e.status)
+        except Exception as e:  # noqa: BLE001 - a failure of ours: answer it in JSON too, keep serving
+            return JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
 
 
 def build_app(args: dict) -> Any:
