@@ -52,3 +52,21 @@ def test_brackets():
         with pytest.raises(ValueError, match="") as e:
             parse_brackets(bad)
         assert needle in str(e.value)
+
+
+def test_the_serve_config_is_loopback_and_its_args_are_a_serve_config():
+    from pathlib import Path
+
+    import yaml
+
+    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.link.config import ServeConfig
+
+    text = (Path(__file__).resolve().parents[2] / "configs" / "serve" / "link.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "dist_nce.link.serve:build_app"
+    assert from_dict(ServeConfig, app["args"]).link.k == 10
+    with pytest.raises(ConfigError, match="max_batch: unknown key"):
+        from_dict(ServeConfig, {**app["args"], "max_batch": 3})
