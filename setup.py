@@ -18,7 +18,7 @@ setup(
         "torch>=2.3",
         "deepspeed>=0.16",
         "transformers>=4.45",
-        "ray[default,train]>=2.40",
+        "ray[default,train,serve]>=2.40",  # serve: dist_nce/link/serve.py
         "numpy>=1.24",
         "pyarrow>=15",
         "tqdm>=4.66",

@@ -1,0 +1,62 @@
+"""Configuration of the linker (Python API, jobs/link.py) and of its Ray Serve application."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from dist_nce.config import AT_LEAST_1, POSITIVE, Range
+from dist_nce.index.search import IndexConfig
+from dist_nce.index.service_config import ServiceConfig
+
+
+def _help(text: str, bounds: Range | None = None, **kw):
+    return field(metadata={"help": text, **({"range": bounds} if bounds else {})}, **kw)
+
+
+@dataclass
+class LinkConfig:
+    k: int = _help("Entities returned per mention (the reranker, when present, reorders these k).",
+                   AT_LEAST_1, default=10)
+    batch_size: int = _help("Mentions per mention-encoder forward.", AT_LEAST_1, default=64)
+    searcher: Literal["local", "service"] = _help(
+        "local: search in this process (small KBs); service: the trainer's sharded NegativeService on Ray "
+        "(large KBs, e.g. the 5.9M KILT pages).", default="local")
+    kb: Literal["snapshot", "encode"] = _help(
+        "local searcher: snapshot = the run's exported KB embeddings (kb_snapshot/); encode = encode the "
+        "prepared store in this process with the run's entity encoder.", default="snapshot")
+    store: Optional[str] = _help("Prepared KB directory; default: the run's (summary.json data.prepared_dir).",
+                                 default=None)
+    reranker: Optional[str] = _help("A trained reranker directory (Reranker.save_pretrained); None = none.",
+                                    default=None)
+    rerank_pairs: int = _help("(mention, candidate) pairs per reranker forward.", AT_LEAST_1, default=256)
+    device: str = _help("Torch device of the encoders: cpu, cuda, cuda:1.", default="cpu")
+    index: Optional[IndexConfig] = _help(
+        "Local searcher's index; None = exact (faiss flat for dual/multi-m, torch for the others).", default=None)
+    service: Optional[ServiceConfig] = _help(
+        "Service searcher's shards; None = the run's own service config (summary.json), persisting under "
+        "<run>/shards, where the trainer left the final index (reused when it is this model's).", default=None)
+    progress: bool = _help("Progress bars while encoding and searching.", default=True)
+
+
+@dataclass
+class ServeConfig:
+    """The Ray Serve application (dist_nce/link/serve.py, configs/serve/link.yaml)."""
+
+    run: str = _help("Run directory of jobs/aida_finetune.py (runs/<name>/<time>).", default="")
+    link: LinkConfig = _help("How the replicas link (k, searcher, reranker, ...).", default_factory=LinkConfig)
+    encoder_replicas: int = _help("Replicas of the mention-encoder deployment.", AT_LEAST_1, default=1)
+    reranker_replicas: int = _help("Replicas of the reranker deployment (when link.reranker is set).",
+                                   AT_LEAST_1, default=1)
+    ingress_replicas: int = _help("Replicas of the HTTP deployment (parse, search, answer).", AT_LEAST_1,
+                                  default=1)
+    ingress_max_ongoing: int = _help("Requests one HTTP replica works on at once (more wait in Serve's queue).",
+                                     AT_LEAST_1, default=64)
+    replica_cpus: float = _help("CPUs reserved per replica (fractional allowed).", Range(ge=0), default=0.5)
+    max_batch_size: int = _help("@serve.batch: mentions (encoder) or mentions x k pairs / k (reranker) per "
+                                "batch.", AT_LEAST_1, default=32)
+    batch_wait_timeout_s: float = _help("@serve.batch: seconds a partial batch waits for more requests.",
+                                        Range(ge=0), default=0.01)
+    max_request_bytes: int = _help("Larger request bodies are refused with 413.", AT_LEAST_1, default=1_000_000)
+    max_mentions: int = _help("Requests with more mentions are refused with 413.", AT_LEAST_1, default=256)
+    request_timeout_s: float = _help("Seconds the ingress waits for the encoder and reranker.", POSITIVE,
+                                     default=60.0)

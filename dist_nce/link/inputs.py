@@ -1,0 +1,140 @@
+"""What a user gives the linker, checked and cut into (left, mention, right) records.
+
+Three input forms, all turned into :class:`kb.records.MentionRecord` so tokenization is
+the training path's own (``dist_nce.text.encode_mentions``):
+
+* character spans: ``{"text": "Paris is in France .", "mentions": [[12, 18]]}``;
+* KILT entity-linking inputs: ``{"id": ..., "input": "left [START_ENT] m [END_ENT] right"}``,
+  cut by the KILT reader's own :func:`kb.kilt.split_marked_input` (one mention per input);
+* a sentence with the mentions in square brackets (command line, interactive mode):
+  ``"Paris is in [France] ."`` -> :func:`parse_brackets` -> the span form.
+
+Left and right contexts and the mention are stripped, as the KILT reader strips them;
+the BERT tokenizer splits on whitespace anyway, so the token ids do not depend on it.
+
+Every refusal is a ``ValueError`` whose message starts with ``doc <i>`` and names the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from kb.kilt import END_ENT, START_ENT, split_marked_input
+from kb.records import BadRecord, MentionRecord
+
+
+@dataclass(frozen=True)
+class Mention:
+    """One mention to link: where it came from and its record for tokenization.
+
+    doc: index of the document in the request; span: [start, end) characters of the
+    document's ``text`` (None for KILT inputs, whose text is the marked ``input``).
+    """
+
+    doc: int
+    span: tuple[int, int] | None
+    record: MentionRecord
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _span_mentions(i: int, doc: Mapping[str, Any]) -> list[Mention]:
+    text = doc["text"]
+    if not isinstance(text, str):
+        raise ValueError(f"doc {i}: field 'text': expected a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"doc {i}: field 'text': empty text")
+    if "mentions" not in doc:
+        raise ValueError(f"doc {i}: field 'mentions': missing (give [[start, end], ...] character spans "
+                         f"of 'text')")
+    spans = doc["mentions"]
+    if not isinstance(spans, (list, tuple)) or not spans:
+        raise ValueError(f"doc {i}: field 'mentions': expected a non-empty list of [start, end] spans, "
+                         f"got {spans!r}")
+    out = []
+    for j, span in enumerate(spans):
+        where = f"doc {i}: field 'mentions[{j}]'"
+        if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(_is_int(x) for x in span):
+            raise ValueError(f"{where}: expected [start, end] integers, got {span!r}")
+        a, b = span
+        if not 0 <= a < b <= len(text):
+            raise ValueError(f"{where}: span [{a}, {b}) is outside the text (length {len(text)}) or empty")
+        mention = text[a:b].strip()
+        if not mention:
+            raise ValueError(f"{where}: span [{a}, {b}) holds only whitespace")
+        record = MentionRecord(mention_id=f"{i}:{j}", left=text[:a].strip(), mention=mention,
+                               right=text[b:].strip())
+        out.append(Mention(i, (a, b), record))
+    return out
+
+
+def _kilt_mention(i: int, doc: Mapping[str, Any]) -> Mention:
+    text = doc["input"]
+    if not isinstance(text, str):
+        raise ValueError(f"doc {i}: field 'input': expected a string, got {type(text).__name__}")
+    try:
+        left, mention, right = split_marked_input(text, f"doc {i}", 0)
+    except BadRecord as e:
+        raise ValueError(f"doc {i}: {e.reason}") from None
+    if not mention:
+        raise ValueError(f"doc {i}: field 'input': empty mention between {START_ENT} and {END_ENT}")
+    return Mention(i, None, MentionRecord(mention_id=str(doc.get("id", i)), left=left, mention=mention,
+                                          right=right))
+
+
+def parse_docs(docs: Sequence[Mapping[str, Any]]) -> list[Mention]:
+    """Every mention of ``docs`` in order (doc by doc, span by span); ValueError on the first bad one."""
+    if isinstance(docs, (str, bytes)) or not isinstance(docs, Sequence):
+        raise ValueError(f"expected a list of documents, got {type(docs).__name__}")
+    if not docs:
+        raise ValueError("no documents to link")
+    mentions: list[Mention] = []
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"doc {i}: expected an object with 'text' and 'mentions' (or a KILT 'input'), "
+                             f"got {type(doc).__name__}")
+        has_text, has_input = "text" in doc, "input" in doc
+        if has_text and has_input:
+            raise ValueError(f"doc {i}: give either 'text' + 'mentions' or a KILT 'input', not both")
+        if has_text:
+            mentions.extend(_span_mentions(i, doc))
+        elif has_input:
+            mentions.append(_kilt_mention(i, doc))
+        else:
+            raise ValueError(f"doc {i}: field 'text': missing (give 'text' + 'mentions', or a KILT 'input' "
+                             f"with {START_ENT} ... {END_ENT})")
+    return mentions
+
+
+def parse_brackets(line: str) -> dict[str, Any]:
+    """``"Paris is in [France] ."`` -> ``{"text": "Paris is in France .", "mentions": [[12, 18]]}``.
+
+    A line with KILT markers is passed on as ``{"input": line}``. Brackets cannot nest;
+    a line without a bracketed mention, or with an unbalanced bracket, is refused.
+    """
+    if START_ENT in line or END_ENT in line:
+        return {"input": line}
+    text: list[str] = []
+    spans: list[list[int]] = []
+    start = None
+    pos = 0
+    for c in line:
+        if c == "[":
+            if start is not None:
+                raise ValueError(f"nested '[': {line!r}")
+            start = pos
+        elif c == "]":
+            if start is None:
+                raise ValueError(f"']' without '[': {line!r}")
+            spans.append([start, pos])
+            start = None
+        else:
+            text.append(c)
+            pos += 1
+    if start is not None:
+        raise ValueError(f"'[' without ']': {line!r}")
+    if not spans:
+        raise ValueError(f"mark at least one mention with [brackets] (or {START_ENT} ... {END_ENT}): {line!r}")
+    return {"text": "".join(text), "mentions": spans}

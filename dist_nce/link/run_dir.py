@@ -1,0 +1,117 @@
+"""Where a trained run keeps what linking needs, and the KB index built from it.
+
+``jobs/aida_finetune.py`` leaves in ``runs/<name>/<time>/``::
+
+    model/          the retriever (Retriever.save_pretrained: both encoders, tokenizer, manifest)
+    kb_snapshot/    the KB embeddings of the final index (dist_nce.index.export), rows = store rows
+    shards/         the shards' persisted versions the snapshot was exported from
+    summary.json    the run's config: data.prepared_dir (the prepared store), service (the shards)
+
+:func:`locate` finds these; :func:`snapshot_index` loads the snapshot into an in-process
+:class:`~dist_nce.index.search.ShardIndex` after checking that it belongs to this store
+(row count, source ids) and, where the shard manifests it came from are still there, to
+this model's entity encoder (a snapshot of other weights would rank by stale vectors).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dist_nce.artifacts import MANIFEST, ArtifactMismatch, read_manifest
+from dist_nce.index.export import KIND as SNAPSHOT_KIND
+from dist_nce.index.export import SCHEMA_VERSION as SNAPSHOT_SCHEMA
+from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.modeling.scoring import Reps, ScoreSpec
+
+MODEL_DIR = "model"
+SNAPSHOT_DIR = "kb_snapshot"
+SHARDS_DIR = "shards"
+SUMMARY = "summary.json"
+
+
+@dataclass(frozen=True)
+class RunArtifacts:
+    """Paths of one run; ``snapshot`` None when the run exported none; ``service`` the run's
+    ``service`` config section (a dict, or None without a summary)."""
+
+    run_dir: Path
+    model: Path
+    store: Path
+    snapshot: Path | None
+    service: dict[str, Any] | None
+
+
+def locate(run_dir: str | os.PathLike, store: str | os.PathLike | None = None) -> RunArtifacts:
+    """The artifacts of ``run_dir``; ``store`` overrides the summary's ``data.prepared_dir``."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: run directory not found (jobs/aida_finetune.py writes runs/<name>/<time>)")
+    model = run / MODEL_DIR
+    if not (model / MANIFEST).is_file():
+        raise FileNotFoundError(f"{model}: no exported retriever (model/manifest.json); did the run finish with "
+                                "run.export on?")
+    summary: dict[str, Any] = {}
+    if (run / SUMMARY).is_file():
+        summary = json.loads((run / SUMMARY).read_text(encoding="utf-8"))
+    config = summary.get("config") or {}
+    if store is None:
+        store = (config.get("data") or {}).get("prepared_dir")
+        if store is None:
+            raise FileNotFoundError(f"{run / SUMMARY}: missing or without config.data.prepared_dir; give the "
+                                    "prepared store (store=... / --store)")
+        if not Path(store).is_absolute():  # the job resolves it; an older summary may not have
+            store = run / store
+    store = Path(store)
+    if not (store / MANIFEST).is_file():
+        raise FileNotFoundError(f"{store}: prepared store not found (no manifest.json)")
+    snapshot = run / SNAPSHOT_DIR
+    return RunArtifacts(run, model, store, snapshot if (snapshot / MANIFEST).is_file() else None,
+                        config.get("service"))
+
+
+def _check_snapshot(snapshot: Path, manifest: dict, store: Any, encoder_fingerprint: str | None) -> None:
+    n = store.num_entities
+    if manifest.get("num_entities") != n:
+        raise ArtifactMismatch(f"{snapshot}: {manifest.get('num_entities')} entities, the store {store.path} has {n}")
+    with open(snapshot / manifest["files"]["ids"], encoding="utf-8") as f:
+        first = f.readline().strip()
+        last = first
+        for line in f:
+            last = line
+    want = store.source_ids(np.array([0, n - 1]))
+    if [first, last.strip()] != want:
+        raise ArtifactMismatch(f"{snapshot}/ids.txt: rows 0 and {n - 1} are {[first, last.strip()]}, the store "
+                               f"{store.path} has {want}: the snapshot indexes another KB")
+    if encoder_fingerprint is None:
+        return
+    for part in manifest.get("parts", []):
+        part_manifest = Path(part["dir"]) / MANIFEST
+        if not part_manifest.is_file():
+            continue  # the shard directory was moved or pruned: only the store checks above apply
+        got = json.loads(part_manifest.read_text(encoding="utf-8")).get("encoder_fingerprint")
+        if got is not None and got != encoder_fingerprint:
+            raise ArtifactMismatch(f"{part['dir']}: the snapshot was encoded by other entity-encoder weights "
+                                   f"({got}) than the model's ({encoder_fingerprint}); use kb: encode")
+
+
+def snapshot_index(snapshot: str | os.PathLike, store: Any, spec: ScoreSpec, config: IndexConfig,
+                   encoder_fingerprint: str | None = None) -> ShardIndex:
+    """An in-process index over every row of ``store`` from an exported snapshot.
+
+    The snapshot holds vecs [N, d] (dual/poly), [N, m, d] + mask.npy (multi-m/genpoly) or
+    [N, T, d] + mask (SOM), row i = store row i; the index answers global store rows.
+    """
+    snapshot = Path(snapshot)
+    manifest = read_manifest(snapshot, SNAPSHOT_KIND, SNAPSHOT_SCHEMA)
+    _check_snapshot(snapshot, manifest, store, encoder_fingerprint)
+    vecs = torch.from_numpy(np.load(snapshot / manifest["files"]["embeddings"]).astype(np.float32, copy=False))
+    mask = None
+    if "mask" in manifest["files"]:
+        mask = torch.from_numpy(np.load(snapshot / manifest["files"]["mask"]))
+    return ShardIndex(spec, Reps(vecs, mask), 0, config, int(manifest.get("version", 0)))

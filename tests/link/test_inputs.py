@@ -1,0 +1,72 @@
+"""Input forms and their refusals (pure)."""
+from __future__ import annotations
+
+import pytest
+
+from dist_nce.link.inputs import parse_brackets, parse_docs
+
+
+def test_spans_cut_left_mention_right():
+    (a, b) = parse_docs([{"text": "Paris is in  France .", "mentions": [[13, 19], [0, 5]]}])
+    assert (a.doc, a.span, a.record.left, a.record.mention, a.record.right) == (0, (13, 19), "Paris is in",
+                                                                                  "France", ".")
+    assert (b.record.left, b.record.mention, b.record.right) == ("", "Paris", "is in  France .")
+
+
+def test_kilt_input_uses_the_kilt_reader_cut():
+    (m,) = parse_docs([{"id": "q1", "input": "left side [START_ENT] Big Apple [END_ENT] right side"}])
+    assert (m.span, m.record.mention_id, m.record.left, m.record.mention, m.record.right) == (
+        None, "q1", "left side", "Big Apple", "right side")
+
+
+@pytest.mark.parametrize("docs, needle", [
+    ([{"text": "Paris"}], "doc 0: field 'mentions': missing"),
+    ([{"text": "ok", "mentions": [[0, 1]]}, {"text": "Paris", "mentions": [[2, 9]]}],
+     "doc 1: field 'mentions[0]': span [2, 9) is outside the text"),
+    ([{"text": "Paris", "mentions": [[3, 3]]}], "doc 0: field 'mentions[0]'"),
+    ([{"text": "Paris", "mentions": [[-1, 2]]}], "doc 0: field 'mentions[0]'"),
+    ([{"text": "Paris", "mentions": [[0, True]]}], "expected [start, end] integers"),
+    ([{"text": "a  b", "mentions": [[1, 3]]}], "holds only whitespace"),
+    ([{"text": "   ", "mentions": [[0, 1]]}], "doc 0: field 'text': empty text"),
+    ([{"text": 3, "mentions": [[0, 1]]}], "doc 0: field 'text': expected a string"),
+    ([{"text": "Paris", "mentions": []}], "doc 0: field 'mentions': expected a non-empty list"),
+    ([{"mentions": [[0, 1]]}], "doc 0: field 'text': missing"),
+    ([{"text": "a", "mentions": [[0, 1]], "input": "x"}], "not both"),
+    ([{"input": "no markers"}], "doc 0: field 'input': expected exactly one [START_ENT]"),
+    ([{"input": "a [END_ENT] b [START_ENT] c"}], "doc 0: field 'input': [END_ENT] comes before"),
+    (["Paris"], "doc 0: expected an object"),
+    ([], "no documents"),
+])
+def test_bad_docs_name_the_doc_and_field(docs, needle):
+    with pytest.raises(ValueError) as e:
+        parse_docs(docs)
+    assert needle in str(e.value)
+
+
+def test_brackets():
+    assert parse_brackets("Paris is in [France] and [Europe].") == {
+        "text": "Paris is in France and Europe.", "mentions": [[12, 18], [23, 29]]}
+    assert parse_brackets("a [START_ENT] b [END_ENT]") == {"input": "a [START_ENT] b [END_ENT]"}
+    for bad, needle in (("no mention", "mark at least one"), ("a [b", "without ']'"), ("a] b", "without '['"),
+                        ("[a [b]]", "nested")):
+        with pytest.raises(ValueError, match="") as e:
+            parse_brackets(bad)
+        assert needle in str(e.value)
+
+
+def test_the_serve_config_is_loopback_and_its_args_are_a_serve_config():
+    from pathlib import Path
+
+    import yaml
+
+    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.link.config import ServeConfig
+
+    text = (Path(__file__).resolve().parents[2] / "configs" / "serve" / "link.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    assert cfg["http_options"]["host"] == "127.0.0.1"
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "dist_nce.link.serve:build_app"
+    assert from_dict(ServeConfig, app["args"]).link.k == 10
+    with pytest.raises(ConfigError, match="max_batch: unknown key"):
+        from_dict(ServeConfig, {**app["args"], "max_batch": 3})

@@ -1,0 +1,87 @@
+"""jobs/link.py as a user runs it (a subprocess): one sentence, JSONL batch, KILT guesses, interactive."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_job(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "jobs/link.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, input=stdin, env=env)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_run):
+    from dist_nce.link import Linker
+
+    return Linker.from_pretrained(tiny_run, k=3, progress=False)
+
+
+def test_one_sentence_prints_the_ranked_entities(tiny_run, api):
+    r = run_job("--run", str(tiny_run), "--k", "3", "--text", "Tulsa lies in [Oklahoma] near [Arkansas] .")
+    assert r.returncode == 0, r.stderr
+    want = api.link([{"text": "Tulsa lies in Oklahoma near Arkansas .", "mentions": [[14, 22], [28, 36]]}])[0]
+    lines = r.stdout.splitlines()
+    assert lines[0] == "'Oklahoma' [14, 22)" and lines[4] == "'Arkansas' [28, 36)"
+    for block, m in ((lines[1:4], want["mentions"][0]), (lines[5:8], want["mentions"][1])):
+        for rank, (line, e) in enumerate(zip(block, m["entities"]), 1):
+            assert line.split()[0] == f"{rank}." and f" {e['title']} " in line and f"id {e['id']} " in line
+
+
+@pytest.mark.slow
+def test_batch_jsonl_equals_the_python_api_and_kilt_guesses(tiny_run, api, dev_file, tmp_path):
+    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")]
+    docs.append({"text": "Paris is in France .", "mentions": [[12, 18], [0, 5]]})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in docs) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = run_job("--run", str(tiny_run), "--k", "3", "--input", str(src), "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"linked {len(docs) + 1} mentions in {len(docs)} documents" in r.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    want = api.link(docs)
+    assert [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in got] == \
+        [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in want]
+    # KILT guess lines: one per id, answer = top-1 title, provenance = the ranked ids
+    guess = tmp_path / "guess.jsonl"
+    r = run_job("--run", str(tiny_run), "--k", "3", "--input", str(dev_file), "--output", str(guess),
+                "--format", "kilt", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in guess.read_text().splitlines()]
+    assert [g["id"] for g in lines] == [d["id"] for d in docs[:-1]]
+    for g, w in zip(lines, want):
+        ents = w["mentions"][0]["entities"]
+        assert g["output"][0]["answer"] == ents[0]["title"]
+        assert [p["wikipedia_id"] for p in g["output"][0]["provenance"]] == [e["id"] for e in ents]
+
+
+def test_bad_input_is_named_by_file_and_line(tiny_run, tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"text": "ok", "mentions": [[0, 2]]}) + "\n" +
+                   json.dumps({"text": "Paris", "mentions": [[0, 9]]}) + "\n")
+    r = run_job("--run", str(tiny_run), "--input", str(src))
+    assert r.returncode == 2 and f"{src}:2: field 'mentions[0]': span [0, 9) is outside" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_job("--run", str(tiny_run), "--text", "no brackets here")
+    assert r.returncode == 2 and "mark at least one mention" in r.stderr
+    r = run_job("--run", str(tiny_run), "--set", "kk=1", "--text", "[a]")
+    assert r.returncode == 2 and "kk: unknown key for LinkConfig" in r.stderr
+
+
+def test_interactive_reads_stdin_and_survives_a_bad_line(tiny_run, api):
+    r = run_job("--run", str(tiny_run), "--k", "2", "--interactive",
+                stdin="Paris is in [France] .\nbad [line\n\nthe [Alps] are high\n")
+    assert r.returncode == 0, r.stderr
+    assert "error: '[' without ']'" in r.stderr
+    heads = [line for line in r.stdout.splitlines() if not line.startswith(" ")]
+    assert heads == ["'France' [12, 18)", "'Alps' [4, 8)"]
+    top = api.link([{"text": "the Alps are high", "mentions": [[4, 8]]}], k=2)[0]["mentions"][0]["entities"][0]
+    assert f" {top['title']} " in r.stdout.splitlines()[-2]

@@ -1,0 +1,161 @@
+"""The Ray Serve app against a real local Serve, through a real HTTP client; the service searcher."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_run, tiny_reranker):
+    from ray import serve
+
+    from dist_nce.link.serve import build_app, start_local
+    from dist_nce.runtime import free_port
+
+    port = free_port()
+    start_local(port)
+    args = {"run": str(tiny_run), "link": {"k": 3}, "replica_cpus": 0.25, "max_request_bytes": 20_000,
+            "max_mentions": 8, "max_batch_size": 16}
+    serve.run(build_app(args), name="link", route_prefix="/link")
+    serve.run(build_app({**args, "link": {"k": 3, "reranker": str(tiny_reranker)}}), name="rerank",
+              route_prefix="/rerank")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def entity_rows(docs: list[dict]) -> list:
+    return [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in docs]
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    assert entity_rows(got) == entity_rows(want)
+    for g, w in zip(got, want):
+        for gm, wm in zip(g["mentions"], w["mentions"]):
+            assert (gm["span"], gm["mention"]) == (wm["span"], wm["mention"])
+            for key in ("score", "rerank_score"):
+                if key in wm["entities"][0]:
+                    np.testing.assert_allclose([e[key] for e in gm["entities"]], [e[key] for e in wm["entities"]],
+                                               atol=1e-4)
+
+
+def test_http_answers_equal_the_python_api(server, tiny_run, tiny_reranker, dev_file):
+    from dist_nce.link import Linker
+
+    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:6]
+    docs.append({"text": "Tulsa lies in Oklahoma near Arkansas .", "mentions": [[14, 22], [28, 36]]})
+    status, got = post(f"{server}/link", {"docs": docs})
+    assert status == 200, got
+    assert_same(got["docs"], Linker.from_pretrained(tiny_run, k=3, progress=False).link(docs))
+    status, got = post(f"{server}/rerank", {"docs": docs[:3], "k": 3})
+    assert status == 200, got
+    want = Linker.from_pretrained(tiny_run, k=3, progress=False, reranker=str(tiny_reranker)).link(docs[:3])
+    assert "rerank_score" in got["docs"][0]["mentions"][0]["entities"][0]
+    assert_same(got["docs"], want)
+
+
+def test_a_dev_mention_gets_the_same_top1_from_api_job_and_serve(server, tiny_run, dev_file, tmp_path):
+    from dist_nce.link import Linker
+
+    line = json.loads(open(dev_file, encoding="utf-8").readline())
+    doc = {"id": line["id"], "input": line["input"]}
+    api = Linker.from_pretrained(tiny_run, k=3, progress=False).link([doc])[0]["mentions"][0]["entities"][0]
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps(doc) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "jobs/link.py", "--run", str(tiny_run), "--input", str(src), "--output",
+                        str(out), "--k", "3"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    job = json.loads(out.read_text())["mentions"][0]["entities"][0]
+    status, got = post(f"{server}/link", doc)
+    assert status == 200, got
+    http = got["docs"][0]["mentions"][0]["entities"][0]
+    assert (api["id"], api["title"]) == (job["id"], job["title"]) == (http["id"], http["title"])
+
+
+def test_200_concurrent_requests_all_succeed(server):
+    words = "Tulsa lies in Oklahoma near Arkansas and the Ozark mountains".split()
+
+    def one(i: int) -> tuple[int, float, dict]:
+        a = i % (len(words) - 1)
+        text = " ".join(words)
+        start = sum(len(w) + 1 for w in words[:a])
+        doc = {"text": text, "mentions": [[start, start + len(words[a])]]}
+        t0 = time.perf_counter()
+        status, body = post(f"{server}/link", {"docs": [doc]})
+        return status, time.perf_counter() - t0, body
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(200)))
+    bad = [(s, b) for s, _, b in results if s != 200]
+    assert not bad, bad[:3]
+    assert all(len(b["docs"][0]["mentions"][0]["entities"]) == 3 for _, _, b in results)
+    # the same request always gets the same ranking, however it was batched
+    by_mention = {}
+    for i, (_, _, b) in enumerate(results):
+        by_mention.setdefault(i % (len(words) - 1), set()).add(tuple(entity_rows(b["docs"])[0][0]))
+    assert all(len(v) == 1 for v in by_mention.values())
+    lat = sorted(t for _, t, _ in results)
+    p50, p99 = statistics.median(lat), lat[int(0.99 * (len(lat) - 1))]
+    print(f"\n200 concurrent requests (32 client threads): p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    good = {"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}]}
+    cases = [
+        ({"docs": [{"text": "Paris is in France ."}]}, 422, "doc 0: field 'mentions': missing"),
+        ({"docs": [{"text": "Paris", "mentions": [[0, 1]]}, {"text": "Paris", "mentions": [[3, 40]]}]}, 422,
+         "doc 1: field 'mentions[0]': span [3, 40) is outside the text"),
+        ({"docs": [{"text": "", "mentions": [[0, 1]]}]}, 422, "doc 0: field 'text': empty text"),
+        ({"docs": [{"text": "x " * 20_000, "mentions": [[0, 1]]}]}, 413, "limit is 20000"),
+        ({"docs": [{"text": "a b c d e f g h i", "mentions": [[2 * i, 2 * i + 1] for i in range(9)]}]}, 413,
+         "9 mentions in one request; the limit is 8"),
+        (b"{not json", 400, "body is not JSON"),
+        ({"docs": "Paris"}, 400, "expected {'docs': [...]}"),
+        ({"docs": [good["docs"][0]], "k": 0}, 422, "k must be an integer in [1, 60]"),
+        ({"docs": [], "kk": 3}, 400, "unknown request field(s) ['kk']"),
+    ]
+    for body, status, needle in cases:
+        got_status, got = post(f"{server}/link", body)
+        assert (got_status, needle in got.get("error", "")) == (status, True), (body if len(str(body)) < 200 else
+                                                                                  status, got_status, got)
+        ok_status, ok = post(f"{server}/link", good)
+        assert ok_status == 200 and ok["docs"][0]["mentions"][0]["mention"] == "France"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{server}/link", timeout=60)  # GET
+    assert e.value.code == 405
+
+
+def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, dev_file, tmp_path):
+    from dist_nce.link import Linker
+
+    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")]
+    local = Linker.from_pretrained(tiny_run, k=4, progress=False).link(docs)
+    service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards")}
+    with Linker.from_pretrained(tiny_run, k=4, progress=False, searcher="service", service=service) as linker:
+        assert linker.searcher.num_shards == 2
+        assert entity_rows(linker.link(docs)) == entity_rows(local)
