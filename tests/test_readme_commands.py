@@ -25,6 +25,8 @@ models or .venv; git's working-tree content, so uncommitted edits are what is te
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -111,6 +113,12 @@ RULES: list[tuple[str, str, str]] = [
      "on the store the README's prepare command makes and a tiny retriever at runs/x/model"),
     ("run", r"python -m kb\.synthetic (kilt|zeshel) .*", "as written"),
     ("run", r"python jobs/bias_experiment\.py .*", "as written (~10 s)"),
+    ("link", r"(\.venv/bin/)?python jobs/link\.py --run \$RUN .*",
+     "needs the demo's run: arguments parsed by the job's own parser, inputs are files make demo writes "
+     "(tests/link runs the job on a tiny exported run)"),
+    ("link", r"RAY_AUTH_MODE=token (\.venv/bin/)?serve run \S+( run=\$RUN)?",
+     "the import path or YAML resolves to the Serve application (tests/link/test_serve.py serves it)"),
+    ("link", r"curl -s -X POST http://127\.0\.0\.1:8000/ .*", "loopback; the body is a valid link request"),
 ]
 
 
@@ -298,6 +306,37 @@ def check_ray(root: Path, cmd: Command) -> None:
         dry_run(root, inner, cmd)
 
 
+# --- link -------------------------------------------------------------------------------------------------
+
+def check_link(root: Path, cmd: Command) -> None:
+    words = list(cmd.words)
+    if words[0] == "curl":
+        from dist_nce.link.inputs import parse_docs
+
+        body = json.loads(words[words.index("-d") + 1])
+        assert set(body) <= {"docs", "k"} and parse_docs(body["docs"]), cmd
+        return
+    if words[0] == "RAY_AUTH_MODE=token":  # serve run <import path or YAML> [run=$RUN]
+        target = words[3]
+        if target.endswith((".yaml", ".yml")):
+            import yaml
+
+            apps = yaml.safe_load((root / target).read_text())["applications"]
+            target = apps[0]["import_path"]
+            assert apps[0].get("route_prefix", "/") and "0.0.0.0" not in (root / words[3]).read_text(), cmd
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), cmd
+        return
+    job = importlib.import_module("jobs.link") if (REPO / "jobs" / "__init__.py").exists() else None
+    if job is None:
+        spec = importlib.util.spec_from_file_location("readme_link_job", root / "jobs" / "link.py")
+        job = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(job)
+    args = job.parse_args([w.replace("$RUN", "runs/demo/T/") for w in words[2:]])
+    if args.input:  # a file `make demo` writes (the demo's synthetic KILT AIDA dev split)
+        assert args.input.startswith("data/demo/synthetic/") and args.input.endswith("-kilt.jsonl"), cmd
+
+
 # --- make -------------------------------------------------------------------------------------------------
 
 def check_make(root: Path, cmd: Command) -> None:
@@ -407,6 +446,8 @@ def test_readme_command(cmd: Command, kind: str, clone: Path, tmp_path: Path):
         dry_run(clone, cmd.words, cmd)
     elif kind == "run":
         run(clone, cmd)
+    elif kind == "link":
+        check_link(clone, cmd)
     elif kind == "shell":
         home = tmp_path / "home"
         home.mkdir()
