@@ -327,11 +327,9 @@ def check_link(root: Path, cmd: Command) -> None:
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), cmd
         return
-    job = importlib.import_module("jobs.link") if (REPO / "jobs" / "__init__.py").exists() else None
-    if job is None:
-        spec = importlib.util.spec_from_file_location("readme_link_job", root / "jobs" / "link.py")
-        job = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(job)
+    spec = importlib.util.spec_from_file_location("readme_link_job", root / "jobs" / "link.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
     args = job.parse_args([w.replace("$RUN", "runs/demo/T/") for w in words[2:]])
     if args.input:  # a file `make demo` writes (the demo's synthetic KILT AIDA dev split)
         assert args.input.startswith("data/demo/synthetic/") and args.input.endswith("-kilt.jsonl"), cmd
