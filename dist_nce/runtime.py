@@ -18,6 +18,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -59,6 +60,24 @@ def configure_process(threads: int | None = 1) -> None:
     """Everything a worker, actor or job process applies at its start."""
     configure_threads(threads)
     configure_faiss()
+
+
+def pin_jit_builds() -> None:
+    """Make DeepSpeed's JIT-built C++ ops build once per interpreter, not once per caller.
+
+    On a CPU accelerator DeepSpeed compiles its shared-memory allreduce op at every process
+    group's start (1-2 min on 2 cores) unless torch's build cache is current. torch re-runs
+    ``ninja`` from PATH on each load with a build directory in ~/.cache shared by every venv:
+    processes whose PATH finds the system's ninja (1.11) and those finding the venv's (1.13,
+    another log hash), or two venvs (the README tests' fresh clones), each see the other's
+    build as stale and rebuild it, again and again. Pinned to this interpreter: its own ninja
+    first on PATH and a build directory inside its prefix (``TORCH_EXTENSIONS_DIR`` if unset).
+    """
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.exists(os.path.join(bin_dir, "ninja")) and path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 def has_cuda() -> bool:

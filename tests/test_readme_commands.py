@@ -116,7 +116,7 @@ RULES: list[tuple[str, str, str]] = [
     ("link", r"(\.venv/bin/)?python jobs/link\.py --run \$RUN .*",
      "needs the demo's run: arguments parsed by the job's own parser, inputs are files make demo writes "
      "(tests/link runs the job on a tiny exported run)"),
-    ("link", r"RAY_AUTH_MODE=token (\.venv/bin/)?serve run \S+( run=\$RUN)?",
+    ("link", r"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (\.venv/bin/)?serve run \S+( run=\$RUN)?",
      "the import path or YAML resolves to the Serve application (tests/link/test_serve.py serves it)"),
     ("link", r"curl -s -X POST http://127\.0\.0\.1:8000/ .*", "loopback; the body is a valid link request"),
 ]
@@ -317,13 +317,15 @@ def check_link(root: Path, cmd: Command) -> None:
         assert set(body) <= {"docs", "k"} and parse_docs(body["docs"]), cmd
         return
     if words[0] == "RAY_AUTH_MODE=token":  # serve run <import path or YAML> [run=$RUN]
-        target = words[3]
+        # the local Ray that `serve run` starts stays on loopback only with this variable
+        assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in words, cmd
+        target = words[words.index("run") + 1]
         if target.endswith((".yaml", ".yml")):
             import yaml
 
-            apps = yaml.safe_load((root / target).read_text())["applications"]
-            target = apps[0]["import_path"]
-            assert apps[0].get("route_prefix", "/") and "0.0.0.0" not in (root / words[3]).read_text(), cmd
+            config = yaml.safe_load((root / target).read_text())
+            assert config["http_options"]["host"] == "127.0.0.1", cmd
+            target = config["applications"][0]["import_path"]
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), cmd
         return

@@ -90,3 +90,24 @@ def test_forget_stopped_head_removes_only_that_heads_record(tmp_path, monkeypatc
     record.write_text("127.0.0.1:40001")
     assert not forget_stopped_head(6379) and record.exists()  # another head's record stays
     assert forget_stopped_head(40001) and not record.exists()
+
+
+def test_jit_builds_are_pinned_to_this_interpreter(tmp_path, monkeypatch):
+    """The venv's ninja comes first on PATH (once), the build cache lives in the venv, and a
+    TORCH_EXTENSIONS_DIR the user set is kept."""
+    import os
+
+    from dist_nce.runtime import pin_jit_builds
+
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", "/usr/bin" + os.pathsep + bin_dir)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    pin_jit_builds()
+    pin_jit_builds()
+    parts = os.environ["PATH"].split(os.pathsep)
+    assert os.path.exists(os.path.join(bin_dir, "ninja"))  # deepspeed depends on ninja
+    assert parts[0] == bin_dir and parts.count(bin_dir) == 2, parts
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    pin_jit_builds()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)

@@ -1,6 +1,6 @@
 """The linker over HTTP: a Ray Serve application of three deployments.
 
-    serve run configs/serve/link.yaml              # after setting applications[0].args.run
+    RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run configs/serve/link.yaml  # set args.run first
     curl -s -X POST http://127.0.0.1:8000/link -H 'Content-Type: application/json' \\
         -d '{"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}], "k": 5}'
 
@@ -63,11 +63,44 @@ def stack_reps(parts: list[tuple[np.ndarray, np.ndarray | None]]) -> Reps:
     return Reps(torch.from_numpy(vecs), torch.from_numpy(mask))
 
 
+def keep_replica_grpc_on_loopback() -> bool:
+    """Make this Serve replica's inter-deployment gRPC server listen on loopback when the
+    cluster is loopback-only; True if it will.
+
+    Ray Serve 2.60 binds that server on ``[::]`` (every interface) whatever the cluster's
+    addresses are, so a replica of a local, loopback-only Ray (how this project starts one,
+    and what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes ``serve run`` start) would accept
+    unauthenticated calls from the network. On such a node every caller is on this machine,
+    so the port is bound to 127.0.0.1 instead. A node with a routable address (a real
+    multi-node cluster) is left as Ray binds it. Called first in each deployment's
+    ``__init__``: Serve constructs the user class before it starts the gRPC server.
+    """
+    import ray
+    from ray.serve._private import replica
+
+    if ray.util.get_node_ip_address() not in ("127.0.0.1", "::1"):
+        return False
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None:  # another Ray version: nothing to redirect (tests/link checks listeners)
+        return False
+    if getattr(bind, "loopback_only", False):
+        return True
+
+    def bind_loopback(server, address: str):
+        host, _, port = address.rpartition(":")
+        return bind(server, f"127.0.0.1:{port}" if host in ("[::]", "0.0.0.0", "") else address)
+
+    bind_loopback.loopback_only = True
+    replica.add_port_to_grpc_server = bind_loopback
+    return True
+
+
 @serve.deployment
 class MentionEncoder:
     """Token rows -> mention vectors; concurrent calls are encoded in one batch."""
 
     def __init__(self, model_dir: str, device: str, max_batch_size: int, batch_wait_timeout_s: float):
+        keep_replica_grpc_on_loopback()
         from dist_nce.modeling.retriever import Retriever
         from dist_nce.runtime import configure_process
 
@@ -96,6 +129,7 @@ class RerankerScorer:
 
     def __init__(self, reranker_dir: str, store_dir: str, device: str, pairs: int, max_batch_size: int,
                  batch_wait_timeout_s: float):
+        keep_replica_grpc_on_loopback()
         from kb.store import EntityStore
 
         from dist_nce.modeling.reranker import Reranker
@@ -153,6 +187,7 @@ class LinkIngress:
     """HTTP: parse, tokenize, encode (MentionEncoder), search, rerank (RerankerScorer), answer."""
 
     def __init__(self, encoder: Any, reranker: Any, config: dict):
+        keep_replica_grpc_on_loopback()
         from dist_nce.link.linker import Linker
         from dist_nce.runtime import configure_process
 

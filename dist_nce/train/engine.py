@@ -96,6 +96,9 @@ def build_engine(
 
     ``dist_init_required=False`` inside Ray Train, which has already made the process group.
     """
+    from dist_nce.runtime import pin_jit_builds
+
+    pin_jit_builds()  # before deepspeed.comm builds its CPU shm op
     import deepspeed
 
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")

@@ -150,6 +150,31 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     assert e.value.code == 405
 
 
+def test_nothing_listens_beyond_loopback_while_serving(server):
+    """Every listening socket of this process's tree (the local Ray, the Serve proxy, the
+    replicas' inter-deployment gRPC servers) is on loopback: none of them authenticates."""
+    import ipaddress
+
+    import psutil
+
+    listeners = []  # (pid, process title, address)
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            title = " ".join(proc.cmdline())[:80]
+            listeners += [(proc.pid, title, c.laddr) for c in proc.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip.split("%")[0])
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+    replicas = [entry for entry in listeners if "ServeReplica" in entry[1]]
+    assert replicas, f"no Serve replica listens in this process tree: {listeners}"
+    assert [entry for entry in listeners if not loopback(entry[2].ip)] == []
+
+
 def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, dev_file, tmp_path):
     from dist_nce.link import Linker
 
