@@ -28,9 +28,12 @@ def worker_resources(run: Any, gpu: bool) -> dict[str, float]:
 
 
 def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, loop_config: dict[str, Any]):
-    """A TorchTrainer running ``train_func`` on ``run.num_workers`` workers; gloo on CPUs, NCCL on GPUs."""
+    """A TorchTrainer running ``train_func`` on ``run.num_workers`` workers; gloo on CPUs, NCCL on GPUs;
+    the group meets without a network listener when all workers are on this machine."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from dist_nce.worker.process_group import LocalGroupTorchConfig
 
     run, gpu = cfg.run, use_gpu(cfg)
     return TorchTrainer(
@@ -38,7 +41,7 @@ def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, l
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=gpu,
                                      resources_per_worker=worker_resources(run, gpu)),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        torch_config=LocalGroupTorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=RunConfig(name=run.name, storage_path=storage_uri(run.storage_path),
                              failure_config=FailureConfig(max_failures=run.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=run.num_to_keep)),
