@@ -11,6 +11,11 @@ PY := $(VENV)/bin/python
 # FAISS=auto picks faiss-gpu when nvidia-smi lists a GPU; `make venv FAISS=cpu` forces one.
 FAISS ?= auto
 PYTEST_ARGS ?=
+# Two pytest processes (pytest-xdist), one test file each at a time: most of the suite waits on
+# Ray, DeepSpeed and job start-up rather than computing, so two files share the 2 cores well.
+# Module-scoped fixtures (a cluster, a trained run) stay within their file. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: venv demo zeshel test test-fast bench clean-venv
 
@@ -35,10 +40,10 @@ zeshel: venv
 	    --set data.candidates_dir=runs/zeshel_tiny/candidates
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -36,6 +36,6 @@ setup(
         "gpu": ["faiss-gpu>=1.8"],
         # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config
         # tests validate pod templates offline.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "kubernetes-validate>=1.30"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "kubernetes-validate>=1.30"],
     },
 )

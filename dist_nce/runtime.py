@@ -110,14 +110,26 @@ def ensure_auth_token(env: Mapping[str, str] | None = None) -> str:
     try:
         if path.read_text(encoding="utf-8").strip():
             return str(path)
+        empty = True
     except FileNotFoundError:
-        pass
+        empty = False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(secrets.token_hex(32))
-    os.replace(tmp, path)
+    try:
+        if empty:
+            os.replace(tmp, path)
+        else:
+            # Create-if-absent: two processes starting their first Ray at once must end with one
+            # token, the first one written; replacing it would lock out the cluster made with it.
+            os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return str(path)
 
 

@@ -14,6 +14,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def pytest_configure(config):
+    """Make the Ray token before pytest-xdist starts its workers: on a machine that has never run
+    Ray, two workers starting their first local Ray at once would each make one."""
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
+        from dist_nce.runtime import ensure_auth_token
+
+        ensure_auth_token()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     import torch

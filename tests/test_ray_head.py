@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import stat
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,19 @@ def test_ensure_auth_token_creates_a_private_token_once(tmp_path):
     assert other.read_text() != token
     assert ensure_auth_token({"RAY_AUTH_TOKEN": "abc", "HOME": str(tmp_path / "none")}) == "RAY_AUTH_TOKEN"
     assert not (tmp_path / "none").exists()
+
+
+def test_concurrent_first_runs_end_with_one_token(tmp_path):
+    """Processes creating the token at once all return the token that is on disk at the end
+    (create-if-absent), so no cluster is left holding a token that was replaced."""
+    script = ("import sys; from pathlib import Path; from dist_nce.runtime import ensure_auth_token; "
+              "print(Path(ensure_auth_token({'HOME': sys.argv[1]})).read_text())")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO) for _ in range(6)]
+    seen = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert seen == {(tmp_path / ".ray" / "auth_token").read_text()}
+    assert [f.name for f in (tmp_path / ".ray").iterdir()] == ["auth_token"]  # no temporary file left
 
 
 def _submit(address: str, headers: dict[str, str]) -> int:
