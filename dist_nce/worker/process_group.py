@@ -68,7 +68,7 @@ class LocalGroupBackend(_TorchBackend):
             return super().on_start(worker_group, backend_config)
         backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU", 0)
                                               else "gloo")
-        store_path = os.path.join(tempfile.gettempdir(), f"dist_nce_group_{uuid.uuid4().hex}")
+        store_path = self._store_path = os.path.join(tempfile.gettempdir(), f"dist_nce_group_{uuid.uuid4().hex}")
 
         def set_env(addr: str, port: int) -> None:  # read by libraries that expect a launcher's env
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
@@ -80,6 +80,12 @@ class LocalGroupBackend(_TorchBackend):
                                                    world_size=len(worker_group), store_path=store_path,
                                                    timeout_s=backend_config.timeout_s)
                  for i in range(len(worker_group))])
+
+    def on_shutdown(self, worker_group, backend_config) -> None:
+        super().on_shutdown(worker_group, backend_config)
+        path = getattr(self, "_store_path", None)
+        if path and os.path.exists(path):  # torch leaves it behind when a rank exits without leaving
+            os.remove(path)
 
 
 @dataclass
