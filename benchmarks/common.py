@@ -185,7 +185,7 @@ def vector_service(root: str | os.PathLike, n: int, d: int, shard_vectors: Calla
     config = dataclasses.replace(config, shard_dir=str(root / "shards"))
     retriever = RetrieverConfig(preset="dual", storage_dtype=storage_dtype)
     threads = torch.get_num_threads()
-    for i, (a, b) in enumerate(even_ranges(n, config.num_shards)):
+    for i, (a, b) in enumerate(even_ranges(n, config.num_shards, config.index.row_grid())):
         # A plain (non-actor) EntityShard gives the exact persisted layout and identity the actor expects.
         shard = EntityShard(str(store), (a, b), i, config.num_shards, retriever, config, str(root / "shards"), d)
         if not (reuse and 0 in shard.versions.valid_versions()):

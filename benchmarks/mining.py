@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     index_cfg.validate()
     flat = ShardIndex(DUAL, Reps(ents), 0, index_cfg)
     brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch"))
-    ranges = even_ranges(args.n, S)
+    ranges = even_ranges(args.n, S, args.block_rows if args.sampler != "dense" else 1)
     parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
 
     def with_sampler(index: ShardIndex, name: str) -> ShardIndex:

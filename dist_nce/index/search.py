@@ -110,6 +110,11 @@ class IndexConfig:
             raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
                              f"({self.chunk_rows}) with sampler 'block'")
 
+    def row_grid(self) -> int:
+        """Rows a shard boundary must be a multiple of: ``block_rows`` for the block sampler
+        (its blocks must not straddle shards for sharded == flat bit for bit), else 1."""
+        return self.block_rows if self.sampler == "block" else 1
+
     def gumbel_mode(self) -> str:
         if self.gumbel != "auto":
             return self.gumbel
