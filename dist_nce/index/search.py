@@ -52,8 +52,8 @@ from dist_nce.index import faiss_backend
 from dist_nce.index.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
     score_candidates
-from dist_nce.index.block_gumbel import BlockSet, block_log_mass, block_maxima, keep_best_blocks, rows_from_blocks
-from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold
+from dist_nce.index.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
+from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold_
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
@@ -210,23 +210,19 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, entities: Reps, row_start: int
     if block_rows < 1 or chunk_rows % block_rows:
         raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
     batch, n = q.vecs.shape[0], entities.vecs.shape[0]
-    kept, log_z = None, torch.full((batch,), float("-inf"), dtype=torch.float64, device=q.vecs.device)
+    stream = BlockStream(k, seed, query_keys, block_rows)
     for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
         block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
-        scores = mask_gold(score_all(spec, q, block).float(), gold, b0)
+        scores = score_all(spec, q, block)
+        scores = mask_gold_(scores if scores.dtype == torch.float32 else scores.float(), gold, b0)  # no copy
         scores[:, :lo - b0] = float("-inf")
         scores[:, hi - b0:] = float("-inf")
         j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
         blocks = scores.view(batch, chunk_rows // block_rows, block_rows)
         counters = (b0 + block_rows * torch.arange(j0, j1, device=scores.device)).clamp(min=lo)
         log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
-        top = block_maxima(log_mass, counters, seed, query_keys)
-        log_z = torch.logaddexp(log_z, torch.logsumexp(log_mass, dim=1))
-        kept = keep_best_blocks(kept, BlockSet(top, counters.expand(batch, -1), blocks[:, j0:j1]), k)
-    if kept is None:  # empty shard
-        kept = BlockSet(log_z.new_zeros((batch, 0)), torch.zeros((batch, 0), dtype=torch.int64, device=log_z.device),
-                        torch.zeros((batch, 0, block_rows), device=log_z.device))
-    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
+        stream.add(blocks[:, j0:j1], log_mass, counters)
+    return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
 
 
 def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:

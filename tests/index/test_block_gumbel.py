@@ -127,6 +127,41 @@ def test_block_sampler_draws_noise_for_kept_blocks_only(monkeypatch):
     assert sum(drawn) == batch * (n // b + k * b)  # N/b block maxima + (K-1) x b rows per query
 
 
+def test_block_log_mass_is_the_float64_logsumexp_to_float32_rounding():
+    blocks = torch.randn(3, 40, 128, generator=gen(20)) * 8
+    blocks[0, 1] = INF  # a dead block
+    blocks[1, 2, :100] = INF  # a partly masked one
+    blocks[2, 3] += 60  # far from 0: the max shift matters
+    got, want = bg.block_log_mass(blocks), torch.logsumexp(blocks.double(), dim=-1)
+    assert got.dtype == torch.float64 and got[0, 1] == INF
+    live = want > INF
+    assert float((got[live] - want[live]).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("k,chunk", [(5, 3), (5, 1), (40, 7), (1, 4)])
+def test_block_stream_keeps_what_the_copying_reference_keeps(k, chunk):
+    # BlockStream copies only blocks reaching the running k-th T; keep_best_blocks copies every
+    # kept block at every chunk (the simple reference): same blocks, same bits.
+    batch, nb, b = 6, 37, 4
+    g = gen(21 + k)
+    blocks = torch.randn(batch, nb, b, generator=g) * 3
+    blocks[0, 5:9] = INF  # dead blocks
+    blocks[1] = INF  # a query with nothing eligible: T = -inf ties everywhere
+    counters = torch.arange(nb) * b
+    keys = torch.arange(batch) + 50
+    stream, ref = bg.BlockStream(k, 3, keys, b), None
+    for a in range(0, nb, chunk):
+        part, mass = blocks[:, a:a + chunk], bg.block_log_mass(blocks[:, a:a + chunk])
+        stream.add(part, mass, counters[a:a + chunk])
+        top = bg.block_maxima(mass, counters[a:a + chunk], 3, keys)
+        ref = bg.keep_best_blocks(ref, bg.BlockSet(top, counters[a:a + chunk].expand(batch, -1), part), k)
+    got = stream.finish()
+    for x, y in zip(got, ref):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(stream.log_z, torch.logsumexp(bg.block_log_mass(blocks), 1), rtol=1e-12, atol=0)
+    assert sum(s.shape[0] for s in stream._scores) < batch * nb or k * chunk >= nb  # it did skip blocks
+
+
 # ----------------------------------------------------------------- sharded == flat
 
 
