@@ -75,6 +75,10 @@ class IndexConfig:
         "dtype the entity vectors are kept in (faiss: fp32 or fp16 only)", "fp32")
     compute: Literal["fp32", "fp16", "bf16"] = _help(
         "torch matmul dtype of the exact path (bf16/fp16 are for GPUs; bf16 is also fast on recent CPUs)", "fp32")
+    score_dtype: Literal["fp32", "bf16"] = _help(
+        "exact scoring precision. bf16: entity vectors stored bf16 (half the bytes), queries rounded to "
+        "bf16, products summed in fp32 (each product of two bf16 values is exact in fp32) and scores kept "
+        "fp32; sets storage and compute (leave those at fp32). torch backend only", "fp32")
     device: str = _help("torch device of the exact path: auto (cuda if available), cpu, cuda, cuda:1", "auto")
     faiss_gpu: Literal["auto", "on", "off"] = _help(
         "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
@@ -106,9 +110,21 @@ class IndexConfig:
         check_fields(self, "index")  # the loader did already; direct constructions did not
         if self.backend != "torch" and self.storage == "bf16":
             raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
+        if self.score_dtype == "bf16":
+            if self.backend != "torch":
+                raise ValueError(f"index.score_dtype bf16 needs backend 'torch' (faiss stores fp32 or fp16), got "
+                                 f"{self.backend!r}")
+            if self.storage not in ("fp32", "bf16") or self.compute != "fp32":
+                raise ValueError("index.score_dtype bf16 sets the storage (bf16) and the GEMM (bf16 values, fp32 "
+                                 f"sums): leave index.storage and index.compute at fp32, got {self.storage}/"
+                                 f"{self.compute}")
         if self.sampler == "block" and self.chunk_rows % self.block_rows:
             raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
                              f"({self.chunk_rows}) with sampler 'block'")
+
+    def storage_dtype(self) -> torch.dtype:
+        """dtype the entity vectors are held in (``score_dtype`` bf16 overrides ``storage``)."""
+        return torch.bfloat16 if self.score_dtype == "bf16" else _DTYPES[self.storage]
 
     def row_grid(self) -> int:
         """Rows a shard boundary must be a multiple of: ``block_rows`` for the block sampler
@@ -280,7 +296,7 @@ class ShardIndex:
         self.spec, self.row_start, self.version = spec, int(row_start), int(version)
         self.device = config.torch_device()
         self.compute = _DTYPES[config.compute]
-        self.entities = Reps(entities.vecs.to(self.device, _DTYPES[config.storage]),
+        self.entities = Reps(entities.vecs.to(self.device, config.storage_dtype()),
                              None if entities.mask is None else entities.mask.to(self.device))
         self.num_rows, self.dim = entities.vecs.shape[0], entities.vecs.shape[-1]
         self._faiss = self._gpu_res = self._owners = None
@@ -352,7 +368,15 @@ class ShardIndex:
             raise ValueError(f"queries must be floating with last dim d={self.dim}, got {queries.vecs.dtype} "
                              f"{list(queries.vecs.shape)}")
         _check_batch("gold", gold, queries.vecs.shape[0], (1, 2))
-        return Reps(queries.vecs.to(self.device), None if queries.mask is None else queries.mask.to(self.device))
+        vecs = queries.vecs.to(self.device)
+        if self.config.score_dtype == "bf16":
+            # bf16 values held in fp32: with the bf16 entity rows (upcast per chunk by
+            # _padded_block) every product q_i e_i is exact in fp32 and the GEMM sums in fp32,
+            # what a bf16 GEMM with fp32 accumulation and output computes, up to summation order.
+            # torch's CPU bf16 matmul would round its output to bf16 (~2^-9 relative), and this
+            # CPU (AVX2) has no bf16 units at all: the fp32 GEMM on upcast chunks is its fast path.
+            vecs = vecs.to(torch.bfloat16).float()
+        return Reps(vecs, None if queries.mask is None else queries.mask.to(self.device))
 
     def _exact(self, queries: Reps, k: int, gold: Tensor | None, seed: int | None = None,
                query_keys: Tensor | None = None) -> ShardResult:

@@ -170,13 +170,14 @@ def _shards(spec, ents: Reps, cfg: IndexConfig, layout) -> list[ShardIndex]:
             for a, b in layout]
 
 
-@pytest.mark.parametrize("storage,compute", [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("bf16", "fp32")])
-def test_sharded_block_equals_flat_for_stored_dtypes(storage, compute):
+@pytest.mark.parametrize("dtypes", [{"storage": "fp32", "compute": "fp32"}, {"storage": "bf16", "compute": "bf16"},
+                                    {"storage": "fp16", "compute": "fp32"}, {"storage": "bf16", "compute": "fp32"},
+                                    {"score_dtype": "bf16"}], ids=lambda d: "-".join(d.values()))
+def test_sharded_block_equals_flat_for_stored_dtypes(dtypes):
     e = torch.randn(203, 16, generator=gen(4))
     q = torch.randn(6, 16, generator=gen(5))
     gold, keys = torch.tensor([0, 202, 37, -1, 100, 150]), torch.arange(6) * 3
-    cfg = IndexConfig(backend="torch", chunk_rows=32, sampler="block", block_rows=8, storage=storage,
-                      compute=compute)
+    cfg = IndexConfig(backend="torch", chunk_rows=32, sampler="block", block_rows=8, **dtypes)
     flat = ShardIndex(DUAL, Reps(e), 0, cfg).gumbel_topk(q, 12, gold, 9, keys)
     # starts on the 8-row grid, not on the 32-row score grid; the gold in different shards
     for layout in ([(0, 40), (40, 48), (48, 136), (136, 203)], [(0, 200), (200, 203)], [(0, 104), (104, 203)]):
