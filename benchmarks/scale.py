@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (clustered, machine_info, print_table, process_memory, save_results,  # noqa: E402
+from benchmarks.common import (add_hygiene_args, clustered, load_guard, machine_info, print_table, process_memory, save_results,  # noqa: E402
                                unit_centres, vector_service)
 from dist_nce.index.search import IndexConfig  # noqa: E402
 from dist_nce.index.service_config import ServiceConfig  # noqa: E402
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None, help="where vectors are persisted (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (reuse it with --workdir next time)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale.json)")
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
     n, d, S, B = args.entities, args.d, args.shards, args.batch
     configure_process(threads=1)
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     raw = n * d * itemsize
     need = 2 * raw + S * 600 * 2 ** 20  # build peak (reps + faiss copy) plus the processes' floor
     avail = psutil.virtual_memory().available
-    load_before = os.getloadavg()[0]
+    guard = load_guard(args.force)
+    load_before = guard["load_average_before"]
     print(f"{n:,} x {d} {args.dtype} = {raw / 2 ** 30:.2f} GiB over {S} shards; {avail / 2 ** 30:.1f} GiB "
           f"available; load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
     if avail < need:
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "scale", "entities": n, "d": d, "dtype": args.dtype, "shards": S, "k": args.k,
         "batch": B, "in_flight": args.in_flight, "raw_bytes": raw, "vector_generation_s": gen_s[0],
         "vector_generate_and_write_s": write_s, "empty_shard_memory": floor, "memory": mem_rows,
-        "mining": mine_rows,
+        "mining": mine_rows, **guard,
         "machine": machine_info(threads_per_shard=1, load_average_before=load_before),
     }, args.out)
     print(f"wrote {out}")
