@@ -287,7 +287,7 @@ class ShardIndex:
     """
 
     def __init__(self, spec: ScoreSpec, entities: Reps, row_start: int, config: IndexConfig | None = None,
-                 version: int = 0):
+                 version: int = 0, faiss_index=None):
         self.config = config = config or IndexConfig()
         config.validate()
         if entities.vecs.dim() not in (2, 3) or not entities.vecs.is_floating_point():
@@ -301,8 +301,37 @@ class ShardIndex:
         self.num_rows, self.dim = entities.vecs.shape[0], entities.vecs.shape[-1]
         self._faiss = self._gpu_res = self._owners = None
         self._on_gpu = False
-        if config.backend != "torch":
+        if faiss_index is not None:  # from ShardIndex.filled: the reps are a view of its codes
+            self._faiss, self._owners = faiss_index, torch.arange(self.num_rows)
+        elif config.backend != "torch":
             self._build_faiss()
+
+    @classmethod
+    def filled(cls, spec: ScoreSpec, shape: tuple[int, ...], source_dtype: torch.dtype, fill,
+               row_start: int, config: IndexConfig | None = None, version: int = 0) -> "ShardIndex":
+        """A ShardIndex over single-vector reps of ``shape`` [n, d] that ``fill(out)`` writes into
+        ``out`` (an empty contiguous CPU tensor of ``shape`` and ``source_dtype``).
+
+        Memory: for a CPU faiss flat index whose codes have the source dtype (fp32 Flat, fp16
+        SQfp16) over dual reps, ``out`` IS the preallocated faiss storage, so the vectors are
+        held once at every moment of the build (the constructor holds the caller's reps and
+        faiss's copy together: 2x at its peak). Any other configuration fills a torch tensor
+        and builds as the constructor does.
+        """
+        config = config or IndexConfig()
+        config.validate()
+        n, dim = int(shape[0]), int(shape[-1])
+        direct = (len(shape) == 2 and n > 0 and config.backend == "flat" and is_inner_product(spec)
+                  and config.torch_device().type == "cpu" and config.faiss_gpu != "on"
+                  and config.storage_dtype() == source_dtype and config.storage in ("fp32", "fp16"))
+        if not direct:
+            out = torch.empty(shape, dtype=source_dtype)
+            fill(out)
+            return cls(spec, Reps(out), row_start, config, version)
+        index = faiss_backend.preallocated_flat(n, dim, config.storage)
+        view = faiss_storage_view(index, n, dim, source_dtype)
+        fill(view)
+        return cls(spec, Reps(view), row_start, config, version, faiss_index=index)
 
     # ------------------------------------------------------------------ faiss
     def _build_faiss(self) -> None:
