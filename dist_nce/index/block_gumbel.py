@@ -14,7 +14,9 @@ per query (b = ``block_rows``):
 2. **Keep the K-1 best blocks.** The maximum key of a block is the key of one of its rows,
    so a block with K-1 blocks ahead of it (by T desc, then block id asc) has K-1 rows ahead
    of each of its rows, and none of its rows is in the top K-1: every row of the top K-1
-   lies in the K-1 best blocks (:func:`keep_best_blocks`).
+   lies in the K-1 best blocks (:class:`BlockStream`; :func:`keep_best_blocks` is its simple
+   reference). L_B is one float32 pass over the scores (:func:`block_log_mass`); only blocks
+   whose T reaches the running (K-1)-th maximum have their scores copied out of the chunk.
 3. **Rows given their block maximum.** Inside a kept block, draw unconditioned keys
    phi_i = s_i + G_i with the per-row noise G_i = ``gumbel_noise(seed, query key, row)``,
    Z = max_i phi_i, and set (Kool et al. 2019, eq. 23; Maddison et al. 2014, sec. 4)

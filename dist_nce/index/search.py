@@ -33,7 +33,13 @@ logsumexp, keeps the K-1 best blocks and draws only their rows' keys, conditione
 block maximum (``block_gumbel``): the same law with noise for N/b + (K-1) b rows per query.
 Its sharded answer equals the flat one bit for bit when every shard starts on the
 ``block_rows`` grid (a shard starting inside a block samples its piece as a block of its
-own: exact, but another draw than flat).
+own: exact, but another draw than flat); ``NegativeService`` puts its shard boundaries on
+that grid (``IndexConfig.row_grid``).
+
+Scoring precision (``IndexConfig.score_dtype``, torch backend): ``bf16`` keeps the entity
+rows in bf16 (half the bytes) and rounds queries to bf16; each chunk is upcast and the
+GEMM sums the exact bf16 products in fp32, so scores are fp32 sums of bf16 products (what
+a bf16 GEMM with fp32 accumulation computes), within 2^-7 sum_i |q_i e_i| of fp32 scoring.
 """
 from __future__ import annotations
 
