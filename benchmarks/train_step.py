@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = with_absolute_paths(load_config(TrainJobConfig, args.config, [
         *args.set, "run.num_workers=1", f"run.output_dir={tmp}", "run.progress=false",
         f"refresh.mode={args.refresh}", "refresh.every_steps=0", "refresh.at_epoch_start=false",
-        f"optim.max_steps={3 * (args.steps + args.warmup)}"]))
+        f"optim.max_steps={3 * (args.steps + args.warmup) + 2 * args.rounds}"]))
     configure_process(threads=1)
     ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
     init_ray(num_cpus=2)
