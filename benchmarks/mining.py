@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="exact Gumbel sampler (index.sampler); both: the service and the baselines use dense and "
                          "the in-process Gumbel rows are repeated with block, interleaved in the same repeats")
     ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
+    ap.add_argument("--chunk-rows", type=int, default=8192, help="index.chunk_rows of the exact path (larger chunks "
+                    "amortise the block sampler's per-chunk work; must be a multiple of --block-rows)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
     ap.add_argument("--no-service", action="store_true",
                     help="in-process rows only (no Ray): the exact-vs-top-k comparison without the service rows")
@@ -153,10 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     # ---- in-process: one index on S threads; S row partitions on S Python threads of 1 BLAS thread
     # each (the service's partition without Ray); the service: S actors x 1 thread
     sampler = "dense" if args.sampler == "both" else args.sampler
-    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows)
+    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows)
     index_cfg.validate()
     flat = ShardIndex(DUAL, Reps(ents), 0, index_cfg)
-    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch"))
+    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", chunk_rows=args.chunk_rows))
     ranges = even_ranges(args.n, S, args.block_rows if args.sampler != "dense" else 1)
     parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
 
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parts_block = [with_sampler(part, "block") for part in parts]
     # bf16 scoring (index.score_dtype): its own bf16 copy of the rows (torch backend), both samplers
     bf16 = {name: ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", score_dtype="bf16", sampler=name,
-                                                              block_rows=args.block_rows)) for name in ("dense", "block")}
+                                                              block_rows=args.block_rows, chunk_rows=args.chunk_rows)) for name in ("dense", "block")}
     flat_dense = with_sampler(flat, "dense")
     pool = ThreadPoolExecutor(S)
     service = root = start_s = None
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
           f"in-process: {agreement}")
     out = save_results("mining", {
         "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
-        "sampler": args.sampler, "block_rows": args.block_rows,
+        "sampler": args.sampler, "block_rows": args.block_rows, "chunk_rows": args.chunk_rows,
         "gemm_peak_gflops": {str(t): v for t, v in peak.items()},
         "gemm_peaks": {str(t): v for t, v in peaks.items()}, "service_start_s": start_s, **guard,
         "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,
