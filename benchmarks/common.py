@@ -1,8 +1,11 @@
 """What the benchmarks share: timing, the machine's GEMM peak, machine info, JSON, tables,
 synthetic vectors, and a real NegativeService over synthetic vectors.
 
-Benchmarks compare against a baseline timed in the same run (the machine may be shared:
-read the ratios, and the load average saved beside them). A benchmark imports this
+Hygiene (issue 12): every benchmark calls :func:`load_guard` before timing anything: above
+a 1-minute load average of 1.5 it refuses to record unless ``--force``, which marks the JSON
+``"noisy": true``. Methods and their baseline are timed interleaved (A B A B ...,
+:func:`interleaved`) and stored as min / median / max; :func:`compare` calls a difference
+only when the spreads do not overlap. A benchmark imports this
 module after putting the repository root on ``sys.path``:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -52,6 +55,91 @@ def gemm_gflops(threads: int, size: int = 2048, dtype: torch.dtype = torch.float
     finally:
         torch.set_num_threads(before)
     return 2 * size ** 3 / seconds / 1e9
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 units torch uses (AVX512-BF16 / AMX): without them a bf16 GEMM
+    is emulated, ~100x slower than fp32 (this project's 2-core AMD EPYC: AVX2 only)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def gemm_peaks(threads: int) -> dict:
+    """fp32 and bf16 GEMM rates (GFLOP/s) on ``threads`` threads, measured now: the peaks a
+    benchmark's achieved GFLOP/s is read against. bf16 is measured at 2048^2 where the CPU has
+    bf16 units and at 512^2 where it is emulated (2048^2 would take minutes)."""
+    fast = native_bf16()
+    return {"fp32": gemm_gflops(threads), "bf16": gemm_gflops(threads, 2048 if fast else 512, torch.bfloat16, 3),
+            "bf16_native": fast, "threads": threads}
+
+
+# --------------------------------------------------------------------------- hygiene: load, interleaving, spread
+
+LOAD_LIMIT = 1.5  # 1-minute load average above which a run is not recorded (2 cores here)
+
+
+def add_hygiene_args(ap: Any) -> None:
+    """``--force``: run and record even when the machine is busy (the JSON is then marked noisy)."""
+    ap.add_argument("--force", action="store_true",
+                    help=f"record even if the 1-minute load average exceeds {LOAD_LIMIT} before the start "
+                         "(the JSON is marked \"noisy\": true)")
+
+
+def load_guard(force: bool, limit: float = LOAD_LIMIT, load: float | None = None) -> dict:
+    """Check the machine is idle enough to measure; call before any timing.
+
+    Returns the record every result JSON carries (``**load_guard(...)``): the 1-minute load
+    average before the start, the limit, and ``noisy`` (True when above the limit). Above
+    the limit without ``force`` it refuses: SystemExit with the reason, nothing recorded.
+    """
+    load = os.getloadavg()[0] if load is None else float(load)
+    noisy = load > limit
+    if noisy and not force:
+        raise SystemExit(f"load average {load:.2f} > {limit} on {os.cpu_count()} cores: other jobs would be "
+                         "measured too, refusing to record. Wait for an idle machine, or pass --force to record "
+                         "a run marked \"noisy\": true.")
+    if noisy:
+        print(f"WARNING: load average {load:.2f} > {limit}: recording a NOISY run (marked in the JSON); its "
+              "figures are not comparable with an idle run's", flush=True)
+    return {"load_average_before": round(load, 2), "load_limit": limit, "noisy": noisy}
+
+
+def spread(seconds: Sequence[float]) -> dict:
+    """min / median / max of repeated timings (seconds)."""
+    return {"min": min(seconds), "median": statistics.median(seconds), "max": max(seconds),
+            "repeats": len(seconds), "seconds": list(seconds)}
+
+
+def interleaved(methods: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
+                before: dict[str, Callable[[], None]] | None = None) -> dict[str, dict]:
+    """Time every method ``repeats`` times interleaved (A B C A B C ...) after ``warmup``
+    untimed rounds, so load that comes and goes falls on every method alike.
+
+    ``before[name]()`` runs untimed before each call of ``name`` (e.g. set thread counts).
+    Returns name -> :func:`spread` of the per-call seconds.
+    """
+    before = before or {}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for rnd in range(warmup + repeats):
+        for name, fn in methods.items():
+            if name in before:
+                before[name]()
+            t0 = time.perf_counter()
+            fn()
+            if rnd >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: spread(t) for name, t in times.items()}
+
+
+def compare(method: dict, baseline: dict) -> dict:
+    """Cost of ``method`` relative to ``baseline`` (two :func:`spread` records of the same work):
+    ratio of medians, the range of ratios their spreads allow, and whether the spreads are
+    apart (a difference is called only then)."""
+    return {"x_median": method["median"] / baseline["median"],
+            "x_low": method["min"] / baseline["max"], "x_high": method["max"] / baseline["min"],
+            "distinct": method["min"] > baseline["max"] or method["max"] < baseline["min"]}
 
 
 # --------------------------------------------------------------------------- reporting
@@ -185,7 +273,7 @@ def vector_service(root: str | os.PathLike, n: int, d: int, shard_vectors: Calla
     config = dataclasses.replace(config, shard_dir=str(root / "shards"))
     retriever = RetrieverConfig(preset="dual", storage_dtype=storage_dtype)
     threads = torch.get_num_threads()
-    for i, (a, b) in enumerate(even_ranges(n, config.num_shards)):
+    for i, (a, b) in enumerate(even_ranges(n, config.num_shards, config.index.row_grid())):
         # A plain (non-actor) EntityShard gives the exact persisted layout and identity the actor expects.
         shard = EntityShard(str(store), (a, b), i, config.num_shards, retriever, config, str(root / "shards"), d)
         if not (reuse and 0 in shard.versions.valid_versions()):

@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: $TMPDIR/dist-nce-bench/kilt-<entities>)")
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "ingest.json"))
     ap.add_argument("--_baseline", nargs=3, metavar=("KB", "LIMIT", "OUT"), help=argparse.SUPPRESS)
+    from benchmarks.common import add_hygiene_args, load_guard
+
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
 
     if args._baseline:
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     model = ["--model-dir", args.model_dir] if args.model_dir else []
     env = {"TOKENIZERS_PARALLELISM": "false"}  # one core per process, in every run
-    load = os.getloadavg()[0]
+    guard = load_guard(args.force)
+    load = guard["load_average_before"]
     runs = []
 
     base_n = min(args.baseline_entities, args.entities)
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_size": args.chunk_size, "token_agreement_with_baseline": same,
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(load, 2),
                     "python": platform.python_version()},
-        "runs": runs,
+        "runs": runs, **guard,
     }
     header = (f"{'run':<28}{'entities':>10}{'wall s':>9}{'ent/s':>8}{'x base':>8}{'CPU s':>9}{'ent/CPU s':>10}"
               f"{'load':>6}{'tree RSS':>11}{'tree anon':>11}")

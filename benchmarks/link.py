@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, print_table, save_results  # noqa: E402
+from benchmarks.common import add_hygiene_args, load_guard, machine_info, print_table, save_results  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads of this process")
     ap.add_argument("--quick", action="store_true", help="tiny model and KB, 24 mentions, 2 repeats")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/link.json)")
+    add_hygiene_args(ap)
     return ap.parse_args(argv)
 
 
@@ -73,6 +74,7 @@ def post(url: str, body: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    guard = load_guard(args.force)
     if args.quick:
         args.mentions, args.repeats, args.k = min(args.mentions, 24), min(args.repeats, 2), min(args.k, 5)
     from dist_nce.link import Linker
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("way", "way", "<8s"), ("min", "mentions/s min", ">14.1f"),
                        ("median", "median", ">9.1f"), ("max", "max", ">9.1f"),
                        ("speedup", "x naive", ">8.2f"), ("top1_agree", "top-1 = batched", ">15.3f")])
-    path = save_results("link", {"args": vars(args), "run": str(run), "entities": linker.store.num_entities,
+    path = save_results("link", {**guard, "args": vars(args), "run": str(run), "entities": linker.store.num_entities,
                                  "seconds": times, "results": rows, "machine": machine_info()}, args.out)
     print(f"wrote {path}")
     tmp.cleanup()

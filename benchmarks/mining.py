@@ -37,6 +37,12 @@ table; writes benchmarks/results/mining.json.
     .venv/bin/python benchmarks/mining.py                    # N=1M, d=128, S=2: ~6-9 minutes here
     .venv/bin/python benchmarks/mining.py --n 100000 --calls 2 --repeats 1   # smoke run
     .venv/bin/python benchmarks/mining.py --sampler both     # + the block sampler's in-process rows
+
+Every run also times, on one thread, the exact samplers (dense, block) x scoring precision
+(fp32, ``index.score_dtype`` bf16) beside faiss flat top-k on one thread, all interleaved,
+and reports each one's cost per query against faiss top-k (median ratio and the range the
+min/max spreads allow) and its GFLOP/s against the fp32 and bf16 GEMM peaks measured in the
+same run. Refuses to record above load average 1.5 unless ``--force`` (then ``"noisy"``).
 """
 from __future__ import annotations
 
@@ -58,8 +64,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (clustered, gemm_gflops, machine_info, median_time, print_table,  # noqa: E402
-                               save_results, unit_centres, vector_service)
+from benchmarks.common import (add_hygiene_args, clustered, compare, gemm_peaks, load_guard,  # noqa: E402
+                               machine_info, median_time, print_table, save_results, spread, unit_centres,
+                               vector_service)
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
 from dist_nce.index.service import even_ranges  # noqa: E402
 from dist_nce.index.service_config import ServiceConfig  # noqa: E402
@@ -110,14 +117,24 @@ def main(argv: list[str] | None = None) -> None:
                     help="exact Gumbel sampler (index.sampler); both: the service and the baselines use dense and "
                          "the in-process Gumbel rows are repeated with block, interleaved in the same repeats")
     ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
+    ap.add_argument("--chunk-rows", type=int, default=8192, help="index.chunk_rows of the exact path (larger chunks "
+                    "amortise the block sampler's per-chunk work; must be a multiple of --block-rows)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
+    ap.add_argument("--no-service", action="store_true",
+                    help="in-process rows only (no Ray): the exact-vs-top-k comparison without the service rows")
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
+    if args.no_service:
+        args.in_flight = ""
     S, B, Bg, k = args.shards, args.batch, min(args.gumbel_batch, args.batch), args.k
-    flights = [int(p) for p in args.in_flight.split(",")]
+    flights = [int(p) for p in args.in_flight.split(",") if p]
     configure_process(threads=S)  # the in-process baselines get the service's total threads
-    load_before = os.getloadavg()[0]
-    peak = {1: gemm_gflops(1), S: gemm_gflops(S)}
-    print(f"fp32 GEMM peak (torch.mm 2048^2): {peak[1]:.1f} GFLOP/s on 1 thread, {peak[S]:.1f} on {S}; "
+    guard = load_guard(args.force)
+    load_before = guard["load_average_before"]
+    peaks = {1: gemm_peaks(1), S: gemm_peaks(S)}
+    peak = {t: p["fp32"] for t, p in peaks.items()}
+    print(f"GEMM peak (torch.mm): fp32 {peak[1]:.1f} GFLOP/s on 1 thread, {peak[S]:.1f} on {S}; bf16 "
+          f"{peaks[1]['bf16']:.1f} on 1 thread ({'native' if peaks[1]['bf16_native'] else 'EMULATED: no bf16 units'}); "
           f"load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
 
     # ---- data: clustered entities; each query is a noisy copy of its gold entity
@@ -138,11 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     # ---- in-process: one index on S threads; S row partitions on S Python threads of 1 BLAS thread
     # each (the service's partition without Ray); the service: S actors x 1 thread
     sampler = "dense" if args.sampler == "both" else args.sampler
-    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows)
+    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows)
     index_cfg.validate()
     flat = ShardIndex(DUAL, Reps(ents), 0, index_cfg)
-    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch"))
-    ranges = even_ranges(args.n, S)
+    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", chunk_rows=args.chunk_rows))
+    ranges = even_ranges(args.n, S, args.block_rows if args.sampler != "dense" else 1)
     parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
 
     def with_sampler(index: ShardIndex, name: str) -> ShardIndex:
@@ -153,13 +170,19 @@ def main(argv: list[str] | None = None) -> None:
 
     flat_block = with_sampler(flat, "block")
     parts_block = [with_sampler(part, "block") for part in parts]
+    # bf16 scoring (index.score_dtype): its own bf16 copy of the rows (torch backend), both samplers
+    bf16 = {name: ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", score_dtype="bf16", sampler=name,
+                                                              block_rows=args.block_rows, chunk_rows=args.chunk_rows)) for name in ("dense", "block")}
+    flat_dense = with_sampler(flat, "dense")
     pool = ThreadPoolExecutor(S)
-    init_ray(num_cpus=os.cpu_count())
-    root = tempfile.mkdtemp(prefix="dist-nce-mining-")
-    cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S), threads=1,
-                        max_concurrency=max(4, max(flights)), index=index_cfg)
-    service, start_s = vector_service(root, args.n, args.d, lambda i, a, b: ents[a:b], cfg)
-    print(f"service: {S} shards serving in {start_s:.1f} s (reload + faiss build)", flush=True)
+    service = root = start_s = None
+    if not args.no_service:
+        init_ray(num_cpus=os.cpu_count())
+        root = tempfile.mkdtemp(prefix="dist-nce-mining-")
+        cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S), threads=1,
+                            max_concurrency=max(4, max(flights)), index=index_cfg)
+        service, start_s = vector_service(root, args.n, args.d, lambda i, a, b: ents[a:b], cfg)
+        print(f"service: {S} shards serving in {start_s:.1f} s (reload + faiss build)", flush=True)
 
     def partitioned(search: Callable[[ShardIndex, int], Any], finish: Callable[[list], Any], over=parts):
         def run(j: int) -> _Done:
@@ -207,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                 "gumbel", partitioned(lambda part, j: part.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]),
                                       lambda res: hard_negatives(merge_results(res, k), k), parts_block),
                 args.calls, 1, 1)})
+    # The exact samplers x scoring precision on ONE thread, beside faiss flat top-k on one thread
+    # (issue 12: exact mining <= 1.2x top-k on the same threads), interleaved with everything above.
+    for name, index in (("dense fp32", flat_dense), ("block fp32", flat_block), ("dense bf16", bf16["dense"]),
+                        ("block bf16", bf16["block"])):
+        methods.setdefault(f"gumbel: exact {name}, 1 process x 1 thread", ("gumbel", in_process(
+            lambda j, index=index: hard_negatives(index.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)),
+            args.calls, 1, 1))
     times: dict[str, list[float]] = {name: [] for name in methods}
 
     def threads(n: int) -> None:
@@ -224,14 +254,16 @@ def main(argv: list[str] | None = None) -> None:
     threads(S)
 
     # ---- agreement of the service's answers with the in-process ones (same data, same seeds)
-    svc_topk = service.topk(queries[0], k, gold[0]).result()
-    ref_topk = flat.topk(queries[0], k, gold[0])
-    svc_mine = service.mine(gq[0], ggold[0], k, 0, 11, gkeys[0]).result()
-    ref_mine = flat.gumbel_topk(gq[0], k, ggold[0], 11, gkeys[0])
     pool.shutdown()
-    agreement = {"topk_ids_equal_fraction": float((svc_topk.ids == ref_topk.ids).float().mean()),
-                 "gumbel_ids_equal_fraction": float((svc_mine.negatives.ids == ref_mine.ids).float().mean())}
-    noop_s, _ = median_time(lambda: service.status(), 10)
+    agreement, noop_s = None, float("nan")
+    if service is not None:
+        svc_topk = service.topk(queries[0], k, gold[0]).result()
+        ref_topk = flat.topk(queries[0], k, gold[0])
+        svc_mine = service.mine(gq[0], ggold[0], k, 0, 11, gkeys[0]).result()
+        ref_mine = flat.gumbel_topk(gq[0], k, ggold[0], 11, gkeys[0])
+        agreement = {"topk_ids_equal_fraction": float((svc_topk.ids == ref_topk.ids).float().mean()),
+                     "gumbel_ids_equal_fraction": float((svc_mine.negatives.ids == ref_mine.ids).float().mean())}
+        noop_s, _ = median_time(lambda: service.status(), 10)
 
     rows, base, no_ray, single = [], {}, {}, {}
     for name, (group, _, calls, p, t) in methods.items():
@@ -240,28 +272,40 @@ def main(argv: list[str] | None = None) -> None:
         gflops = 2 * batch * args.n * args.d / per_request / 1e9  # 2 B N d per search
         row = {"method": name, "group": group, "in_flight": p, "requests": calls, "batch": batch,
                "blas_threads_per_search": t, "qps": batch / per_request, "ms_per_query": 1e3 * per_request / batch,
-               "gflops": gflops, "fraction_of_gemm_peak": gflops / (S * peak[1]), "seconds_all": times[name]}
+               "gflops": gflops, "fraction_of_gemm_peak": gflops / (S * peak[1]), "seconds_all": times[name],
+               "seconds_per_query": spread([x / (calls * batch) for x in times[name]])}
+        if t in peaks:  # achieved rate against both peaks measured in this run on the same threads
+            row["fraction_of_fp32_peak"] = gflops / peaks[t]["fp32"]
+            row["fraction_of_bf16_peak"] = gflops / peaks[t]["bf16"]
         if "baseline" in name:
             base[group] = row
-        reference = "exact block" not in name  # --sampler both: the block rows are compared, not references
+        # the block / precision rows are compared, never references
+        reference = not any(tag in name for tag in ("exact block", "fp32,", "bf16,"))
         if "no Ray" in name and reference:
             no_ray[group] = row
         if "1 process x 1 thread" in name and reference:
             single[group] = row
         rows.append(row)
+    faiss_1thr = next(r for r in rows if r["method"] == "topk: faiss flat, 1 process x 1 thread")
+    for row in rows:  # cost per query against faiss flat top-k on the same threads, spreads kept
+        same = faiss_1thr if row["blas_threads_per_search"] == 1 else base["topk"]
+        if "service" not in row["method"] and "no Ray" not in row["method"]:  # in-process rows
+            row["vs_faiss_topk"] = compare(row["seconds_per_query"], same["seconds_per_query"])
+            row["x_faiss_topk"] = row["vs_faiss_topk"]["x_median"]
     for row in rows:
         b = base[row["group"]]
         row["x_baseline"] = row["qps"] / b["qps"]
         # S x the one-thread in-process index: what perfect scaling of one index to S threads would give
         row["x_ideal_scaling"] = row["qps"] / (S * single[row["group"]]["qps"])
-        if "service" in row["method"]:
+        if "service" in row["method"] and no_ray:
             row["ray_overhead_ms_per_query"] = row["ms_per_query"] - b["ms_per_query"]
             row["ray_overhead_fraction"] = row["ray_overhead_ms_per_query"] / b["ms_per_query"]
             row["overhead_vs_no_ray_ms_per_query"] = row["ms_per_query"] - no_ray[row["group"]]["ms_per_query"]
             row["overhead_vs_no_ray_fraction"] = (row["overhead_vs_no_ray_ms_per_query"]
                                                   / no_ray[row["group"]]["ms_per_query"])
-    service.shutdown()
-    shutil.rmtree(root, ignore_errors=True)  # the persisted shard vectors
+    if service is not None:
+        service.shutdown()
+        shutil.rmtree(root, ignore_errors=True)  # the persisted shard vectors
 
     print(f"\nN={args.n:,} d={args.d} B={B} (Gumbel: {Bg}) k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
           f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
@@ -271,15 +315,24 @@ def main(argv: list[str] | None = None) -> None:
                        ("overhead_vs_no_ray_ms_per_query", "-noRay ms/q", ">8.2f"),
                        ("overhead_vs_no_ray_fraction", "-noRay frac", ">6.2f"),
                        ("x_ideal_scaling", f"x {S}*1thr", ">7.2f"), ("gflops", "GFLOP/s", ">8.1f"),
-                       ("fraction_of_gemm_peak", f"of {S}x1thr GEMM", ">6.2f")])
+                       ("fraction_of_gemm_peak", f"of {S}x1thr GEMM", ">6.2f"),
+                       ("x_faiss_topk", "x faiss top-k", ">7.2f"), ("fraction_of_bf16_peak", "of bf16 peak", ">7.3f")])
+    print("exact mining vs faiss flat top-k on the same threads (median cost ratio [range the spreads allow]; "
+          "'=' when the spreads overlap):")
+    for row in rows:
+        if row["group"] == "gumbel" and "vs_faiss_topk" in row:
+            v = row["vs_faiss_topk"]
+            print(f"  {row['method']:<56s} {v['x_median']:6.2f}x [{v['x_low']:.2f}, {v['x_high']:.2f}]"
+                  f"{'' if v['distinct'] else ' ='}")
     print(f"GEMM speed-up of {S} threads over 1 in this run: {peak[S] / peak[1]:.2f}x (bounds what any {S}-way "
           f"parallel row can gain over the 1-thread one; 'x {S}*1thr' assumes {S}x)")
     print(f"no-op fan-out round trip (status of {S} shards): {1e3 * noop_s:.1f} ms; agreement with "
           f"in-process: {agreement}")
     out = save_results("mining", {
         "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
-        "sampler": args.sampler, "block_rows": args.block_rows,
-        "gemm_peak_gflops": {str(t): v for t, v in peak.items()}, "service_start_s": start_s,
+        "sampler": args.sampler, "block_rows": args.block_rows, "chunk_rows": args.chunk_rows,
+        "gemm_peak_gflops": {str(t): v for t, v in peak.items()},
+        "gemm_peaks": {str(t): v for t, v in peaks.items()}, "service_start_s": start_s, **guard,
         "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,
         "machine": machine_info(threads_in_process=S, threads_per_shard=1, load_average_before=load_before),
     }, args.out)

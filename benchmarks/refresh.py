@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import gemm_gflops, machine_info, print_table, save_results  # noqa: E402
+from benchmarks.common import add_hygiene_args, gemm_peaks, load_guard, machine_info, print_table, save_results  # noqa: E402
 from dist_nce.index.encode import (autocast_dtype, encode_rows, length_sorted_batches,  # noqa: E402
                                    state_fingerprint)
 from dist_nce.runtime import configure_process, init_ray  # noqa: E402
@@ -106,11 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", default=None, help="where the synthetic KB is prepared (reused)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/refresh.json)")
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
     S, B = args.shards, args.batch
     T = args.threads
     configure_process(threads=T)
-    load_before = os.getloadavg()[0]
+    guard = load_guard(args.force)
+    load_before = guard["load_average_before"]
 
     from dist_nce.index.search import IndexConfig
     from dist_nce.index.service import NegativeService
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     config = RetrieverConfig(preset="dual", mention_model=model_dir, storage_dtype="float32")
     entity = EntityEncoder(Encoder.from_pretrained(model_dir), config.spec(), config.trim_padding).eval()
     bf16 = autocast_dtype("auto", torch.device("cpu"))
-    peak = {"fp32": gemm_gflops(1), "bf16": gemm_gflops(1, dtype=torch.bfloat16)}  # per thread
+    peak = gemm_peaks(1)  # per thread; bf16 at 512^2 where it is emulated (no bf16 units: minutes at 2048^2)
     print(f"{n:,} entities, tokens per entity: mean {lengths.mean():.1f}, max {lengths.max()} (width "
           f"{store.max_len}); GEMM on 1 thread: fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s; "
           f"fast bf16: {bf16 is not None}; load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"service refreshes: {', '.join(f'{t:.1f}' for t in refreshes)} s, of which the slowest shard's encode "
           f"{', '.join(f'{e:.1f}' for e in encodes)} s (the rest: broadcast, persist, index build, swap)")
     out = save_results("refresh", {
+        **guard,
         "benchmark": "refresh", "entities": n, "batch": B, "shards": S, "model": "all-MiniLM-L6-v2",
         "entity_max_len": store.max_len, "mean_tokens": float(lengths.mean()), "gemm_gflops": peak,
         "fast_bf16": bf16 is not None, "rows": results,

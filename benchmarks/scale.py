@@ -14,9 +14,10 @@ Reported:
 - mining time for 18,395 AIDA-train-size queries with K-1 = 63 negatives, side by side:
   exact Gumbel-top-k (brute force: a score and a Gumbel key for every (query, entity)
   pair, ~1.1e11 of them) and faiss flat mode (faiss top-N candidates, then Gumbel within
-  them plus the tail estimate). The exact mode times ``--exact-queries`` queries and
-  extrapolates linearly; flat mode runs until all queries are done or ``--flat-budget-s``
-  passes, then extrapolates. Extrapolated figures are LABELLED in the table and JSON.
+  them plus the tail estimate). Both run over all the queries by default (measured to the
+  end; ``--sampler block`` by default, the top-down exact sampler); ``--exact-queries`` and
+  ``--flat-budget-s`` cut a smoke run short and extrapolate linearly. Extrapolated figures
+  are LABELLED in the table and JSON. Refuses to record above load average 1.5 unless --force.
 
 Queries are noisy copies of cluster centres (the driver never holds the 5.9M vectors);
 each gets a random gold row, excluded as in training. Prints tables and writes
@@ -43,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import (clustered, machine_info, print_table, process_memory, save_results,  # noqa: E402
+from benchmarks.common import (add_hygiene_args, clustered, load_guard, machine_info, print_table, process_memory, save_results,  # noqa: E402
                                unit_centres, vector_service)
 from dist_nce.index.search import IndexConfig  # noqa: E402
 from dist_nce.index.service_config import ServiceConfig  # noqa: E402
@@ -98,21 +99,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=63, help="K-1 negatives")
     ap.add_argument("--batch", type=int, default=128, help="queries per mine() request")
     ap.add_argument("--in-flight", type=int, default=2, help="mine() requests kept in flight")
-    ap.add_argument("--exact-queries", type=int, default=512, help="queries timed in exact Gumbel mode")
-    ap.add_argument("--flat-budget-s", type=float, default=150.0, help="seconds of flat-mode mining before "
-                    "extrapolating")
+    ap.add_argument("--exact-queries", type=int, default=None,
+                    help="queries timed in exact Gumbel mode (default: all of --queries, measured to the end)")
+    ap.add_argument("--flat-budget-s", type=float, default=None, help="seconds of flat-mode mining before "
+                    "extrapolating (default: none, measured to the end)")
+    ap.add_argument("--sampler", choices=["dense", "block"], default="block",
+                    help="exact Gumbel sampler (index.sampler); block: the top-down sampler, shards on its grid")
+    ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
     ap.add_argument("--candidates", type=int, default=1024, help="flat mode: faiss top-N before Gumbel")
     ap.add_argument("--workdir", default=None, help="where vectors are persisted (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (reuse it with --workdir next time)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/scale.json)")
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
     n, d, S, B = args.entities, args.d, args.shards, args.batch
     configure_process(threads=1)
     itemsize = 4 if args.dtype == "fp32" else 2
     raw = n * d * itemsize
-    need = 2 * raw + S * 600 * 2 ** 20  # build peak (reps + faiss copy) plus the processes' floor
+    need = 1.3 * raw + S * 600 * 2 ** 20  # build peak (index/load.py: one copy) plus the processes' floor
     avail = psutil.virtual_memory().available
-    load_before = os.getloadavg()[0]
+    guard = load_guard(args.force)
+    load_before = guard["load_average_before"]
     print(f"{n:,} x {d} {args.dtype} = {raw / 2 ** 30:.2f} GiB over {S} shards; {avail / 2 ** 30:.1f} GiB "
           f"available; load average {load_before:.1f} on {os.cpu_count()} cores", flush=True)
     if avail < need:
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     root = args.workdir or tempfile.mkdtemp(prefix="dist-nce-scale-")
     reuse = args.workdir is not None
     init_ray(num_cpus=os.cpu_count())
-    index = IndexConfig(backend="flat", storage=args.dtype, gumbel="exact")
+    index = IndexConfig(backend="flat", storage=args.dtype, gumbel="exact", sampler=args.sampler,
+                        block_rows=args.block_rows)
     cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, max_concurrency=4, index=index)
 
     gen_s = [0.0]
@@ -183,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                           "measured"})
         print(f"{mode}: {measured:,} queries in {seconds:.1f} s", flush=True)
 
-    exact_batches = min(batches, max(1, -(-args.exact_queries // B)))
-    record("exact Gumbel (brute force)", service, exact_batches, None, start_exact)
+    exact_batches = min(batches, max(1, -(-(args.exact_queries or args.queries) // B)))
+    record(f"exact Gumbel ({args.sampler} sampler)", service, exact_batches, None, start_exact)
     service.shutdown()
 
     cand = {"gumbel": "candidates", "candidates": args.candidates, "tail_sample": 1024}
@@ -212,9 +220,9 @@ def main(argv: list[str] | None = None) -> None:
                             ("label", "", "<36s")])
     out = save_results("scale", {
         "benchmark": "scale", "entities": n, "d": d, "dtype": args.dtype, "shards": S, "k": args.k,
-        "batch": B, "in_flight": args.in_flight, "raw_bytes": raw, "vector_generation_s": gen_s[0],
+        "batch": B, "in_flight": args.in_flight, "sampler": args.sampler, "block_rows": args.block_rows, "raw_bytes": raw, "vector_generation_s": gen_s[0],
         "vector_generate_and_write_s": write_s, "empty_shard_memory": floor, "memory": mem_rows,
-        "mining": mine_rows,
+        "mining": mine_rows, **guard,
         "machine": machine_info(threads_per_shard=1, load_average_before=load_before),
     }, args.out)
     print(f"wrote {out}")

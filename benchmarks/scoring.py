@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import machine_info, median_time, save_results  # noqa: E402
+from benchmarks.common import add_hygiene_args, load_guard, machine_info, median_time, save_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec, entity_reps, mention_reps, score_all  # noqa: E402
 from dist_nce.runtime import configure_threads  # noqa: E402
 
@@ -147,17 +147,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of the fast path (median)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
     ap.add_argument("--out", default=RESULTS, help="JSON output path")
+    add_hygiene_args(ap)
     args = ap.parse_args(argv)
     configure_threads(args.threads)
-    load_before = os.getloadavg()[0]
+    guard = load_guard(args.force)
+    load_before = guard["load_average_before"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), B={args.batch}, d={args.dim}, "
           f"T={args.seq}, load average {load_before:.1f} on {os.cpu_count()} cores; "
           f"scores/s = mention-entity pairs per second")
     print(HEADER)
     rows = run(args.quick, args.batch, args.dim, args.seq, args.repeats)
     out = save_results("scoring", dict(
+        **guard,
         benchmark="scoring", threads=torch.get_num_threads(), **machine_info(),
-        load_average_before=load_before, load_average_after=os.getloadavg()[0],
+        load_average_after=os.getloadavg()[0],
         batch=args.batch, dim=args.dim, seq=args.seq, quick=args.quick, rows=rows,
     ), args.out)
     print(f"wrote {out}")

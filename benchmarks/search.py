@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.common import clustered, machine_info, median_time, save_results  # noqa: E402
+from benchmarks.common import add_hygiene_args, clustered, load_guard, machine_info, median_time, save_results  # noqa: E402
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
 from dist_nce.index.topk import ShardResult, merge_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
@@ -53,7 +53,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--k", type=int, default=63)
     ap.add_argument("--repeats", type=int, default=3)
+    add_hygiene_args(ap)
     args = ap.parse_args()
+    guard = load_guard(args.force)
     configure_process(threads=1)
     n = args.n or (20_000 if args.quick else 200_000)
     ents = clustered(n, args.d, max(16, n // 500), seed=0, scale=6.0)
@@ -132,7 +134,7 @@ def main() -> None:
         rec = f"{r['recall']:7.3f}" if "recall" in r else f"{'-':>7s}"
         print(f"{r['backend']:44s} {r['qps']:8.1f} {r['speed_vs_flat_fp32']:7.2f} {rec} "
               f"{r['max_score_err']:9.2e} {r['build_s']:8.2f}  {notes if notes else ''}")
-    print(f"wrote {save_results('search', {'meta': meta, 'rows': rows})}")
+    print(f"wrote {save_results('search', {'meta': meta, 'rows': rows, **guard})}")
 
 
 if __name__ == "__main__":

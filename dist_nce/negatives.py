@@ -246,15 +246,19 @@ def sample_hard(scores: Tensor, num_negatives: int, gold: Tensor, seed: int, que
 def mask_gold(scores: Tensor, gold: Tensor | None, row_start: int = 0) -> Tensor:
     """A copy of scores [B, n] (global rows [row_start, row_start+n)), at least float32, with
     the gold rows (gold [B] or [B, e] int64, -1 = none; outside the range: ignored) at -inf."""
+    return mask_gold_(scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True), gold, row_start)
+
+
+def mask_gold_(scores: Tensor, gold: Tensor | None, row_start: int = 0) -> Tensor:
+    """:func:`mask_gold` in place on scores [B, n] (no copy of the score matrix); returns it."""
     batch, n = scores.shape
-    masked = scores.to(torch.promote_types(scores.dtype, torch.float32), copy=True)
     if gold is not None:
         gold = _as_gold(gold, batch)
         local = gold - row_start
         hit = (local >= 0) & (local < n)
         b = torch.arange(batch, device=scores.device)[:, None].expand_as(local)
-        masked[b[hit], local[hit]] = float("-inf")
-    return masked
+        scores[b[hit], local[hit]] = float("-inf")
+    return scores
 
 
 def gumbel_topk_dense(scores: Tensor, k: int, gold: Tensor | None, seed: int | None, query_keys: Tensor | None,

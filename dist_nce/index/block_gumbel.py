@@ -14,7 +14,9 @@ per query (b = ``block_rows``):
 2. **Keep the K-1 best blocks.** The maximum key of a block is the key of one of its rows,
    so a block with K-1 blocks ahead of it (by T desc, then block id asc) has K-1 rows ahead
    of each of its rows, and none of its rows is in the top K-1: every row of the top K-1
-   lies in the K-1 best blocks (:func:`keep_best_blocks`).
+   lies in the K-1 best blocks (:class:`BlockStream`; :func:`keep_best_blocks` is its simple
+   reference). L_B is one float32 pass over the scores (:func:`block_log_mass`); only blocks
+   whose T reaches the running (K-1)-th maximum have their scores copied out of the chunk.
 3. **Rows given their block maximum.** Inside a kept block, draw unconditioned keys
    phi_i = s_i + G_i with the per-row noise G_i = ``gumbel_noise(seed, query key, row)``,
    Z = max_i phi_i, and set (Kool et al. 2019, eq. 23; Maddison et al. 2014, sec. 4)
@@ -113,12 +115,19 @@ class BlockSet(NamedTuple):
 def block_log_mass(blocks: Tensor) -> Tensor:
     """L_B = logsumexp of each block [B, nb] float64, from blocks [B, nb, b] float32 masked scores.
 
-    Taken in float64 (the float32 scores are exact in it), so T_B's location is the block's
-    mass to float64 rounding; -inf for a block with no eligible row (gold only, or outside
-    the shard). (A float32 logsumexp would halve this pass's cost at an error of the order of
-    the float32 scores' own rounding; kept exact here.)
+    One float32 pass (max, exp(s - max), sum), not a float64 copy of the whole score chunk:
+    the max is exact, s - max is exact for s within a factor 2 of it (Sterbenz) and each
+    exp(s - max) <= 1 is within ~1 ulp, so |L_B - logsumexp_f64| <= ~(1 + log2 b) 2^-24
+    (~5e-7 for b = 128; tests/index/test_block_gumbel.py checks < 1e-6): below the float32
+    rounding of the scores themselves (|s| 2^-24 ... 2^-23), and a mass error of a factor
+    exp(5e-7) in the law of T_B. -inf for a block with no eligible row (gold only, or outside
+    the shard). Elementwise kernels may round a vector body and a scalar tail differently:
+    callers reduce chunks of one fixed shape, so a block's L_B has the same bits on every shard.
     """
-    return torch.logsumexp(blocks.double(), dim=-1)
+    top = blocks.amax(dim=-1, keepdim=True)
+    top = top.masked_fill(top == NEG_INF, 0.0)  # a dead block: exp(-inf - 0) = 0, log 0 = -inf
+    mass = torch.sub(blocks, top).exp_().sum(dim=-1)
+    return mass.double().log_().add_(top.squeeze(-1).double())
 
 
 def block_maxima(log_mass: Tensor, counters: Tensor, seed: int, query_keys: Tensor) -> Tensor:
@@ -130,12 +139,76 @@ def block_maxima(log_mass: Tensor, counters: Tensor, seed: int, query_keys: Tens
     return log_mass + block_noise(seed, query_keys, counters)
 
 
+# Candidate keys: query b, block position j (within the stream) -> b * 2**40 + j.
+_KEY_SHIFT = 1 << 40
+
+
+class BlockStream:
+    """The K-1 best blocks of a stream of score chunks, holding scores of a few blocks only.
+
+    Every block's maximum T_B (step 1) is kept ([B, N/b] float64: 8 bytes per block and
+    query). A block's scores [b] are copied out of its chunk only when its T_B reaches the
+    running k-th largest T of the blocks seen so far (a lower bound of the final k-th
+    largest, so every block of the final top k is copied when it arrives): ~k (1 + ln(N/(b k)))
+    blocks per query for exchangeable T, not N/b, and no top-k over the rows of a chunk.
+    :meth:`finish` picks the k best blocks by (T desc, position asc) over ALL blocks at
+    once: position order is counter order (blocks arrive in row order), the tie rule of
+    :func:`keep_best_blocks`.
+    """
+
+    def __init__(self, k: int, seed: int, query_keys: Tensor, block_rows: int):
+        self.k, self.seed, self.query_keys, self.block_rows = k, seed, query_keys, block_rows
+        batch = query_keys.shape[0]
+        self.log_z = torch.full((batch,), NEG_INF, dtype=torch.float64, device=query_keys.device)
+        self._tops: list[Tensor] = []
+        self._counters: list[Tensor] = []
+        self._best: Tensor | None = None  # [B, <= k] float64 the k largest T so far, descending
+        self._keys: list[Tensor] = []
+        self._scores: list[Tensor] = []
+        self._seen = 0
+
+    def add(self, blocks: Tensor, log_mass: Tensor, counters: Tensor) -> None:
+        """A chunk of blocks [B, nb, b] float32 (-inf for gold and rows outside the piece), their
+        ``log_mass`` [B, nb] float64 (:func:`block_log_mass`) and counters [nb] int64 ascending."""
+        top = block_maxima(log_mass, counters, self.seed, self.query_keys)
+        self.log_z = torch.logaddexp(self.log_z, torch.logsumexp(log_mass, dim=1))
+        both = top if self._best is None else torch.cat([self._best, top], dim=1)
+        self._best = torch.topk(both, min(self.k, both.shape[1]), dim=1).values  # sorted descending
+        if self._best.shape[1] >= self.k:
+            hit = top >= self._best[:, self.k - 1:self.k]
+        else:
+            hit = torch.ones_like(top, dtype=torch.bool)
+        qb, j = hit.nonzero(as_tuple=True)
+        self._keys.append(qb * _KEY_SHIFT + (j + self._seen))
+        self._scores.append(blocks[qb, j])
+        self._tops.append(top)
+        self._counters.append(counters)
+        self._seen += top.shape[1]
+
+    def finish(self) -> BlockSet:
+        """The k best blocks (fewer if the stream has fewer), counter ascending along dim 1."""
+        batch, device = self.log_z.shape[0], self.log_z.device
+        if not self._seen:
+            return BlockSet(self.log_z.new_zeros((batch, 0)), torch.zeros((batch, 0), dtype=torch.int64, device=device),
+                            torch.zeros((batch, 0, self.block_rows), device=device))
+        tops, counters = torch.cat(self._tops, dim=1), torch.cat(self._counters)
+        pos = select_topk(tops, self.k).sort(dim=1).values  # [B, c] stream positions, counter ascending
+        keys, order = torch.sort(torch.cat(self._keys))
+        want = torch.arange(batch, device=device)[:, None] * _KEY_SHIFT + pos
+        at = torch.searchsorted(keys, want.reshape(-1)).clamp(max=keys.numel() - 1)
+        if not bool((keys[at] == want.reshape(-1)).all()):  # the threshold argument above
+            raise RuntimeError("BlockStream: a block of the final top k was not kept")
+        scores = torch.cat(self._scores)[order[at]].view(batch, pos.shape[1], self.block_rows)
+        return BlockSet(tops.gather(1, pos), counters[pos], scores)
+
+
 def keep_best_blocks(kept: BlockSet | None, new: BlockSet, k: int) -> BlockSet:
     """The k best blocks of ``kept`` and ``new`` by (T desc, counter asc), re-sorted by counter.
 
-    Every counter in ``new`` must exceed every counter in ``kept`` (blocks come in row order),
-    so concatenation keeps counters ascending and ``select_topk``'s lower-position tie rule is
-    the lower-counter rule.
+    The simple reference for :class:`BlockStream` (it copies every kept block at every
+    call). Every counter in ``new`` must exceed every counter in ``kept`` (blocks come in
+    row order), so concatenation keeps counters ascending and ``select_topk``'s
+    lower-position tie rule is the lower-counter rule.
     """
     both = new if kept is None else BlockSet(*(torch.cat([a, b], dim=1) for a, b in zip(kept, new)))
     if both.top.shape[1] <= k:
@@ -194,8 +267,7 @@ def gumbel_topk_block(scores: Tensor, k: int, gold: Tensor | None, seed: int, qu
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     masked = mask_gold(scores.float(), gold, row_start)
     blocks, counters = grid_view(masked, row_start, block_rows)
-    log_mass = block_log_mass(blocks)
-    top = block_maxima(log_mass, counters, seed, query_keys)
-    batch = scores.shape[0]
-    kept = keep_best_blocks(None, BlockSet(top, counters.expand(batch, -1), blocks), k)
-    return rows_from_blocks(kept, k, seed, query_keys, torch.logsumexp(log_mass, dim=1), version)
+    stream = BlockStream(k, seed, query_keys, block_rows)
+    if counters.numel():
+        stream.add(blocks, block_log_mass(blocks), counters)
+    return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)

@@ -82,6 +82,18 @@ def build_index(vectors: np.ndarray, kind: str, storage: str, *, nlist: int = 10
     return faiss.index_cpu_to_gpu(res, gpu_device, index, options), res
 
 
+def preallocated_flat(n: int, d: int, storage: str) -> Any:
+    """An exact inner-product index (Flat or SQfp16 codes) already sized for n rows, to be
+    filled in place through ``search.faiss_storage_view``: the vectors then exist once,
+    where ``build_index`` holds the caller's array and faiss's copy at the same time."""
+    import faiss
+
+    index = faiss.index_factory(d, factory_string("flat", storage, 1, 1), faiss.METRIC_INNER_PRODUCT)
+    index.codes.resize(n * index.code_size)
+    index.ntotal = n
+    return index
+
+
 def search_params(kind: str, on_gpu: bool, nprobe: int, ef_search: int, fetch: int) -> Any:
     """Per-call search parameters (thread-safe, unlike mutating the index)."""
     import faiss

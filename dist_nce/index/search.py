@@ -33,7 +33,13 @@ logsumexp, keeps the K-1 best blocks and draws only their rows' keys, conditione
 block maximum (``block_gumbel``): the same law with noise for N/b + (K-1) b rows per query.
 Its sharded answer equals the flat one bit for bit when every shard starts on the
 ``block_rows`` grid (a shard starting inside a block samples its piece as a block of its
-own: exact, but another draw than flat).
+own: exact, but another draw than flat); ``NegativeService`` puts its shard boundaries on
+that grid (``IndexConfig.row_grid``).
+
+Scoring precision (``IndexConfig.score_dtype``, torch backend): ``bf16`` keeps the entity
+rows in bf16 (half the bytes) and rounds queries to bf16; each chunk is upcast and the
+GEMM sums the exact bf16 products in fp32, so scores are fp32 sums of bf16 products (what
+a bf16 GEMM with fp32 accumulation computes), within 2^-7 sum_i |q_i e_i| of fp32 scoring.
 """
 from __future__ import annotations
 
@@ -52,8 +58,8 @@ from dist_nce.index import faiss_backend
 from dist_nce.index.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
     score_candidates
-from dist_nce.index.block_gumbel import BlockSet, block_log_mass, block_maxima, keep_best_blocks, rows_from_blocks
-from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold
+from dist_nce.index.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
+from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold_
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
@@ -75,6 +81,10 @@ class IndexConfig:
         "dtype the entity vectors are kept in (faiss: fp32 or fp16 only)", "fp32")
     compute: Literal["fp32", "fp16", "bf16"] = _help(
         "torch matmul dtype of the exact path (bf16/fp16 are for GPUs; bf16 is also fast on recent CPUs)", "fp32")
+    score_dtype: Literal["fp32", "bf16"] = _help(
+        "exact scoring precision. bf16: entity vectors stored bf16 (half the bytes), queries rounded to "
+        "bf16, products summed in fp32 (each product of two bf16 values is exact in fp32) and scores kept "
+        "fp32; sets storage and compute (leave those at fp32). torch backend only", "fp32")
     device: str = _help("torch device of the exact path: auto (cuda if available), cpu, cuda, cuda:1", "auto")
     faiss_gpu: Literal["auto", "on", "off"] = _help(
         "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
@@ -106,9 +116,26 @@ class IndexConfig:
         check_fields(self, "index")  # the loader did already; direct constructions did not
         if self.backend != "torch" and self.storage == "bf16":
             raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
+        if self.score_dtype == "bf16":
+            if self.backend != "torch":
+                raise ValueError(f"index.score_dtype bf16 needs backend 'torch' (faiss stores fp32 or fp16), got "
+                                 f"{self.backend!r}")
+            if self.storage not in ("fp32", "bf16") or self.compute != "fp32":
+                raise ValueError("index.score_dtype bf16 sets the storage (bf16) and the GEMM (bf16 values, fp32 "
+                                 f"sums): leave index.storage and index.compute at fp32, got {self.storage}/"
+                                 f"{self.compute}")
         if self.sampler == "block" and self.chunk_rows % self.block_rows:
             raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
                              f"({self.chunk_rows}) with sampler 'block'")
+
+    def storage_dtype(self) -> torch.dtype:
+        """dtype the entity vectors are held in (``score_dtype`` bf16 overrides ``storage``)."""
+        return torch.bfloat16 if self.score_dtype == "bf16" else _DTYPES[self.storage]
+
+    def row_grid(self) -> int:
+        """Rows a shard boundary must be a multiple of: ``block_rows`` for the block sampler
+        (its blocks must not straddle shards for sharded == flat bit for bit), else 1."""
+        return self.block_rows if self.sampler == "block" else 1
 
     def gumbel_mode(self) -> str:
         if self.gumbel != "auto":
@@ -205,23 +232,19 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, entities: Reps, row_start: int
     if block_rows < 1 or chunk_rows % block_rows:
         raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
     batch, n = q.vecs.shape[0], entities.vecs.shape[0]
-    kept, log_z = None, torch.full((batch,), float("-inf"), dtype=torch.float64, device=q.vecs.device)
+    stream = BlockStream(k, seed, query_keys, block_rows)
     for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
         block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
-        scores = mask_gold(score_all(spec, q, block).float(), gold, b0)
+        scores = score_all(spec, q, block)
+        scores = mask_gold_(scores if scores.dtype == torch.float32 else scores.float(), gold, b0)  # no copy
         scores[:, :lo - b0] = float("-inf")
         scores[:, hi - b0:] = float("-inf")
         j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
         blocks = scores.view(batch, chunk_rows // block_rows, block_rows)
         counters = (b0 + block_rows * torch.arange(j0, j1, device=scores.device)).clamp(min=lo)
         log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
-        top = block_maxima(log_mass, counters, seed, query_keys)
-        log_z = torch.logaddexp(log_z, torch.logsumexp(log_mass, dim=1))
-        kept = keep_best_blocks(kept, BlockSet(top, counters.expand(batch, -1), blocks[:, j0:j1]), k)
-    if kept is None:  # empty shard
-        kept = BlockSet(log_z.new_zeros((batch, 0)), torch.zeros((batch, 0), dtype=torch.int64, device=log_z.device),
-                        torch.zeros((batch, 0, block_rows), device=log_z.device))
-    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
+        stream.add(blocks[:, j0:j1], log_mass, counters)
+    return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
 
 
 def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:
@@ -270,7 +293,7 @@ class ShardIndex:
     """
 
     def __init__(self, spec: ScoreSpec, entities: Reps, row_start: int, config: IndexConfig | None = None,
-                 version: int = 0):
+                 version: int = 0, faiss_index=None):
         self.config = config = config or IndexConfig()
         config.validate()
         if entities.vecs.dim() not in (2, 3) or not entities.vecs.is_floating_point():
@@ -279,13 +302,42 @@ class ShardIndex:
         self.spec, self.row_start, self.version = spec, int(row_start), int(version)
         self.device = config.torch_device()
         self.compute = _DTYPES[config.compute]
-        self.entities = Reps(entities.vecs.to(self.device, _DTYPES[config.storage]),
+        self.entities = Reps(entities.vecs.to(self.device, config.storage_dtype()),
                              None if entities.mask is None else entities.mask.to(self.device))
         self.num_rows, self.dim = entities.vecs.shape[0], entities.vecs.shape[-1]
         self._faiss = self._gpu_res = self._owners = None
         self._on_gpu = False
-        if config.backend != "torch":
+        if faiss_index is not None:  # from ShardIndex.filled: the reps are a view of its codes
+            self._faiss, self._owners = faiss_index, torch.arange(self.num_rows)
+        elif config.backend != "torch":
             self._build_faiss()
+
+    @classmethod
+    def filled(cls, spec: ScoreSpec, shape: tuple[int, ...], source_dtype: torch.dtype, fill,
+               row_start: int, config: IndexConfig | None = None, version: int = 0) -> "ShardIndex":
+        """A ShardIndex over single-vector reps of ``shape`` [n, d] that ``fill(out)`` writes into
+        ``out`` (an empty contiguous CPU tensor of ``shape`` and ``source_dtype``).
+
+        Memory: for a CPU faiss flat index whose codes have the source dtype (fp32 Flat, fp16
+        SQfp16) over dual reps, ``out`` IS the preallocated faiss storage, so the vectors are
+        held once at every moment of the build (the constructor holds the caller's reps and
+        faiss's copy together: 2x at its peak). Any other configuration fills a torch tensor
+        and builds as the constructor does.
+        """
+        config = config or IndexConfig()
+        config.validate()
+        n, dim = int(shape[0]), int(shape[-1])
+        direct = (len(shape) == 2 and n > 0 and config.backend == "flat" and is_inner_product(spec)
+                  and config.torch_device().type == "cpu" and config.faiss_gpu != "on"
+                  and config.storage_dtype() == source_dtype and config.storage in ("fp32", "fp16"))
+        if not direct:
+            out = torch.empty(shape, dtype=source_dtype)
+            fill(out)
+            return cls(spec, Reps(out), row_start, config, version)
+        index = faiss_backend.preallocated_flat(n, dim, config.storage)
+        view = faiss_storage_view(index, n, dim, source_dtype)
+        fill(view)
+        return cls(spec, Reps(view), row_start, config, version, faiss_index=index)
 
     # ------------------------------------------------------------------ faiss
     def _build_faiss(self) -> None:
@@ -351,7 +403,15 @@ class ShardIndex:
             raise ValueError(f"queries must be floating with last dim d={self.dim}, got {queries.vecs.dtype} "
                              f"{list(queries.vecs.shape)}")
         _check_batch("gold", gold, queries.vecs.shape[0], (1, 2))
-        return Reps(queries.vecs.to(self.device), None if queries.mask is None else queries.mask.to(self.device))
+        vecs = queries.vecs.to(self.device)
+        if self.config.score_dtype == "bf16":
+            # bf16 values held in fp32: with the bf16 entity rows (upcast per chunk by
+            # _padded_block) every product q_i e_i is exact in fp32 and the GEMM sums in fp32,
+            # what a bf16 GEMM with fp32 accumulation and output computes, up to summation order.
+            # torch's CPU bf16 matmul would round its output to bf16 (~2^-9 relative), and this
+            # CPU (AVX2) has no bf16 units at all: the fp32 GEMM on upcast chunks is its fast path.
+            vecs = vecs.to(torch.bfloat16).float()
+        return Reps(vecs, None if queries.mask is None else queries.mask.to(self.device))
 
     def _exact(self, queries: Reps, k: int, gold: Tensor | None, seed: int | None = None,
                query_keys: Tensor | None = None) -> ShardResult:

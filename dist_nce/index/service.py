@@ -121,9 +121,22 @@ class RefreshHandle:
         return out
 
 
-def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    """[a_i, b_i) contiguous ranges of sizes differing by at most one."""
-    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+def even_ranges(n: int, parts: int, grid: int = 1) -> list[tuple[int, int]]:
+    """[a_i, b_i) contiguous ranges covering [0, n): sizes differing by at most one (``grid`` 1),
+    or every inner boundary on the ``grid`` (the nearest multiple to the even split).
+
+    The block sampler (``IndexConfig.row_grid``) needs shards to start on its block grid for
+    sharded == flat bit for bit (``index.block_gumbel``, "Sharded == flat"). Raises when the
+    grid leaves a range empty (n too small for ``parts`` ranges of at least one grid step).
+    """
+    if grid < 1:
+        raise ValueError(f"even_ranges: grid must be >= 1, got {grid}")
+    cuts = [0] + [min(n, (i * n // parts + grid // 2) // grid * grid) for i in range(1, parts)] + [n]
+    ranges = list(zip(cuts[:-1], cuts[1:]))
+    if any(a >= b for a, b in ranges):
+        raise ValueError(f"{n} rows cannot be split into {parts} non-empty ranges on a grid of {grid} rows "
+                         f"(lower index.block_rows or the shard count): {ranges}")
+    return ranges
 
 
 def _model_dir(config: RetrieverConfig) -> str:
@@ -181,7 +194,7 @@ class NegativeService:
         if n < config.num_shards + 1:
             raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
                              "with negatives to spare")
-        ranges = even_ranges(n, config.num_shards)
+        ranges = even_ranges(n, config.num_shards, config.index.row_grid())
         shard_root = Path(config.shard_dir or Path(run_dir) / "shards")
         dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),

@@ -18,7 +18,8 @@ def _help(text: str, bounds: Range | None = None, **kw):
 
 @dataclass
 class ServiceConfig:
-    num_shards: int = _help("EntityShard actors the KB rows are split into (evenly, contiguous ranges).",
+    num_shards: int = _help("EntityShard actors the KB rows are split into (evenly, contiguous ranges; with "
+                            "index.sampler block, boundaries on the index.block_rows grid).",
                             AT_LEAST_1, default=2)
     num_cpus: float = _help("CPUs reserved per shard actor (fractional allowed).", AT_LEAST_0, default=0.5)
     num_gpus: float = _help("GPUs per shard actor; fractional values share a GPU with trainers.", AT_LEAST_0,

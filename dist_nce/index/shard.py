@@ -36,6 +36,7 @@ from torch import Tensor
 from dist_nce.artifacts import ArtifactMismatch
 from dist_nce.gradbias import lse_grad_all, lse_grad_rows
 from dist_nce.index.encode import autocast_dtype, encode_rows, state_fingerprint, store_fingerprint
+from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
 from dist_nce.index.service_config import ServiceConfig
 from dist_nce.index.topk import ShardResult
@@ -112,8 +113,7 @@ class EntityShard:
 
     # ------------------------------------------------------------------ versions
     def _load(self, version: int) -> _Version:
-        reps, manifest = self.versions.load(version)
-        index = ShardIndex(self.spec, reps, self.rows[0], self.index_config, version)
+        index, manifest = load_shard_index(self.versions, version, self.spec, self.rows[0], self.index_config)
         return _Version(index, manifest.get("encoder_fingerprint"), "reloaded", manifest.get("origin_fingerprint"))
 
     def _reload_latest(self) -> None:
@@ -245,7 +245,8 @@ class EntityShard:
                            encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
                            device=str(self.device))
         self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
-        return ShardIndex(self.spec, reps, self.rows[0], self.index_config, version)
+        del reps  # built from the file just written: one copy of the vectors at the peak (index/load.py)
+        return load_shard_index(self.versions, version, self.spec, self.rows[0], self.index_config)[0]
 
     def _set_progress(self, done: int) -> None:
         self._progress = [done, self.store.num_entities]

@@ -14,13 +14,16 @@ another row range, store or score function must never be served.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from dist_nce.artifacts import ArtifactMismatch, atomic_path, read_manifest, write_manifest
 from dist_nce.modeling.scoring import Reps
@@ -99,6 +102,39 @@ class PersistedVersions:
             raise ArtifactMismatch(f"{file}: 'mask' does not match the manifest (has_mask={manifest['has_mask']}) "
                                    f"or vecs {list(vecs.shape)}")
         return Reps(vecs, mask), manifest
+
+    def read_vecs_into(self, version: int, out: Tensor, chunk_bytes: int = 1 << 26) -> dict:
+        """Read ``version``'s "vecs" straight into ``out`` (CPU, contiguous, the manifest's shape and
+        dtype) by plain file reads of ``chunk_bytes``; returns the manifest.
+
+        Neither a second copy of the vectors nor a mapping of the file (whose touched pages
+        would count in the process's resident memory): the peak is ``out`` itself.
+        """
+        manifest = self.manifest(version)
+        if manifest["has_mask"]:
+            raise ValueError(f"read_vecs_into: version {version} has a mask; use load()")
+        if (list(out.shape) != manifest["shape"] or str(out.dtype).removeprefix("torch.") != manifest["dtype"]
+                or out.device.type != "cpu" or not out.is_contiguous()):
+            raise ValueError(f"read_vecs_into: out must be a contiguous CPU {manifest['dtype']} "
+                             f"{manifest['shape']} tensor, got {out.dtype} {list(out.shape)} on {out.device}")
+        file = self.path(version) / EMBEDDINGS_FILE
+        dest = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        try:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")  # safetensors: u64 header length, JSON header, data
+                entry = json.loads(f.read(size))["vecs"]
+                begin, end = entry["data_offsets"]
+                if entry["shape"] != manifest["shape"] or end - begin != dest.nbytes:
+                    raise ArtifactMismatch(f"{file}: 'vecs' is {entry['shape']} ({end - begin} bytes), manifest "
+                                           f"says {manifest['shape']} ({dest.nbytes} bytes)")
+                f.seek(8 + size + begin)
+                for a in range(0, dest.nbytes, chunk_bytes):
+                    part = dest[a:a + chunk_bytes]
+                    if f.readinto(part) != part.nbytes:
+                        raise ArtifactMismatch(f"{file}: truncated")
+        except (OSError, KeyError, TypeError, ValueError) as e:  # missing file, bad header
+            raise ArtifactMismatch(f"{file}: unreadable: {e}") from None
+        return manifest
 
     def valid_versions(self) -> list[int]:
         """Versions whose manifest matches this shard's identity, ascending."""

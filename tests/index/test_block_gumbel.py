@@ -127,6 +127,41 @@ def test_block_sampler_draws_noise_for_kept_blocks_only(monkeypatch):
     assert sum(drawn) == batch * (n // b + k * b)  # N/b block maxima + (K-1) x b rows per query
 
 
+def test_block_log_mass_is_the_float64_logsumexp_to_float32_rounding():
+    blocks = torch.randn(3, 40, 128, generator=gen(20)) * 8
+    blocks[0, 1] = INF  # a dead block
+    blocks[1, 2, :100] = INF  # a partly masked one
+    blocks[2, 3] += 60  # far from 0: the max shift matters
+    got, want = bg.block_log_mass(blocks), torch.logsumexp(blocks.double(), dim=-1)
+    assert got.dtype == torch.float64 and got[0, 1] == INF
+    live = want > INF
+    assert float((got[live] - want[live]).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("k,chunk", [(5, 3), (5, 1), (40, 7), (1, 4)])
+def test_block_stream_keeps_what_the_copying_reference_keeps(k, chunk):
+    # BlockStream copies only blocks reaching the running k-th T; keep_best_blocks copies every
+    # kept block at every chunk (the simple reference): same blocks, same bits.
+    batch, nb, b = 6, 37, 4
+    g = gen(21 + k)
+    blocks = torch.randn(batch, nb, b, generator=g) * 3
+    blocks[0, 5:9] = INF  # dead blocks
+    blocks[1] = INF  # a query with nothing eligible: T = -inf ties everywhere
+    counters = torch.arange(nb) * b
+    keys = torch.arange(batch) + 50
+    stream, ref = bg.BlockStream(k, 3, keys, b), None
+    for a in range(0, nb, chunk):
+        part, mass = blocks[:, a:a + chunk], bg.block_log_mass(blocks[:, a:a + chunk])
+        stream.add(part, mass, counters[a:a + chunk])
+        top = bg.block_maxima(mass, counters[a:a + chunk], 3, keys)
+        ref = bg.keep_best_blocks(ref, bg.BlockSet(top, counters[a:a + chunk].expand(batch, -1), part), k)
+    got = stream.finish()
+    for x, y in zip(got, ref):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(stream.log_z, torch.logsumexp(bg.block_log_mass(blocks), 1), rtol=1e-12, atol=0)
+    assert sum(s.shape[0] for s in stream._scores) < batch * nb or k * chunk >= nb  # it did skip blocks
+
+
 # ----------------------------------------------------------------- sharded == flat
 
 
@@ -135,13 +170,14 @@ def _shards(spec, ents: Reps, cfg: IndexConfig, layout) -> list[ShardIndex]:
             for a, b in layout]
 
 
-@pytest.mark.parametrize("storage,compute", [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("bf16", "fp32")])
-def test_sharded_block_equals_flat_for_stored_dtypes(storage, compute):
+@pytest.mark.parametrize("dtypes", [{"storage": "fp32", "compute": "fp32"}, {"storage": "bf16", "compute": "bf16"},
+                                    {"storage": "fp16", "compute": "fp32"}, {"storage": "bf16", "compute": "fp32"},
+                                    {"score_dtype": "bf16"}], ids=lambda d: "-".join(d.values()))
+def test_sharded_block_equals_flat_for_stored_dtypes(dtypes):
     e = torch.randn(203, 16, generator=gen(4))
     q = torch.randn(6, 16, generator=gen(5))
     gold, keys = torch.tensor([0, 202, 37, -1, 100, 150]), torch.arange(6) * 3
-    cfg = IndexConfig(backend="torch", chunk_rows=32, sampler="block", block_rows=8, storage=storage,
-                      compute=compute)
+    cfg = IndexConfig(backend="torch", chunk_rows=32, sampler="block", block_rows=8, **dtypes)
     flat = ShardIndex(DUAL, Reps(e), 0, cfg).gumbel_topk(q, 12, gold, 9, keys)
     # starts on the 8-row grid, not on the 32-row score grid; the gold in different shards
     for layout in ([(0, 40), (40, 48), (48, 136), (136, 203)], [(0, 200), (200, 203)], [(0, 104), (104, 203)]):

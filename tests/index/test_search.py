@@ -152,17 +152,22 @@ def _inclusion(p: list[float], k: int) -> torch.Tensor:
 
 # block: shards [0, 3) [3, 4) [4, 10) cut the 2-row blocks {2, 3} into pieces, each drawn as a
 # block of its own; [0, 4) [4, 10) are on the grid.
-@pytest.mark.parametrize("sampler,layout", [("dense", [(0, 3), (3, 4), (4, 10)]),
-                                            ("block", [(0, 3), (3, 4), (4, 10)]),
-                                            ("block", [(0, 4), (4, 10)])])
-def test_sharded_gumbel_distribution_is_the_exact_law(sampler, layout):
+@pytest.mark.parametrize("sampler,layout,score_dtype", [("dense", [(0, 3), (3, 4), (4, 10)], "fp32"),
+                                                        ("block", [(0, 3), (3, 4), (4, 10)], "fp32"),
+                                                        ("block", [(0, 4), (4, 10)], "fp32"),
+                                                        ("dense", [(0, 3), (3, 10)], "bf16"),
+                                                        ("block", [(0, 4), (4, 10)], "bf16")])
+def test_sharded_gumbel_distribution_is_the_exact_law(sampler, layout, score_dtype):
     scores = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 0.8, -1.0, 1.2])
     ents = Reps(torch.diag(scores))  # entity i scores scores[i] against the all-ones query
+    if score_dtype == "bf16":  # the law is that of the scores the index computes: bf16-rounded here
+        scores = scores.bfloat16().float()
     draws = 100_000
     q, gold = torch.ones(draws, 10), torch.zeros(draws, dtype=torch.int64)
-    cfg = IndexConfig(backend="torch", chunk_rows=4, sampler=sampler, block_rows=2)
+    cfg = IndexConfig(backend="torch", chunk_rows=4, sampler=sampler, block_rows=2, score_dtype=score_dtype)
     res = merge_results([s.gumbel_topk(q, 3, gold, 11, torch.arange(draws))
                          for s in shards(DUAL, ents, cfg, layout)], 3)
+    assert torch.equal(res.scores[:, 0], scores[res.ids[:, 0]])
     pi = _inclusion(torch.softmax(scores[1:].double(), 0).tolist(), 3)
     freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(9)])
     z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
@@ -411,3 +416,40 @@ def test_ivf_keeps_its_own_copy_of_the_vectors():
     e, _ = clustered(300, 16, 6, 0.4, seed=21)
     idx = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="ivf", nlist=8))
     assert idx.entities.vecs.data_ptr() == e.data_ptr() and torch.equal(idx.entities.vecs, e)
+
+
+def test_bf16_scores_are_fp32_sums_of_exact_bf16_products():
+    # score_dtype bf16: entity rows stored bf16, queries rounded to bf16, products summed in fp32.
+    e, q = torch.randn(300, 64, generator=gen(30)) * 2, torch.randn(7, 64, generator=gen(31))
+    fp32 = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", chunk_rows=64))
+    bf16 = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", chunk_rows=64, score_dtype="bf16"))
+    rows = torch.arange(300).expand(7, 300)
+    s32, s16 = fp32.score_rows(q, rows), bf16.score_rows(q, rows)
+    magnitude = q.abs() @ e.abs().T  # sum_i |q_i e_i|
+    # reference: the exact (float64) dot products of the bf16-rounded vectors; fp32 summation
+    # of 64 exact products errs by at most ~64 * 2^-24 of the magnitude
+    exact = q.bfloat16().double() @ e.bfloat16().double().T
+    assert float(((s16.double() - exact).abs() / magnitude).max()) < 64 * 2 ** -24
+    # against fp32 scoring: two bf16 roundings (unit roundoff 2^-8) per product, the stated tolerance
+    rel = (s16 - s32).abs() / magnitude
+    assert float(rel.max()) <= 2 ** -7 * 1.01 and float(rel.max()) > 2 ** -12  # bf16 really was used
+    # the sampler scores the same rounded values as score_rows (what mixed-p log-probabilities
+    # use; a GEMM and per-row dots may differ in the fp32 summation order only)
+    got = bf16.gumbel_topk(q, 5, None, 1, torch.arange(7))
+    torch.testing.assert_close(got.scores, s16.gather(1, got.ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.scores, exact.float().gather(1, got.ids), rtol=0, atol=1e-5)
+    # memory: half the bytes of the fp32 shard
+    assert bf16.entities.vecs.dtype == torch.bfloat16
+    assert bf16.entities.vecs.untyped_storage().nbytes() * 2 == fp32.entities.vecs.untyped_storage().nbytes()
+
+
+def test_score_dtype_is_validated():
+    from dist_nce.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError, match="score_dtype"):
+        from_dict(IndexConfig, {"score_dtype": "fp16"}, "configs/x.yaml")
+    with pytest.raises(ValueError, match="score_dtype bf16 needs backend 'torch'"):
+        IndexConfig(backend="flat", score_dtype="bf16").validate()
+    with pytest.raises(ValueError, match="leave index.storage and index.compute at fp32"):
+        IndexConfig(backend="torch", score_dtype="bf16", compute="bf16").validate()
+    assert from_dict(IndexConfig, {"backend": "torch", "score_dtype": "bf16"}, "x.yaml").storage_dtype() == torch.bfloat16

@@ -17,6 +17,7 @@ import torch
 from dist_nce.index.search import IndexConfig, ShardIndex
 from dist_nce.index.service import NegativeService, even_ranges
 from dist_nce.index.service_config import ServiceConfig
+from dist_nce.index.topk import merge_results
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec
@@ -135,6 +136,53 @@ def test_sharded_answers_equal_one_flat_index(run):
     for neg in (hard.negatives, mixed.negatives, rand.negatives):
         for row, g in zip(neg.ids.tolist(), GOLD.tolist()):
             assert len(set(row)) == len(row) and g not in row and all(0 <= r < N for r in row)
+
+
+def test_even_ranges_on_a_grid():
+    assert even_ranges(150, 2, 16) == [(0, 80), (80, 150)]
+    assert even_ranges(1000, 3, 128) == [(0, 384), (384, 640), (640, 1000)]
+    assert even_ranges(10, 3) == [(0, 3), (3, 6), (6, 10)]  # grid 1: sizes differ by at most one
+    for n, parts, grid in ((150, 2, 16), (1000, 7, 32), (5000, 4, 1000)):
+        ranges = even_ranges(n, parts, grid)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a % grid == 0 and a < b for a, b in ranges)
+        assert all(b == a2 for (_, b), (a2, _) in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError, match="cannot be split into 3 non-empty ranges on a grid of 64"):
+        even_ranges(100, 3, 64)
+
+
+def test_a_block_sampler_service_equals_flat_bit_for_bit(ray_local, store_dir, tiny_model_dir, states,
+                                                         tmp_path):
+    # N = 150 is not a multiple of block_rows = 16, and the even split (75) is off the grid:
+    # the service must put its boundary on the grid (80) for the flat draw to be reproduced.
+    index = IndexConfig(backend="torch", chunk_rows=CHUNK, sampler="block", block_rows=16)
+    config = ServiceConfig(num_shards=S, num_cpus=0.5, encode_batch_size=16, encode_dtype="fp32",
+                           call_timeout_s=120.0, index=index)
+    retriever = RetrieverConfig(preset="dual", mention_model=tiny_model_dir, storage_dtype="float32")
+    service = NegativeService.create(store_dir, retriever, config, str(tmp_path))
+    try:
+        assert service.ranges == [(0, 80), (80, 150)]
+        v = service.ensure_encoded(states[0])
+        parts = [PersistedVersions(tmp_path / "shards" / shard_dir_name(i, S), {}).load(v)[0] for i in range(S)]
+        ref = ShardIndex(ScoreSpec.preset("dual"), Reps(torch.cat([p.vecs for p in parts])), 0, index, v)
+        q = queries(7)
+        want = ref.gumbel_topk(q, 9, GOLD, 11, KEYS)
+        parts = ray.get([h.gumbel_topk.remote(q, 9, GOLD, 11, KEYS) for h in service._handles])
+        merged = merge_results(parts, 9)
+        assert torch.equal(merged.ids, want.ids) and torch.equal(merged.scores, want.scores)
+        assert torch.equal(merged.keys, want.keys)
+        mined = service.mine(q, GOLD, n_hard=9, n_random=0, seed=11, query_keys=KEYS).result()
+        hard = hard_negatives(want, 9)
+        assert torch.equal(mined.negatives.ids, hard.ids)
+        # log_z sums the same block masses in another order (per shard, then across): float64
+        # ulps apart, which the float32 log-probabilities do not see.
+        assert torch.equal(mined.negatives.log_q, hard.log_q)
+        torch.testing.assert_close(merged.log_z, want.log_z, rtol=1e-13, atol=0)
+        # the even, off-grid split draws another (equally exact) sample: what the grid is for
+        off = [ShardIndex(ScoreSpec.preset("dual"), Reps(ref.entities.vecs[a:b]), a, index, v)
+               for a, b in even_ranges(N, S)]
+        assert not torch.equal(merge_results([p.gumbel_topk(q, 9, GOLD, 11, KEYS) for p in off], 9).ids, want.ids)
+    finally:
+        service.shutdown()
 
 
 def test_many_requests_in_flight_give_the_sequential_answers(run):
