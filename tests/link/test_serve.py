@@ -51,6 +51,25 @@ def entity_rows(docs: list[dict]) -> list:
     return [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in docs]
 
 
+def assert_same_ranking(got: list[dict], want: list[dict], atol: float = 1e-4) -> None:
+    """The same top-k up to near-ties: scores agree rank by rank within ``atol``, a row in both
+    lists has the same score in both, and a row in one list only ties (within ``atol``) with the
+    other list's last score. (Shards that re-encode the KB in other batches than the exported
+    snapshot get embeddings that differ in the last bits, which reorders rows tied to ~1e-6.)"""
+    for g, w in zip(got, want, strict=True):
+        for gm, wm in zip(g["mentions"], w["mentions"], strict=True):
+            assert gm["span"] == wm["span"]
+            mine = {e["row"]: e["score"] for e in gm["entities"]}
+            theirs = {e["row"]: e["score"] for e in wm["entities"]}
+            np.testing.assert_allclose(list(mine.values()), list(theirs.values()), atol=atol, err_msg=str(gm))
+            for a, b in ((mine, theirs), (theirs, mine)):
+                for row, score in a.items():
+                    if row in b:
+                        assert abs(score - b[row]) <= atol, (row, gm, wm)
+                    else:  # cut off at the other list's end: only a tie with its last entry may be
+                        assert score <= min(b.values()) + atol, (row, gm, wm)
+
+
 def assert_same(got: list[dict], want: list[dict]) -> None:
     assert entity_rows(got) == entity_rows(want)
     for g, w in zip(got, want):
@@ -180,7 +199,9 @@ def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, de
 
     docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")]
     local = Linker.from_pretrained(tiny_run, k=4, progress=False).link(docs)
-    service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards")}
+    # fp32 re-encoding, as the snapshot was made: encode_dtype auto is bf16 on a CPU with AVX512-BF16
+    # or AMX, and bf16 embeddings move these scores by up to ~0.2 (a precision choice, not a bug).
+    service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards"), "encode_dtype": "fp32"}
     with Linker.from_pretrained(tiny_run, k=4, progress=False, searcher="service", service=service) as linker:
         assert linker.searcher.num_shards == 2
-        assert entity_rows(linker.link(docs)) == entity_rows(local)
+        assert_same_ranking(linker.link(docs), local)
