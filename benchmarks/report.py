@@ -1,0 +1,290 @@
+"""README benchmark tables, generated from the committed JSON in benchmarks/results/.
+
+Every figure the README gives for a benchmark stands between a pair of markers,
+
+    <!-- bench:NAME -->
+    ...generated markdown...
+    <!-- /bench:NAME -->
+
+and is rendered here from ``benchmarks/results/NAME.json`` (the run's own numbers: medians with
+their min-max spread, ratios with the range their spreads allow, the load average the run
+started at). ``tests/test_benchmarks_report.py`` fails when a block differs from what the
+committed JSON renders, so a table cannot drift from its measurement.
+
+    .venv/bin/python benchmarks/report.py            # rewrite the README blocks from the JSON
+    .venv/bin/python benchmarks/report.py --check    # exit 1 if any block is stale
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+README = REPO / "README.md"
+BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
+
+
+def _x(v: dict) -> str:
+    """A cost ratio from benchmarks.common.compare: median [range the spreads allow]."""
+    return f"{v['x_median']:.2f}x [{v['x_low']:.2f}-{v['x_high']:.2f}]" + ("" if v["distinct"] else " (overlap)")
+
+
+def _run_line(data: dict) -> str:
+    m = data.get("machine") if isinstance(data.get("machine"), dict) else data.get("meta", data)
+    noisy = " NOISY (recorded above the load limit)" if data.get("noisy") else ""
+    libs = "".join(f", {lib} {m[lib]}" for lib in ("torch", "faiss") if m.get(lib))
+    return (f"Run: load average {data.get('load_average_before', float('nan')):.1f} before the start "
+            f"(limit {data.get('load_limit', 1.5)}){noisy}; {m.get('cpu_count', m.get('cpus', '?'))} cores{libs}.")
+
+
+def _ms(spread: dict, per: float = 1e3) -> str:
+    return f"{per * spread['median']:.2f} ({per * spread['min']:.2f}-{per * spread['max']:.2f})"
+
+
+def mining(data: dict) -> str:
+    peaks = data["gemm_peaks"]["1"]
+    lines = [f"N = {data['n']:,} x {data['d']} clustered vectors, K-1 = {data['k']}; top-k requests of "
+             f"{data['batch']} queries, exact hard-negative requests of {data['gumbel_batch']}. Cost per query "
+             "(median of the interleaved repeats, min-max in brackets) and its ratio to faiss flat top-k on the "
+             "same threads (median [range the spreads allow]).", "",
+             "| method | ms/query | vs faiss flat top-k | GFLOP/s |", "|---|---|---|---|"]
+    for row in data["rows"]:
+        if "vs_faiss_topk" not in row:
+            continue
+        lines.append(f"| {row['method']} | {_ms(row['seconds_per_query'])} | {_x(row['vs_faiss_topk'])} | "
+                     f"{row['gflops']:.1f} |")
+    lines += ["", "Through Ray (S shard actors of one thread each against one process of S threads):", "",
+              "| method | queries/s | x in-process baseline (same work, S threads) |", "|---|---|---|"]
+    for row in data["rows"]:
+        if "service" in row["method"] or "no Ray" in row["method"]:
+            lines.append(f"| {row['method']} | {row['qps']:.1f} | {row['x_baseline']:.2f} |")
+    agree = data.get("agreement") or {}
+    lines += ["", f"GEMM peaks measured in the same run (torch.mm, 1 thread): fp32 {peaks['fp32']:.0f} GFLOP/s, "
+              f"bf16 {peaks['bf16']:.0f} GFLOP/s ({'native' if peaks['bf16_native'] else 'emulated'}). "
+              f"No-op fan-out to the shards: {data['noop_fanout_ms']:.1f} ms. Service answers equal the in-process "
+              f"ones: top-k ids {100 * agree.get('topk_ids_equal_fraction', float('nan')):.0f}%, Gumbel ids "
+              f"{100 * agree.get('gumbel_ids_equal_fraction', float('nan')):.0f}%.", _run_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def scale(data: dict) -> str:
+    exact, flat = data["mining"][0], data["mining"][1]
+    mem = data["memory"]
+    worst_peak = max(r["ratio_peak_minus_empty"] for r in mem)
+    worst_rest = max(r["ratio_rss_minus_empty"] for r in mem)
+    lines = [f"{data['entities']:,} x {data['d']} {data['dtype']} vectors over {data['shards']} shard actors "
+             f"(one thread each, {data['shards']} processes on {data['machine'].get('cpu_count', '?')} cores); "
+             f"{exact['queries']:,} queries (AIDA train), K-1 = {data['k']}, {data['batch']} per request, "
+             f"{data['in_flight']} in flight; each pass over all the queries, measured to the end "
+             "(one pass each, so no spread).", "",
+             "| mining | queries timed | queries/s | minutes for all | cost vs faiss |", "|---|---|---|---|---|"]
+    for row in (exact, flat):
+        extra = " (extrapolated)" if row["extrapolated"] else ""
+        lines.append(f"| {row['mode']} | {row['queries_measured']:,}{extra} | {row['qps']:.1f} | "
+                     f"{row['minutes_for_all']:.1f} | {flat['qps'] / row['qps']:.2f}x |")
+    lines += ["", f"The faiss flat mode samples within each query's top 1,024 and misses on average "
+              f"{100 * flat['truncation_mean']:.1f}% of the softmax mass (its estimate of the tail, reported, "
+              "not hidden); the exact mode samples from all entities. Memory per shard: "
+              f"{mem[0]['raw_mib']:.0f} MiB of raw vectors; RSS minus an empty shard process "
+              f"({data['empty_shard_memory']['rss_mib']:.0f} MiB of Ray, torch and faiss) is {worst_rest:.2f}x the raw "
+              f"bytes at rest and {worst_peak:.2f}x at the peak of the build (worst shard).", _run_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def refresh(data: dict) -> str:
+    peak = data["gemm_gflops"]
+    lines = [f"{data['model']} over {data['entities']:,} synthetic entities ({data['mean_tokens']:.0f} tokens on "
+             f"average, width {data['entity_max_len']}), batch {data['batch']}; in-process rows on one thread, the "
+             f"service on {data['shards']} shard actors of one thread each; every method encodes the same rows in "
+             "interleaved rounds. MFU = achieved GFLOP/s per thread over the same run's GEMM peak of the method's "
+             "dtype.", "",
+             "| method | entities/s | x naive | GFLOP/s per thread | MFU | max rel. diff vs naive |",
+             "|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        diff = row.get("max_rel_diff_vs_naive")
+        lines.append(f"| {row['method']} | {row['entities_per_s']:.1f} | {row['x_naive']:.2f} | "
+                     f"{row['gflops'] / row['threads']:.0f} ({row['compute']}) | {row['fraction_of_gemm']:.2f} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} |")
+    svc = data["rows"][-1]
+    lines += ["", f"GEMM peaks in the same run (1 thread): fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s "
+              f"({'native' if peak['bf16_native'] else 'emulated'}). A service refresh, from `refresh()` to the "
+              f"new version served: {', '.join(f'{t:.1f}' for t in svc['refresh_seconds_all'])} s, of which the "
+              f"slowest shard's encoding is {100 * svc['encode_share_of_refresh']:.0f}% (the rest: weights "
+              "broadcast, persist, index build, swap).", _run_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def train_step(data: dict) -> str:
+    b = data["batch"]
+    lines = [f"`{data['config']}` (model {Path(str(data['model'])).name}), {b['mentions']} mentions x "
+             f"{b['candidates']} candidates, {b['mention_tokens']}/{b['entity_tokens']} tokens, {data['shards']} "
+             f"shards, refresh `{data['refresh']}` ({data['refreshes_published']} KB refreshes published during the "
+             f"run); the two DeepSpeed modes alternate in {data['rounds']} rounds. Step and part times are medians "
+             "in seconds; wait % = time blocked on negatives over step time (min-max over rounds).", "",
+             "| mode | steps | step s (min-max over rounds) | wait % | negatives % | forward+backward+optimizer s | "
+             "steps overlapping a refresh |", "|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        step = row.get("step_spread")
+        steps = f"{row['step']:.3f}" + (f" ({step['min']:.3f}-{step['max']:.3f})" if step else "")
+        wait = row.get("wait_pct_spread")
+        wait_s = f"{row['wait_pct']:.2f}" + (f" ({wait['min']:.2f}-{wait['max']:.2f})" if wait else "")
+        refreshing = row.get("refreshing_pct")
+        lines.append(f"| {row['mode']} | {row['steps']} | {steps} | {wait_s} | {row['negatives_pct']:.1f} | "
+                     f"{row['compute']:.3f} | {'-' if refreshing is None else f'{refreshing:.0f}%'} |")
+    r = data["ratios"]
+    lines += ["", f"Synchronous mining over prefetching: {r['sync_over_prefetch_step']:.2f}x the step time; DeepSpeed "
+              f"over a plain PyTorch loop on the same batches: {r['deepspeed_over_plain_compute']:.2f}x the compute.",
+              _run_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def link(data: dict) -> str:
+    a = data["args"]
+    lines = [f"{a['mentions']} dev mentions of the demo's run (MiniLM dual encoder, {data['entities']:,} entities, "
+             f"k = {a['k']}{', reranked' if a.get('reranker') else ''}), end to end (tokenize, encode, search), "
+             f"{a['repeats']} interleaved repeats; Serve: one mention per HTTP request from {a['clients']} "
+             "concurrent clients.", "",
+             "| way | mentions/s median (min-max) | x naive | top-1 equal to batched |", "|---|---|---|---|"]
+    for row in data["results"]:
+        lines.append(f"| {row['way']} | {row['median']:.1f} ({row['min']:.1f}-{row['max']:.1f}) | "
+                     f"{row['speedup']:.2f} | {100 * row['top1_agree']:.0f}% |")
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
+def _load(results: Path, name: str) -> dict:
+    path = results / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no committed result for the README block")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def targets(results: Path) -> str:
+    """Issue 12's targets, each read from the run that measures it."""
+    mining_, scale_, refresh_, step_ = (_load(results, n) for n in ("mining", "scale", "refresh", "train_step"))
+    by = {r["method"]: r for r in mining_["rows"]}
+    block, dense = by["gumbel: exact block, 1 process x 1 thread"], by["gumbel: exact, 1 process x 1 thread"]
+    bf16 = by["gumbel: exact block bf16, 1 process x 1 thread"]
+    exact, flat = scale_["mining"]
+    peak = max(r["ratio_peak_minus_empty"] for r in scale_["memory"])
+    svc = refresh_["rows"][-1]
+    inproc = max((r for r in refresh_["rows"][:-1] if r["compute"] == "bf16"), key=lambda r: r["fraction_of_gemm"],
+                 default=None)
+    pre = step_["rows"][0]
+    rows = [("exact hard-negative mining vs faiss flat top-k, 1 thread, 1M x 128", "<= 1.2x",
+             f"block {_x(block['vs_faiss_topk'])}; dense {_x(dense['vs_faiss_topk'])}",
+             block["vs_faiss_topk"]["x_high"] <= 1.2),
+            ("exact scoring (block, bf16) vs the same run's bf16 GEMM peak", ">= 50%",
+             f"{100 * bf16['fraction_of_bf16_peak']:.1f}%", bf16["fraction_of_bf16_peak"] >= 0.5),
+            (f"{scale_['entities']:,}-entity exact pass over {exact['queries']:,} queries vs the faiss pass, "
+             "to the end", "<= 1.2x",
+             f"{flat['qps'] / exact['qps']:.2f}x ({exact['seconds_measured']:.0f} s vs {flat['seconds_measured']:.0f} s"
+             f"{', extrapolated' if exact['extrapolated'] or flat['extrapolated'] else ''})",
+             flat["qps"] / exact["qps"] <= 1.2 and not (exact["extrapolated"] or flat["extrapolated"])),
+            ("shard memory at the peak of the build vs raw vector bytes (5.9M)", "<= 1.3x", f"{peak:.2f}x",
+             peak <= 1.3),
+            ("KB refresh MFU vs the same run's bf16 peak", ">= 60%",
+             f"service {100 * svc['fraction_of_gemm']:.0f}%" + (f"; one process {100 * inproc['fraction_of_gemm']:.0f}%"
+                                                               if inproc else ""),
+             svc["fraction_of_gemm"] >= 0.6),
+            ("time blocked on negatives, async refresh in flight", "< 5% of the step",
+             f"{pre['wait_pct']:.2f}% ({pre.get('refreshing_pct', 0):.0f}% of steps overlapped a refresh)",
+             pre["wait_pct"] < 5 and pre.get("refreshing_pct", 0) > 0)]
+    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
+    lines += [f"| {what} | {goal} | {got} | {'yes' if ok else '**no**'} |" for what, goal, got, ok in rows]
+    return "\n".join(lines) + "\n"
+
+
+def scoring(data: dict) -> str:
+    lines = [f"{data['batch']} mentions per call, hidden {data['dim']}, {data['seq']} tokens, "
+             f"{data['threads']} thread; \"loop\" scores one entity at a time, \"unfused\" is the seed code's "
+             "single einsum that materialises every product (medians of repeated calls).", "",
+             "| preset | dtype | entities | scores/s | x loop | x unfused | max rel. diff vs loop / vs unfused |",
+             "|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        name = row["preset"] if row.get("m") is None else f"{row['preset']}-{row['m']}"
+        lines.append(f"| {name} | {row['dtype']} | {row['entities']:,} | {row['fast_scores_per_s']:.3g} | "
+                     f"{row['speedup_vs_loop']:.1f} | {row['speedup_vs_unfused']:.2f} | "
+                     f"{row['max_rel_diff_vs_loop']:.1e} / {row['max_rel_diff_vs_unfused']:.1e} |")
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
+def search(data: dict) -> str:
+    meta = data["meta"]
+    lines = [f"N = {meta['n']:,} x {meta['d']} clustered vectors, {meta['batch']} queries, k = {meta['k']}, "
+             f"{meta['threads']} thread. Recall against the exact top-k; for Gumbel rows the overlap of the sample "
+             "with the top-k (a property of the sample, not an error).", "",
+             "| search | queries/s | x flat fp32 | recall (or overlap) | max score error | build s |",
+             "|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        got = row.get("recall", row.get("overlap_with_topk"))
+        lines.append(f"| {row['backend']} | {row['qps']:.1f} | {row['speed_vs_flat_fp32']:.2f} | {got:.3f} | "
+                     f"{row['max_score_err']:.1e} | {row['build_s']:.2f} |")
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
+def ingest(data: dict) -> str:
+    lines = [f"Synthetic KILT knowledge source ({data['entities']:,} entities, {data['kb_bytes'] / 2**20:.0f} MiB), "
+             f"tokenized to {data['entity_max_len']} tokens with the MiniLM tokenizer into the prepared Arrow store; "
+             f"the naive baseline reads its first {data['baseline_entities']:,} lines one tokenizer call each. Token "
+             f"ids equal the baseline's on {100 * data['token_agreement_with_baseline']:.0f}% of the checked "
+             "entities. The runs follow one another once each (whole-process runs: no interleaving, no spread).", "",
+             "| run | entities | entities/s | entities per CPU-s | x naive | peak anonymous memory |",
+             "|---|---|---|---|---|---|"]
+    for row in data["runs"]:
+        lines.append(f"| {row['name']} | {row['entities']:,} | {row['entities_per_s']:.0f} | "
+                     f"{row['entities_per_cpu_s']:.0f} | {row['speedup_vs_baseline']:.2f} | "
+                     f"{row['peak_anon_tree_mib']:.0f} MiB |")
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
+                                                "train_step": train_step, "link": link,
+                                                "scoring": scoring, "search": search, "ingest": ingest}
+
+
+def sources(name: str) -> tuple[str, ...]:
+    """The result files behind README block ``name``."""
+    return ("mining", "scale", "refresh", "train_step") if name == "targets" else (name,)
+
+
+def render(name: str, results: Path = RESULTS) -> str:
+    if name == "targets":
+        return targets(results)
+    if name not in RENDERERS:
+        raise KeyError(f"README.md: bench block '{name}' has no renderer in benchmarks/report.py "
+                       f"(known: targets, {', '.join(sorted(RENDERERS))})")
+    return RENDERERS[name](_load(results, name))
+
+
+def rewrite(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every bench block re-rendered from ``results``."""
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group("name"), results) + m.group(4), text)
+
+
+def blocks(text: str) -> dict[str, str]:
+    return {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a README block differs from its JSON")
+    args = ap.parse_args(argv)
+    text = README.read_text(encoding="utf-8")
+    new = rewrite(text)
+    if args.check:
+        stale = [n for n, body in blocks(text).items() if blocks(new)[n] != body]
+        print("stale README blocks: " + ", ".join(stale) if stale else "README benchmark blocks match the JSON")
+        return 1 if stale else 0
+    if new != text:
+        README.write_text(new, encoding="utf-8")
+    print(f"rendered {len(blocks(new))} README blocks: {', '.join(blocks(new))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
