@@ -230,7 +230,8 @@ class EntityShard:
                     raise ValueError(f"shard {self.shard}: refresh to version {version}, but version "
                                      f"{self._served} is served already; versions must increase")
                 self._target = version  # queries asking for this version wait instead of failing
-                self._progress = [0, self.store.num_entities]
+                held = self._held.get(self._served)
+                self._progress = [0, held.index.num_rows if held else self.store.num_entities]
             try:
                 return self._refresh(state, version, origin)
             finally:
@@ -272,8 +273,13 @@ class EntityShard:
         from kb.store import EntityStore
 
         store = EntityStore(self.store_dir, kb_version=kb_version)
-        return [(a, b, encode_rows(encoder, store.slice(a, b), self.config.encode_batch_size, self.device, autocast,
-                                   self.storage_dtype)) for a, b in ranges]
+        out, done = [], self._progress[0]
+        for a, b in ranges:
+            reps = encode_rows(encoder, store.slice(a, b), self.config.encode_batch_size, self.device, autocast,
+                               self.storage_dtype, progress=lambda k, base=done: self._set_progress(base + k))
+            out.append((a, b, reps))
+            done += b - a
+        return out
 
     def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> LiveIndex:
         encoder = self._encoder_for(state)
@@ -367,7 +373,7 @@ class EntityShard:
         return version
 
     def _set_progress(self, done: int) -> None:
-        self._progress = [done, self.store.num_entities]
+        self._progress = [done, self._progress[1]]
 
     def use_version(self, version: int) -> int:
         """Serve ``version`` from memory or disk (``NegativeService.ensure_encoded`` aligning
