@@ -91,7 +91,11 @@ def test_pieces_with_removed_rows_equal_one_flat_search(data, config, grid):
     for k in (1, 9):
         got = merge_results([s.topk(q, k, gold) for s in shards], k)
         want = flat.topk(q, k, gold)
-        assert torch.equal(got.ids, want.ids) and torch.equal(got.scores, want.scores) and got.version == 3
+        assert torch.equal(got.ids, want.ids) and got.version == 3
+        if config.backend == "torch":
+            assert torch.equal(got.scores, want.scores)
+        else:  # faiss's BLAS path depends on the matrix shapes: ulps apart
+            torch.testing.assert_close(got.scores, want.scores, rtol=0, atol=1e-5)
         sample = merge_results([s.gumbel_topk(q, k, gold, 7, keys) for s in shards], k)
         ref = flat.gumbel_topk(q, k, gold, 7, keys)
         assert torch.equal(sample.ids, ref.ids) and torch.equal(sample.keys, ref.keys), "bit for bit"
