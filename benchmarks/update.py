@@ -67,7 +67,8 @@ def write_sources(data_dir: Path, entities: int, add_frac: float, remove_frac: f
     paths = {k: data_dir / f for k, f in (("base", "base.json"), ("add", "add.json"), ("remove", "remove.txt"),
                                           ("final", "final.json"))}
     stamp = data_dir / "sources.json"
-    want = {"entities": entities, "add": n_add, "remove": n_remove, "seed": seed, "source_size": src.stat().st_size}
+    want = {"entities": entities, "n_add": n_add, "n_remove": n_remove, "seed": seed,
+            "source_size": src.stat().st_size}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return {**{k: str(p) for k, p in paths.items()}, **want}
     step = entities // n_remove
@@ -229,13 +230,13 @@ def main() -> None:
             {"method": "full rebuild (prepare + encode all)",
              **{k: times["rebuild"][k] for k in ("min", "median", "max")},
              "peak": max(r["prepare_peak_rss_mib"] for r in bench.records["rebuild"])}]
-    print(f"{args.entities:,} entities, +{sources['add']:,} added, -{sources['remove']:,} removed, "
+    print(f"{args.entities:,} entities, +{sources['n_add']:,} added, -{sources['n_remove']:,} removed, "
           f"{args.shards} shards, {args.model} encoder")
     print_table(rows, [("method", "method", "<36s"), ("min", "min s", ">9.2f"), ("median", "median s", ">9.2f"),
                        ("max", "max s", ">9.2f"), ("peak", "peak MiB (child)", ">16.0f")])
     print(f"rebuild / delta: x{ratio['x_median']:.1f} (spreads apart: {ratio['distinct']})")
     payload = {
-        "benchmark": "update", "entities": args.entities, "added": sources["add"], "removed": sources["remove"],
+        "benchmark": "update", "entities": args.entities, "added": sources["n_add"], "removed": sources["n_remove"],
         "shards": args.shards, "encode_batch": args.batch, "model": args.model, "model_fingerprint":
         state_fingerprint(state)[:16], "repeats": args.repeats, "seconds": times, "rebuild_over_delta": ratio,
         "records": bench.records, "base_encode_seconds": base_encode, **hygiene,
