@@ -216,7 +216,7 @@ class NegativeService:
                                dim, store.kb_version) for i, r in enumerate(ranges)]
         live = LiveRows(n, torch.as_tensor(store.tombstones, dtype=torch.int64))
         service = cls(handles, ranges, spec, dim, config, str(store_dir), live, store.kb_version)
-        service.status()  # surfaces a shard that failed to start, with its traceback
+        service.sync_kb()  # surfaces a shard that failed to start; follows a reloaded version's KB version
         return service
 
     # ------------------------------------------------------------------ versions
@@ -308,6 +308,8 @@ class NegativeService:
         from kb.store import EntityStore
 
         status = self.status()
+        if any(s["kb_version"] is None for s in status):  # nothing served yet: the store's version stands
+            return self.kb_version
         kb_version = min(s["kb_version"] for s in status)
         if kb_version != self.kb_version and self.store_dir is not None:
             store = EntityStore(self.store_dir, kb_version=kb_version)
@@ -361,11 +363,14 @@ class NegativeService:
         self._state_ref = entity_state  # what apply_delta encodes new rows with, until a refresh
         if target is not None:
             calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
-            return min(c.get() for c in calls)
-        newest = max((v for versions in lineage for v in versions), default=-1)
-        reusable = newest <= version and all(versions[version]["encoder"] == fp
-                                             for versions in lineage if version in versions)
-        return self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+            served = min(c.get() for c in calls)
+        else:
+            newest = max((v for versions in lineage for v in versions), default=-1)
+            reusable = newest <= version and all(versions[version]["encoder"] == fp
+                                                 for versions in lineage if version in versions)
+            served = self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+        self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
+        return served
 
     def use_version(self, version: int) -> bool:
         """Serve ``version`` again on every shard (from memory or disk), if every shard still
@@ -386,6 +391,7 @@ class NegativeService:
             if isinstance(cause(e), VersionUnavailable):
                 return False
             raise
+        self.sync_kb()  # an older index version may encode an older KB version: sample from its live rows
         return True
 
     # ------------------------------------------------------------------ queries
