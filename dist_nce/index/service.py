@@ -205,7 +205,10 @@ class NegativeService:
         if tokenizer_sha256 is None:
             tokenizer_sha256 = tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"]
         store = EntityStore(store_dir, tokenizer_sha256=tokenizer_sha256)
-        n = store.num_entities  # a store with KB deltas: its whole current row space, split evenly
+        # Shards own even ranges of the lineage's version-0 rows, whatever deltas came since: the layout
+        # (and so every persisted version) stays the same across deltas and driver restarts. Rows added
+        # later are pieces placed by apply_delta (ensure_encoded catches a fresh run up to the store).
+        n = int(store.manifest["entities"]["count"])
         if store.num_live < config.num_shards + 1:
             raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
                              "with negatives to spare")
@@ -213,9 +216,8 @@ class NegativeService:
         shard_root = Path(config.shard_dir or Path(run_dir) / "shards")
         dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
-                               dim, store.kb_version) for i, r in enumerate(ranges)]
-        live = LiveRows(n, torch.as_tensor(store.tombstones, dtype=torch.int64))
-        service = cls(handles, ranges, spec, dim, config, str(store_dir), live, store.kb_version)
+                               dim) for i, r in enumerate(ranges)]
+        service = cls(handles, ranges, spec, dim, config, str(store_dir))
         service.sync_kb()  # surfaces a shard that failed to start; follows a reloaded version's KB version
         return service
 
@@ -359,6 +361,7 @@ class NegativeService:
         else:
             descendants = [v for v in common if v > version and all_say(v, "origin")]
             target = max(descendants, default=None)
+        these_weights = target is None or all_say(target, "encoder")
         self._origin = fp
         self._state_ref = entity_state  # what apply_delta encodes new rows with, until a refresh
         if target is not None:
@@ -370,6 +373,14 @@ class NegativeService:
                                                  for versions in lineage if version in versions)
             served = self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
         self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
+        if these_weights and self.store_dir is not None:
+            from kb.store import EntityStore
+
+            if EntityStore(self.store_dir).kb_version > self.kb_version:
+                # A run starting on a store changed by deltas: serve its current version (only the rows
+                # added since version 0 are encoded). A resumed run (a descendant version) stays on the KB
+                # version it trained with, so it replays; a delta is then asked for (train.kb_control).
+                served = self.apply_delta(entity_state=state)
         return served
 
     def use_version(self, version: int) -> bool:

@@ -11,7 +11,9 @@ atomically. The driver (``jobs/aida_finetune.py``) runs a :class:`KbWatcher` bes
 every ``interval_s`` it looks for that file and calls ``NegativeService.apply_delta`` (the
 shards encode only the new rows, with the weights they serve, and swap in a new index version
 without stopping training); the request is then replaced by ``kb_update.done.json`` (index
-version, KB version, seconds) or ``kb_update.failed.json`` (the error). Training workers follow
+version, KB version, seconds) or ``kb_update.failed.json`` (the error). A request the shards cannot
+serve yet (restarted shards hold no encoder with the weights they serve until the next refresh)
+stays and is applied at the first poll after that refresh. Training workers follow
 from the first answer of the new index version on (``dist_nce.train.kb_follow``).
 """
 from __future__ import annotations
@@ -65,6 +67,11 @@ def apply_request(service: Any, run_dir: str | os.PathLike) -> dict | None:
     except Exception as e:  # noqa: BLE001 - recorded for the person who asked; training goes on
         outcome = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "failed_utc": _now()}
         atomic_write_json(run_dir / FAILED_FILE, outcome)
+        if "weights of the version served" in str(e):
+            # Shards reloaded from disk hold no encoder until the next refresh: keep the request, the
+            # next poll after that refresh applies it.
+            outcome["retry"] = True
+            return outcome
     path.unlink(missing_ok=True)
     return outcome
 

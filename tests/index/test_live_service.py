@@ -253,3 +253,32 @@ def test_a_shard_killed_during_a_delta_recovers_to_a_consistent_version(run, kb,
     assert (st["served"], st["kb_version"], st["source"]) == (v + 1, service.kb_version, "reloaded")
     assert st["pieces"] == idle["pieces"] and st["live"] == idle["live"]
     check_against_flat(service, flat(service, run_dir, kb, v + 1), queries(4), torch.tensor([0, 1, 2, 3, 4, 5]))
+
+
+def test_services_created_on_a_changed_store(run, kb, states, tiny_model_dir, tmp_path_factory):
+    """A fresh run on the changed store serves its current version (the version-0 rows, then only the
+    added ones); a driver restarted on the same shard directory reloads the delta'd version as is."""
+    service, run_dir = run
+    config, retriever = service.config, RetrieverConfig(preset="dual", mention_model=tiny_model_dir,
+                                                        storage_dtype="float32")
+    current = EntityStore(kb.store).kb_version
+    fresh_dir = tmp_path_factory.mktemp("fresh_run")
+    fresh = NegativeService.create(kb.store, retriever, config, str(fresh_dir))
+    try:
+        v = fresh.ensure_encoded(states[1])
+        assert fresh.kb_version == current and fresh.ranges == service.ranges
+        check_against_flat(fresh, flat(fresh, fresh_dir, kb, v), queries(5), torch.tensor([0, 1, 2, 3, 4, 5]))
+        check_against_scratch(fresh, kb, states[1])
+    finally:
+        fresh.shutdown()
+    served = service.version()
+    service.shutdown()  # the driver goes away; its shards' versions stay on disk
+    restarted = NegativeService.create(kb.store, retriever, config, str(run_dir))
+    try:
+        assert restarted.ensure_encoded(states[0]) == served, "the run's newest version, reloaded"
+        status = restarted.status()
+        assert {s["kb_version"] for s in status} == {current} and not any(s["encodes"] for s in status)
+        assert restarted.kb_version == current and restarted.num_entities == EntityStore(kb.store).num_entities
+        check_against_flat(restarted, flat(restarted, run_dir, kb, served), queries(6), torch.tensor([0, 1, 2, 3, 4, 5]))
+    finally:
+        restarted.shutdown()
