@@ -56,12 +56,12 @@ def _leaf(q: Reps, dtype: torch.dtype) -> tuple[Tensor, Reps]:
 
 
 def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 4096,
-                 dtype: torch.dtype = torch.float32) -> LseGrad:
+                 dtype: torch.dtype = torch.float32, dead: Tensor | None = None) -> LseGrad:
     """LSE over ALL entity rows and its gradient, streamed over chunks of rows.
 
-    q: mention Reps [B, ...]; entities: entity Reps [n, ...]. Memory is one chunk's scores
-    and graph. Each chunk's (lse_j, grad_j) is folded into the running pair by the same
-    rule as :func:`merge`, in float64.
+    q: mention Reps [B, ...]; entities: entity Reps [n, ...]; dead: optional int64 local rows left
+    out (entities a KB delta removed). Memory is one chunk's scores and graph. Each chunk's
+    (lse_j, grad_j) is folded into the running pair by the same rule as :func:`merge`, in float64.
     """
     batch = q.vecs.shape[0]
     out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
@@ -72,7 +72,13 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
         leaf, reps = _leaf(q, dtype)
         block = Reps(_saveable(entities.vecs[a:b].to(dtype)),
                      None if entities.mask is None else _saveable(entities.mask[a:b]))
-        lse = torch.logsumexp(_wide(score_all(spec, reps, block)), dim=1)
+        scores = _wide(score_all(spec, reps, block))
+        gone = None if dead is None else dead[(dead >= a) & (dead < b)] - a
+        if gone is not None and gone.numel():
+            if gone.numel() == b - a:
+                continue  # every row of the chunk removed: it adds nothing
+            scores = scores.index_fill(1, gone.to(scores.device), float("-inf"))
+        lse = torch.logsumexp(scores, dim=1)
         # Query b's score depends on q[b] only, so the gradient of the sum is per row.
         (grad,) = torch.autograd.grad(lse.sum(), leaf)
         out = merge([out, LseGrad(lse.detach().double(), grad.double())])

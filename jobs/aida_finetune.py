@@ -99,20 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     except DoesNotFit as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from dist_nce.train.kb_control import KbWatcher
+
     service = NegativeService.create(cfg.data.prepared_dir, cfg.model.retriever, cfg.service, cfg.run.output_dir)
     retriever = build_retriever(cfg.model, cfg.optim.seed)
     version = service.ensure_encoded(ray.put(retriever.entity_encoder_state()), version=0)
     del retriever
     plan = plan_for(cfg)
     print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, service.ranges, version, use_gpu(cfg)), flush=True)
-    # 4. train (resumes a run with the same name + storage_path); workers evaluate and export
-    result = fit(cfg, service)
+    # 4. train (resumes a run with the same name + storage_path); workers evaluate and export. Meanwhile a
+    # KB delta asked for through <run.output_dir>/kb_update.json is served live (dist_nce/train/kb_control.py).
+    with KbWatcher(service, cfg.run.output_dir, log=lambda m: print(m, flush=True)) as kb_watch:
+        result = fit(cfg, service)
     final = unflatten(result.metrics or {})
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": bool(final.get("done")),
                "step": final.get("step"), "dev_before": final.get("dev_before"),
                "dev_after": final.get("dev_after"), "index_version": final.get("index_version"),
                "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
                "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
+               "kb_version": service.kb_version, "kb_updates": kb_watch.outcomes,
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
                "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     # 5. export: where the final KB embeddings live (the shards persisted them)

@@ -6,6 +6,7 @@ Layout of a prepared directory (written by :mod:`kb.prepare`)::
     <dir>/entities/part-00000.arrow ...    entity rows, ``rows_per_part`` rows per part (last may be shorter)
     <dir>/entities/source_index.arrow      source ids sorted (fixed-width bytes) -> row id
     <dir>/mentions/<split>/mentions.arrow  one mention table per split
+    <dir>/versions/00001/...               KB deltas (kb.delta): appended rows, tombstones, their ids
 
 Every Arrow file is an IPC *file* holding one record batch, opened with
 ``pa.memory_map``: token ids are zero-copy ``np.int32`` views ``[rows, max_len]`` of
@@ -15,6 +16,15 @@ for a load. Row ``r`` lives in part ``r // rows_per_part`` at offset
 
 Source-id lookup (:mod:`kb.source_index`) is a vectorised ``np.searchsorted`` over
 mapped fixed-width keys, not a Python dict over millions of ids.
+
+**KB versions** (docs/design.md section 6, "Keeping the KB current"). A store is a lineage
+of versions: version 0 is what ``kb.prepare`` wrote; ``kb.delta`` adds version n+1 as
+appended rows (rows ``count, count+1, ...``: row ids never move), a cumulative sorted
+tombstone array of removed rows, and a source index of the added rows only. An
+:class:`EntityStore` opens the manifest's current ``kb_version`` unless told another one;
+its row space is every row up to that version (tombstoned rows included, so persisted
+embeddings, shard ranges and mention ``gold_row`` values stay valid), and its lookups
+(source id, title) never return a tombstoned row.
 """
 from __future__ import annotations
 
@@ -35,12 +45,39 @@ ENTITIES_DIR = "entities"
 MENTIONS_DIR = "mentions"
 SOURCE_INDEX_FILE = "source_index.arrow"
 MENTIONS_FILE = "mentions.arrow"
+VERSIONS_DIR = "versions"
+SEGMENT_FILE = "entities.arrow"  # a delta's appended rows
+TOMBSTONES_FILE = "tombstones.arrow"  # cumulative removed rows of a version, sorted int64
 
 # How a mention's gold reference was resolved to an entity row (column ``gold_status``).
 GOLD_BY_ID = "id"  # gold source id found in the KB
 GOLD_BY_TITLE = "title"  # id absent, gold title found (AIDA titles that KILT renamed keep their id)
 GOLD_MISSING = "missing"  # labelled, but the gold entity is not in the KB: gold_row == -1
 GOLD_UNLABELLED = "unlabelled"  # the source has no gold (aidayago2-test_without_answers): gold_row == -1
+GOLD_REMOVED = "removed"  # resolved when prepared, but the entity is removed at the KB version read: -1
+
+
+def version_dir(version: int) -> str:
+    """``versions/00001``: where KB version ``version`` (>= 1) keeps its files."""
+    return f"{VERSIONS_DIR}/{int(version):05d}"
+
+
+def kb_version_of(manifest: Mapping[str, Any]) -> int:
+    """The current KB version a store manifest names (0 before any delta)."""
+    return int(manifest.get("kb_version", 0))
+
+
+def version_records(manifest: Mapping[str, Any], kb_version: int | None = None) -> list[dict]:
+    """The delta records of versions 1..``kb_version`` (default: the current one), ascending;
+    refuses a version the manifest does not have."""
+    current = kb_version_of(manifest)
+    want = current if kb_version is None else int(kb_version)
+    if not 0 <= want <= current:
+        raise ArtifactMismatch(f"KB version {want} does not exist (versions 0..{current})")
+    records = [r for r in manifest.get("versions", []) if int(r["version"]) <= want]
+    if [int(r["version"]) for r in records] != list(range(1, want + 1)):
+        raise ArtifactMismatch(f"manifest lists KB versions {[r['version'] for r in records]}, expected 1..{want}")
+    return records
 
 
 def part_file(index: int) -> str:
@@ -123,6 +160,18 @@ def read_arrow(path: str | os.PathLike) -> pa.Table:
     return reader.read_all()
 
 
+def read_tombstones(path: str | os.PathLike) -> np.ndarray:
+    """A version's removed rows: sorted unique int64 ``[t]`` (memory-mapped)."""
+    rows = read_arrow(path).column("row_id").combine_chunks().to_numpy(zero_copy_only=False)
+    if len(rows) > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        raise ArtifactMismatch(f"{path}: tombstones are not sorted and unique")
+    return rows.astype(np.int64, copy=False)
+
+
+def tombstone_table(rows: np.ndarray) -> pa.Table:
+    return pa.table({"row_id": pa.array(np.asarray(rows, dtype=np.int64))})
+
+
 def _one_batch(table: pa.Table) -> pa.Table:
     if any(col.num_chunks > 1 for col in table.columns):
         # Written by someone else; keep working, at the cost of one copy.
@@ -166,40 +215,87 @@ class EntityStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, tokenizer_sha256: str | None = None,
-                 expect: Mapping[str, Any] | None = None):
-        self._load(Path(path), open_manifest(path, tokenizer_sha256, expect))
+                 expect: Mapping[str, Any] | None = None, kb_version: int | None = None):
+        self._load(Path(path), open_manifest(path, tokenizer_sha256, expect), kb_version)
 
     @classmethod
-    def from_manifest(cls, path: str | os.PathLike, manifest: dict) -> "EntityStore":
+    def from_manifest(cls, path: str | os.PathLike, manifest: dict, kb_version: int | None = None
+                      ) -> "EntityStore":
         """Open with an in-memory manifest (used while the store is being assembled,
         before its manifest.json is written)."""
         store = object.__new__(cls)
-        store._load(Path(path), manifest)
+        store._load(Path(path), manifest, kb_version)
         return store
 
-    def _load(self, path: Path, manifest: dict) -> None:
+    def _load(self, path: Path, manifest: dict, kb_version: int | None = None) -> None:
         self.path = path
         self.manifest = manifest
         ent = manifest["entities"]
         self.max_len = int(manifest["entity_max_len"])
         self.rows_per_part = int(ent["rows_per_part"])
-        self._total = int(ent["count"])
+        base = int(ent["count"])
         self._parts: list[pa.Table] = []
+        starts = []
+        files = []
         for i, name in enumerate(ent["parts"]):
             file = path / ENTITIES_DIR / name
             table = _one_batch(read_arrow(file))
-            expected_rows = min(self.rows_per_part, self._total - i * self.rows_per_part)
+            expected_rows = min(self.rows_per_part, base - i * self.rows_per_part)
             if table.num_rows != expected_rows:
                 raise ArtifactMismatch(f"{file}: {table.num_rows} rows, manifest says {expected_rows}")
             self._parts.append(table)
-        self._tokens = [token_view(t.column("token_ids")) for t in self._parts]
-        for name, tok in zip(ent["parts"], self._tokens):
+            starts.append(i * self.rows_per_part)
+            files.append(file)
+        self.records = version_records(manifest, kb_version)
+        self.kb_version = int(self.records[-1]["version"]) if self.records else 0
+        total = base
+        index_files = [path / ENTITIES_DIR / SOURCE_INDEX_FILE]
+        for rec in self.records:  # appended segments, in row order
+            seg = rec.get("segment")
+            if seg is None:
+                continue
+            a, b = seg["rows"]
+            file = path / rec["dir"] / seg["file"]
+            table = _one_batch(read_arrow(file))
+            if a != total or table.num_rows != b - a:
+                raise ArtifactMismatch(f"{file}: {table.num_rows} rows at {total}, manifest says rows [{a}, {b})")
+            self._parts.append(table)
+            starts.append(a)
+            files.append(file)
+            index_files.append(path / rec["dir"] / rec["source_index"])
+            total = b
+        self._total = total
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._tokens = [token_view(t.column("token_ids")) if t.num_rows else np.zeros((0, self.max_len), np.int32)
+                        for t in self._parts]
+        for file, tok in zip(files, self._tokens):
             if tok.shape[1] != self.max_len:
-                raise ArtifactMismatch(f"{path / ENTITIES_DIR / name}: token width {tok.shape[1]}, "
-                                       f"manifest says {self.max_len}")
-        self._lengths = [t.column("length").chunk(0).to_numpy(zero_copy_only=True) for t in self._parts]
-        self._index: SourceIndex | None = None
+                raise ArtifactMismatch(f"{file}: token width {tok.shape[1]}, manifest says {self.max_len}")
+        self._lengths = [t.column("length").to_numpy() for t in self._parts]
+        self._index_files = index_files
+        self._index: list[SourceIndex] | None = None
+        if self.records:
+            rec = self.records[-1]
+            self._dead = read_tombstones(path / rec["dir"] / rec["tombstones"])
+        else:
+            self._dead = np.zeros(0, np.int64)
         self.start, self.stop = 0, self._total
+
+    # -- versions
+    @property
+    def tombstones(self) -> np.ndarray:
+        """Sorted int64 rows of this view (its row ids) removed at this KB version."""
+        lo, hi = np.searchsorted(self._dead, [self.start, self.stop])
+        return self._dead[lo:hi] - self.start
+
+    @property
+    def num_live(self) -> int:
+        """Entities not removed at this KB version (rows of this view)."""
+        return self.num_entities - len(self.tombstones)
+
+    def is_live(self, rows: Any) -> np.ndarray:
+        """bool, same shape as ``rows`` (this view's row ids): False where tombstoned."""
+        return self._live_global(self._global(rows))
 
     # -- shape
     @property
@@ -235,10 +331,15 @@ class EntityStore:
             raise IndexError(f"row id {bad} out of range [0, {self.num_entities}) of {self.path}")
         return arr + self.start
 
+    def _locate(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global rows -> (part, offset in the part): base parts and appended segments alike."""
+        part = np.searchsorted(self._starts, flat, side="right") - 1
+        return part, flat - self._starts[part]
+
     def _gather(self, arrays: list[np.ndarray], rows: Any, tail: tuple[int, ...]) -> np.ndarray:
         g = self._global(rows)
         flat = g.ravel()
-        part, offset = np.divmod(flat, self.rows_per_part)
+        part, offset = self._locate(flat)
         out = np.empty((len(flat),) + tail, dtype=np.int32)
         for p in np.unique(part):
             sel = part == p
@@ -256,7 +357,7 @@ class EntityStore:
     def _column(self, name: str, rows: Any) -> list:
         g = self._global(rows)
         flat = g.ravel()
-        part, offset = np.divmod(flat, self.rows_per_part)
+        part, offset = self._locate(flat)
         values: list = [None] * len(flat)
         for p in np.unique(part):
             sel = np.flatnonzero(part == p)
@@ -281,8 +382,9 @@ class EntityStore:
         batches never straddle a part, so token ids are zero-copy views."""
         pos = self.start
         while pos < self.stop:
-            p, off = divmod(pos, self.rows_per_part)
-            end = min(self.stop, pos + batch_size, (p + 1) * self.rows_per_part)
+            p = int(np.searchsorted(self._starts, pos, side="right") - 1)
+            off = pos - int(self._starts[p])
+            end = min(self.stop, pos + batch_size, int(self._starts[p]) + self._parts[p].num_rows)
             n = end - pos
             yield (np.arange(pos, end, dtype=np.int64) - self.start,
                    self._tokens[p][off : off + n], self._lengths[p][off : off + n])
@@ -290,15 +392,38 @@ class EntityStore:
 
     # -- lookups
     def rows_for_source_ids(self, ids: Sequence[str]) -> np.ndarray:
-        """Source ids -> int64 row ids of this view; -1 where absent (or outside the view)."""
+        """Source ids -> int64 row ids of this view; -1 where absent, removed at this KB
+        version, or outside the view.
+
+        The newest version that added an id names its row (a replaced entity's id maps to
+        its new row); ids are unique among live rows (``kb.delta`` refuses an add of a live
+        id), so a tombstoned hit means the id is not in this version.
+        """
         if self._index is None:
-            self._index = SourceIndex(read_arrow(self.path / ENTITIES_DIR / SOURCE_INDEX_FILE))
-        rows = self._index.lookup(list(ids))
+            self._index = [SourceIndex(read_arrow(f)) for f in self._index_files]
+        ids = list(ids)
+        rows = np.full(len(ids), -1, dtype=np.int64)
+        for index in reversed(self._index):
+            todo = np.flatnonzero(rows < 0)
+            if not len(todo):
+                break
+            rows[todo] = index.lookup([ids[i] for i in todo])
+        found = rows >= 0
+        if found.any():
+            live = np.zeros(len(rows), dtype=bool)
+            live[found] = self._live_global(rows[found])
+            rows = np.where(live, rows, -1)
         inside = (rows >= self.start) & (rows < self.stop)
         return np.where(inside, rows - self.start, -1)
 
+    def _live_global(self, g: np.ndarray) -> np.ndarray:
+        if not len(self._dead):
+            return np.ones(g.shape, dtype=bool)
+        pos = np.searchsorted(self._dead, g).clip(max=len(self._dead) - 1)
+        return self._dead[pos] != g
+
     def rows_for_titles(self, titles: Sequence[str]) -> np.ndarray:
-        """Titles -> int64 row ids (first row with that exact title), -1 where absent.
+        """Titles -> int64 row ids (first live row with that exact title), -1 where absent.
 
         A scan of the title column: meant for preparing data (resolving a few thousand
         gold titles), not for a training loop.
@@ -306,22 +431,30 @@ class EntityStore:
         wanted = pa.array(list(dict.fromkeys(titles)), pa.string())
         found: dict[str, int] = {}
         for p, table in enumerate(self._parts):
-            lo = max(self.start - p * self.rows_per_part, 0)
-            hi = min(self.stop - p * self.rows_per_part, table.num_rows)
+            first = int(self._starts[p])
+            lo = max(self.start - first, 0)
+            hi = min(self.stop - first, table.num_rows)
             if lo >= hi:
                 continue
             col = table.column("title").slice(lo, hi - lo)
             hits = np.flatnonzero(pc.is_in(col, value_set=wanted).to_numpy(zero_copy_only=False))
+            if len(hits):
+                hits = hits[self._live_global(first + lo + hits)]
             for i, title in zip(hits, col.take(pa.array(hits)).to_pylist()):
-                found.setdefault(title, p * self.rows_per_part + lo + int(i) - self.start)
+                found.setdefault(title, first + lo + int(i) - self.start)
         return np.array([found.get(t, -1) for t in titles], dtype=np.int64)
 
 
 class MentionTable:
-    """One split's mentions from a prepared directory (memory-mapped)."""
+    """One split's mentions from a prepared directory (memory-mapped).
+
+    Golds are those of the KB version read (default: the current one): a gold removed by a
+    delta reads -1 with status ``removed``, a replaced or newly added one its live row
+    (:mod:`kb.gold_version` gives the rule); ``prepared_gold_rows`` keeps the column as written.
+    """
 
     def __init__(self, path: str | os.PathLike, split: str, *, tokenizer_sha256: str | None = None,
-                 expect: Mapping[str, Any] | None = None):
+                 expect: Mapping[str, Any] | None = None, kb_version: int | None = None):
         self.path = Path(path)
         self.split = split
         self.manifest = open_manifest(self.path, tokenizer_sha256, expect)
@@ -336,6 +469,15 @@ class MentionTable:
                                    f"manifest says {self.info['count']}")
         self._tokens = token_view(self.table.column("token_ids")) if self.table.num_rows else \
             np.zeros((0, self.max_len), np.int32)
+        records = version_records(self.manifest, kb_version)
+        self.kb_version = int(records[-1]["version"]) if records else 0
+        self._gold = None
+        if self.kb_version:
+            from kb.gold_version import gold_at_version
+
+            store = EntityStore.from_manifest(self.path, self.manifest, self.kb_version)
+            self._gold = gold_at_version(store, self.prepared_gold_rows, self.table.column("gold_status").to_pylist(),
+                                         self.table.column("gold_source_id").to_pylist())
 
     @property
     def num_mentions(self) -> int:
@@ -353,9 +495,15 @@ class MentionTable:
         return col.to_numpy() if self.table.num_rows else np.zeros(0, np.int64)
 
     @property
-    def gold_rows(self) -> np.ndarray:
-        """int64 ``[N]``, -1 where the gold entity is not in the KB or unlabelled."""
+    def prepared_gold_rows(self) -> np.ndarray:
+        """int64 ``[N]`` as prepared (KB version 0)."""
         return self._numpy("gold_row")
+
+    @property
+    def gold_rows(self) -> np.ndarray:
+        """int64 ``[N]`` at this table's KB version, -1 where the gold entity is not in the KB
+        (or removed from it) or unlabelled."""
+        return self.prepared_gold_rows if self._gold is None else self._gold[0]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -367,7 +515,7 @@ class MentionTable:
 
     @property
     def gold_status(self) -> list[str]:
-        return self.table.column("gold_status").to_pylist()
+        return self.table.column("gold_status").to_pylist() if self._gold is None else list(self._gold[1])
 
     @property
     def worlds(self) -> list[str | None]:

@@ -113,6 +113,8 @@ RULES: list[tuple[str, str, str]] = [
      "on the store the README's prepare command makes and a tiny retriever at runs/x/model"),
     ("run", r"python -m kb\.synthetic (kilt|zeshel) .*", "as written"),
     ("run", r"python jobs/bias_experiment\.py .*", "as written (~10 s)"),
+    ("update", r"python jobs/update_kb\.py --store data/kilt .*",
+     "on the store the README's prepare command makes, with a few new KILT pages and removed ids"),
     ("link", r"(\.venv/bin/)?python jobs/link\.py --run \$RUN .*",
      "needs the demo's run: arguments parsed by the job's own parser, inputs are files make demo writes "
      "(tests/link runs the job on a tiny exported run)"),
@@ -421,6 +423,35 @@ def run(root: Path, cmd: Command) -> None:
     assert not missing, f"{cmd}\n  {out} lacks {sorted(missing)}"
 
 
+def update_kb(root: Path, cmd: Command) -> None:
+    """jobs/update_kb.py on the README's KILT store: new_pages.json (3 pages of the store's source with new ids)
+    and gone_ids.txt (2 ids of the store) are written first; the command must leave a new KB version (or, with
+    --compact, a fresh store at --out)."""
+    from kb.store import EntityStore
+
+    store = root / "data" / "kilt"
+    if not (store / "manifest.json").exists():
+        user_inputs(root)
+        prep = readme_command(r"python jobs/prepare_kb\.py --kilt-ks .* --out data/kilt( .*)?")
+        ok(sh(root, prep.text), prep)
+    if not (root / "new_pages.json").exists():
+        lines = (root / "kilt_knowledgesource.json").read_text(encoding="utf-8").splitlines()[:3]
+        pages = [json.loads(line) for line in lines]
+        for i, page in enumerate(pages):
+            page["wikipedia_id"] = str(990000 + i)
+        (root / "new_pages.json").write_text("".join(json.dumps(p) + "\n" for p in pages), encoding="utf-8")
+        ids = EntityStore(store).source_ids([0, 1])
+        (root / "gone_ids.txt").write_text("".join(i + "\n" for i in ids), encoding="utf-8")
+    before = EntityStore(store).kb_version
+    r = ok(sh(root, cmd.text, timeout=600), cmd)
+    if "--compact" in cmd.words:
+        out = EntityStore(root / cmd.words[cmd.words.index("--out") + 1])
+        assert out.num_entities == EntityStore(store).num_live, f"{cmd}\n{r.stdout[-2000:]}"
+    else:
+        after = EntityStore(store)
+        assert after.kb_version == before + 1 and after.rows_for_source_ids(["990000"])[0] >= 0, cmd
+
+
 # --- the per-command test -----------------------------------------------------------------------------------
 
 def _param(cmd: Command):
@@ -430,7 +461,7 @@ def _param(cmd: Command):
         kind = "unclassified"  # reported by test_every_readme_command_is_classified
     # Real runs (subprocesses; some start Ray or write 100k entities) take 5-60 s each on 2 cores;
     # the in-process checks and `make -n` take about a second.
-    marks = [pytest.mark.slow] if kind == "run" or "get-auth-token" in cmd.joined else []
+    marks = [pytest.mark.slow] if kind in ("run", "update") or "get-auth-token" in cmd.joined else []
     return pytest.param(cmd, kind, marks=marks, id=f"L{cmd.line}-{kind}")
 
 
@@ -446,6 +477,8 @@ def test_readme_command(cmd: Command, kind: str, clone: Path, tmp_path: Path):
         dry_run(clone, cmd.words, cmd)
     elif kind == "run":
         run(clone, cmd)
+    elif kind == "update":
+        update_kb(clone, cmd)
     elif kind == "link":
         check_link(clone, cmd)
     elif kind == "shell":

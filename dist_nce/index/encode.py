@@ -142,7 +142,16 @@ def state_fingerprint(state: dict[str, Any]) -> str:
 
 def store_fingerprint(store_dir: str) -> str:
     """The prepared store's identity: the sha256 of its manifest (which records its sources,
-    tokenizer, counts and ingest run), so a re-prepared store never matches old embeddings."""
+    tokenizer, counts and ingest run), so a re-prepared store never matches old embeddings.
+
+    A store changed by KB deltas (``kb.delta``) keeps the identity of its lineage, the sha256
+    of its manifest before the first delta: row ids never move within a lineage, so every
+    embedding version persisted before a delta stays valid for the rows it covers (which KB
+    version an artifact encodes is recorded beside this, as ``kb_version``).
+    """
+    import json
     from pathlib import Path
 
-    return file_sha256(Path(store_dir) / MANIFEST)
+    path = Path(store_dir) / MANIFEST
+    lineage = json.loads(path.read_text(encoding="utf-8")).get("lineage_sha256")
+    return lineage or file_sha256(path)

@@ -113,7 +113,8 @@ def set_gpu_nprobe(index: Any, nprobe: int) -> None:
 
 
 def search_entities(index: Any, queries: np.ndarray, k: int, owners: Tensor, exclude: Tensor,
-                    params_for=None, max_fetch: int | None = None) -> tuple[Tensor, Tensor]:
+                    params_for=None, max_fetch: int | None = None, dead: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """Top k distinct entities per query, by their best vector's inner product.
 
     Args:
@@ -122,6 +123,8 @@ def search_entities(index: Any, queries: np.ndarray, k: int, owners: Tensor, exc
         exclude: [B, e] int64 local entity rows never to return (gold; -1 = none).
         params_for: ``fetch -> faiss SearchParameters | None``.
         max_fetch: cap on the vectors fetched per query (GPU k limit).
+        dead: optional int64 local entity rows never to return for any query (entities a KB
+            delta removed); the fetch grows past them like past the gold.
     Returns:
         (entities [B, k] int64 local rows, -1 when fewer were found; scores [B, k] float32,
         -inf in empty slots), each row best first.
@@ -142,6 +145,8 @@ def search_entities(index: Any, queries: np.ndarray, k: int, owners: Tensor, exc
         hits_t = torch.from_numpy(hits)
         ent = torch.where(hits_t >= 0, owners[hits_t.clamp(min=0)], -1)
         keep = (hits_t >= 0) & first_occurrence(ent) & ~isin_rows(ent, exclude[torch.from_numpy(todo)])
+        if dead is not None:
+            keep &= ~torch.isin(ent, dead)
         found = keep.sum(dim=1)
         pos = torch.where(keep, torch.arange(fetch), fetch).sort(dim=1).values[:, :k]
         got = pos < fetch

@@ -47,7 +47,7 @@ import ctypes
 import dataclasses
 import logging
 import math
-from typing import Literal
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -156,10 +156,29 @@ def _check_batch(what: str, x: Tensor | None, batch: int, dims: tuple[int, ...])
         raise ValueError(f"{what} must be int64 {shapes} with B={batch}, got {x.dtype} {list(x.shape)}")
 
 
+class Piece(NamedTuple):
+    """Entity reps [n, ...] of the contiguous global rows [row_start, row_start + n)."""
+
+    row_start: int
+    reps: Reps
+
+
 def _grid_blocks(row_start: int, n: int, grid: int):
     """(block start, lo, hi): the global blocks [j*grid, (j+1)*grid) meeting rows [row_start, row_start+n)."""
     for b0 in range(row_start // grid * grid, row_start + n, grid):
         yield b0, max(b0, row_start), min(b0 + grid, row_start + n)
+
+
+def _grid_plan(pieces: Sequence[Piece], grid: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """(block start, [(piece, lo, hi), ...]) per global block meeting any piece, ascending.
+
+    Pieces are disjoint; a block met by several pieces (a shard that got the rows filling its
+    last partial block in a KB delta) is scored once, as one block, like a flat search does."""
+    blocks: dict[int, list[tuple[int, int, int]]] = {}
+    for i, piece in enumerate(pieces):
+        for b0, lo, hi in _grid_blocks(piece.row_start, piece.reps.vecs.shape[0], grid):
+            blocks.setdefault(b0, []).append((i, lo, hi))
+    return [(b0, sorted(blocks[b0], key=lambda p: p[1])) for b0 in sorted(blocks)]
 
 
 def _padded_block(entities: Reps, a: int, b: int, offset: int, grid: int, dtype: torch.dtype) -> Reps:
@@ -177,15 +196,52 @@ def _padded_block(entities: Reps, a: int, b: int, offset: int, grid: int, dtype:
     return Reps(full, mask)
 
 
+def _padded_chunk(pieces: Sequence[Piece], parts: list[tuple[int, int, int]], b0: int, grid: int,
+                  dtype: torch.dtype) -> Reps:
+    """The block at ``b0`` of ``grid`` rows holding each part's rows at their global offset."""
+    if len(parts) == 1:
+        i, lo, hi = parts[0]
+        start = pieces[i].row_start
+        return _padded_block(pieces[i].reps, lo - start, hi - start, lo - b0, grid, dtype)
+    blocks = [_padded_block(pieces[i].reps, lo - pieces[i].row_start, hi - pieces[i].row_start, lo - b0, grid,
+                            dtype) for i, lo, hi in parts]
+    vecs = blocks[0].vecs.clone()
+    mask = None if blocks[0].mask is None else blocks[0].mask.clone()
+    for (i, lo, hi), block in zip(parts[1:], blocks[1:]):
+        vecs[lo - b0:hi - b0] = block.vecs[lo - b0:hi - b0]
+        if mask is not None:
+            mask[lo - b0:hi - b0] = block.mask[lo - b0:hi - b0]
+    return Reps(vecs, mask)
+
+
+def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | None, first: int) -> Tensor:
+    """Set to -inf, in place, the columns of ``scores`` [B, w] (global rows [first, first + w)) that
+    no part covers (rows of other shards between this shard's pieces) and the ``dead`` rows
+    (sorted int64 global rows: removed entities, excluded exactly as the gold is)."""
+    width = scores.shape[1]
+    last = first + width
+    if sum(hi - lo for _, lo, hi in parts) < width:  # parts lie inside [first, last)
+        own = torch.zeros(width, dtype=torch.bool, device=scores.device)
+        for _, lo, hi in parts:
+            own[lo - first:hi - first] = True
+        scores[:, ~own] = float("-inf")
+    if dead is not None and dead.numel():
+        a, b = torch.searchsorted(dead, torch.tensor([first, last], device=dead.device)).tolist()
+        if b > a:
+            scores[:, (dead[a:b] - first).to(scores.device)] = float("-inf")
+    return scores
+
+
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                  query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
-                 block_rows: int = 128) -> ShardResult:
+                 block_rows: int = 128, dead: Tensor | None = None) -> ShardResult:
     """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
 
     queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
-    makes them); gold: [B] or [B, e] int64 global rows (-1 = none). Scores are computed in
-    ``compute`` and returned as float32; ``log_z`` is exact.
+    makes them); gold: [B] or [B, e] int64 global rows (-1 = none); dead: sorted int64 global
+    rows removed from the KB (never returned, never sampled, not in ``log_z``). Scores are
+    computed in ``compute`` and returned as float32; ``log_z`` is exact.
 
     Rows are scored in blocks of a GLOBAL grid of ``chunk_rows`` rows, a partial block
     being zero-padded at its global offset: BLAS picks kernels by matrix shape (MKL gives
@@ -198,32 +254,48 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     over blocks of ``block_rows`` rows (``block_gumbel``; ``block_rows`` must divide
     ``chunk_rows``), keeping the K-1 best blocks across chunks.
     """
+    return exact_search_pieces(spec, queries, [Piece(int(row_start), entities)], k, gold, chunk_rows, compute, seed,
+                               query_keys, version, sampler, block_rows, dead)
+
+
+def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
+                        chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
+                        query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
+                        block_rows: int = 128, dead: Tensor | None = None) -> ShardResult:
+    """:func:`exact_search` over the disjoint contiguous ``pieces`` a shard owns (its base range
+    plus the row segments KB deltas gave it), as one search: every global block is scored once
+    with all of this shard's rows in it, so the answer is the one a flat search over the same
+    rows gives (bit for bit, both samplers, when the shards' pieces tile whole ``block_rows``
+    blocks, as ``NegativeService`` places them)."""
     if sampler not in ("dense", "block"):
         raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
     q = Reps(queries.vecs.to(compute), queries.mask)
-    n = entities.vecs.shape[0]
+    pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
     if seed is not None and sampler == "block":
-        return _exact_block_gumbel(spec, q, entities, row_start, k, gold, chunk_rows, compute, seed, query_keys,
-                                   version, block_rows)
+        return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
+                                   block_rows, dead)
     result = None
-    for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
-        block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
         scores = score_all(spec, q, block)[:, lo - b0:hi - b0].float()
+        scores = _exclude_(scores, parts, dead, lo)
         part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=lo, version=version)
         result = part if result is None else merge_results([result, part], k)
     if result is None:  # empty shard
+        row_start = pieces[0].row_start if pieces else 0
         result = gumbel_topk_dense(q.vecs.new_zeros((q.vecs.shape[0], 0), dtype=torch.float32), k, gold, seed,
                                    query_keys, row_start=row_start, version=version)
     return result
 
 
-def _exact_block_gumbel(spec: ScoreSpec, q: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
+def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
                         chunk_rows: int, compute: torch.dtype, seed: int, query_keys: Tensor, version: int,
-                        block_rows: int) -> ShardResult:
+                        block_rows: int, dead: Tensor | None = None) -> ShardResult:
     """The block sampler over the score grid of :func:`exact_search` (see block_gumbel).
 
     Each chunk is scored in its full padded grid layout [B, chunk_rows]; rows outside the
-    shard and the gold are set to -inf and the chunk is viewed as [B, chunk_rows / b, b]
+    shard, dead rows and the gold are set to -inf and the chunk is viewed as [B, chunk_rows / b, b]
     blocks, so a block's scores, log mass and maximum are computed on the same tensor shapes
     whichever shard (or the flat search) holds it: identical bits. Only the blocks meeting
     the shard's rows take part; a block the shard owns only partly is a piece with its own
@@ -231,14 +303,14 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, entities: Reps, row_start: int
     """
     if block_rows < 1 or chunk_rows % block_rows:
         raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
-    batch, n = q.vecs.shape[0], entities.vecs.shape[0]
+    batch = q.vecs.shape[0]
     stream = BlockStream(k, seed, query_keys, block_rows)
-    for b0, lo, hi in _grid_blocks(row_start, n, chunk_rows):
-        block = _padded_block(entities, lo - row_start, hi - row_start, lo - b0, chunk_rows, compute)
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
         scores = score_all(spec, q, block)
         scores = mask_gold_(scores if scores.dtype == torch.float32 else scores.float(), gold, b0)  # no copy
-        scores[:, :lo - b0] = float("-inf")
-        scores[:, hi - b0:] = float("-inf")
+        scores = _exclude_(scores, parts, dead, b0)  # rows of no part, dead rows
         j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
         blocks = scores.view(batch, chunk_rows // block_rows, block_rows)
         counters = (b0 + block_rows * torch.arange(j0, j1, device=scores.device)).clamp(min=lo)
@@ -376,7 +448,14 @@ class ShardIndex:
             return
         self.entities = Reps(view, None)
 
-    def _faiss_topk(self, queries: Reps, k: int, gold: Tensor | None) -> ShardResult:
+    def _local_dead(self, dead: Tensor | None) -> Tensor | None:
+        """Sorted global ``dead`` rows -> those of this index as local rows (None when none)."""
+        if dead is None or not dead.numel():
+            return None
+        a, b = torch.searchsorted(dead, torch.tensor([self.row_start, self.row_start + self.num_rows])).tolist()
+        return dead[a:b] - self.row_start if b > a else None
+
+    def _faiss_topk(self, queries: Reps, k: int, gold: Tensor | None, dead: Tensor | None = None) -> ShardResult:
         cfg = self.config
         q = queries.vecs
         if q.dim() != 2 or q.shape[1] != self.dim:
@@ -388,7 +467,7 @@ class ShardIndex:
             self._faiss, q.detach().float().cpu().contiguous().numpy(), k, self._owners, local_gold,
             params_for=lambda fetch: faiss_backend.search_params(cfg.backend, self._on_gpu, cfg.nprobe,
                                                                  cfg.ef_search, fetch),
-            max_fetch=faiss_backend.FAISS_GPU_MAX_K if self._on_gpu else None)
+            max_fetch=faiss_backend.FAISS_GPU_MAX_K if self._on_gpu else None, dead=self._local_dead(dead))
         ids = torch.where(ents >= 0, ents + self.row_start, -1)
         # Canonical order (score desc, id asc) through the one-part merge.
         return merge_results([ShardResult(ids, scores, scores.double(), version=self.version)], k)
@@ -414,52 +493,57 @@ class ShardIndex:
         return Reps(vecs, None if queries.mask is None else queries.mask.to(self.device))
 
     def _exact(self, queries: Reps, k: int, gold: Tensor | None, seed: int | None = None,
-               query_keys: Tensor | None = None) -> ShardResult:
+               query_keys: Tensor | None = None, dead: Tensor | None = None) -> ShardResult:
         res = exact_search(self.spec, queries, self.entities, self.row_start, k,
                            None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute,
                            seed, None if query_keys is None else query_keys.to(self.device), self.version,
-                           self.config.sampler, self.config.block_rows)
+                           self.config.sampler, self.config.block_rows, dead)
         return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
 
-    def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None) -> ShardResult:
+    def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None, dead: Tensor | None = None
+             ) -> ShardResult:
         """Top k entities of this shard by s(x, y), gold excluded.
 
         queries: mention Reps (a Tensor [B, d] for single-vector mentions); gold: [B] or
-        [B, e] int64 global rows. torch backend: ``log_z`` exact; faiss: ``log_z`` None.
+        [B, e] int64 global rows; dead: sorted int64 global rows removed from the KB (never
+        returned; ``dist_nce.index.live``). torch backend: ``log_z`` exact; faiss: ``log_z`` None.
         """
         queries = self._prepare(queries, k, gold)
         if self._faiss is None:
-            return self._exact(queries, k, gold)
-        return self._faiss_topk(queries, k, gold)
+            return self._exact(queries, k, gold, dead=dead)
+        return self._faiss_topk(queries, k, gold, dead)
 
     def gumbel_topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None, seed: int,
-                    query_keys: Tensor) -> ShardResult:
+                    query_keys: Tensor, dead: Tensor | None = None) -> ShardResult:
         """k entities of this shard without replacement proportional to exp(s), gold excluded.
 
         query_keys: [B] int64, one integer per query (the noise is a function of seed,
-        query key and global row); see the module docstring for exact vs candidates.
+        query key and global row); see the module docstring for exact vs candidates. dead:
+        as in :meth:`topk` (never sampled, not in ``log_z`` nor in the tail estimate).
         """
         queries = self._prepare(queries, k, gold)
         _check_batch("query_keys", query_keys, queries.vecs.shape[0], (1,))
         if self.config.gumbel_mode() == "exact":
-            return self._exact(queries, k, gold, seed, query_keys)
-        return self._gumbel_candidates(queries, k, gold, seed, query_keys)
+            return self._exact(queries, k, gold, seed, query_keys, dead)
+        return self._gumbel_candidates(queries, k, gold, seed, query_keys, dead)
 
     def _gumbel_candidates(self, queries: Reps, k: int, gold: Tensor | None, seed: int,
-                           query_keys: Tensor) -> ShardResult:
+                           query_keys: Tensor, dead: Tensor | None = None) -> ShardResult:
         n_cand = max(k, min(self.config.candidates, self.num_rows))
-        cand = self.topk(queries, n_cand, gold)
+        cand = self.topk(queries, n_cand, gold, dead)
         valid = cand.ids >= 0
         scores = cand.scores.double().masked_fill(~valid, float("-inf"))
         keys = scores + gumbel_noise(seed, query_keys.cpu(), cand.ids.clamp(min=0))
         log_z = torch.logsumexp(scores, dim=1)
-        tail = self._tail_log_z(queries, cand.ids, gold, seed)
+        tail = self._tail_log_z(queries, cand.ids, gold, seed, dead)
         res = ShardResult(cand.ids, cand.scores, keys.masked_fill(~valid, float("-inf")), log_z, tail,
                           self.version)
         return merge_results([res], k)
 
-    def _tail_log_z(self, queries: Reps, covered: Tensor, gold: Tensor | None, seed: int) -> Tensor:
-        """[B] estimate of log sum_{rows not covered, not gold} exp(s) (module docstring)."""
+    def _tail_log_z(self, queries: Reps, covered: Tensor, gold: Tensor | None, seed: int,
+                    dead: Tensor | None = None) -> Tensor:
+        """[B] estimate of log sum_{rows not covered, not gold, not dead} exp(s) (module docstring):
+        a dead row drawn contributes 0, which keeps the estimate unbiased for the live rows' sum."""
         n, r = self.num_rows, min(self.config.tail_sample, self.num_rows)
         if r == n:  # every row: the "estimate" is exact
             local = torch.arange(n)
@@ -474,6 +558,8 @@ class ShardIndex:
         out = isin_rows(rows, covered)
         if gold is not None:
             out |= isin_rows(rows, (gold[:, None] if gold.dim() == 1 else gold).cpu())
+        if dead is not None and dead.numel():
+            out |= torch.isin(rows, dead.cpu())
         return math.log(n / r) + torch.logsumexp(s.masked_fill(out, float("-inf")), dim=1)
 
     def score_rows(self, queries: Reps | Tensor, rows: Tensor) -> Tensor:

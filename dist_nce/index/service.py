@@ -20,6 +20,14 @@ Mining (``mine``), with K-1 = n_hard + n_random negatives per mention:
   rows it owns from the same index version as its sample, so ``result()`` needs no second
   round trip and no version that a refresh may have retired in between.
 
+KB deltas (:meth:`NegativeService.apply_delta`): after ``kb.delta`` wrote KB version v of the
+store, the service places the new rows on the least-loaded shards in whole grid blocks
+(``index.placement``), and every shard serves a new index version holding its new rows,
+encoded with the weights it serves, and excluding every row removed at v, without
+stopping: searches keep being answered from the previous version until the swap. From
+that version on, random negatives are uniform over the live rows (``dist_nce.live_rows``).
+A service object copied elsewhere (a Train worker's) follows with :meth:`sync_kb`.
+
 Example (driver)::
 
     service = NegativeService.create("data/prepared/aida", retriever_config, service_config, run_dir)
@@ -44,10 +52,12 @@ from dist_nce.index.calls import FanOut, RetryPolicy, ShardCall, cause
 from dist_nce.index.service_config import ServiceConfig
 from dist_nce.gradbias import merge as merge_lse_grad
 from dist_nce.index.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
+from dist_nce.index.placement import place_rows
 from dist_nce.index.topk import ShardResult, merge_results
+from dist_nce.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
-from dist_nce.negatives import Negatives, hard_negatives, mixed_from_pool, num_hard, random_pool, sample_random
+from dist_nce.negatives import Negatives, hard_negatives, num_hard
 
 
 class MineResult(NamedTuple):
@@ -155,10 +165,15 @@ class NegativeService:
     """S shard handles + what the caller needs to validate and merge (see module docstring)."""
 
     def __init__(self, handles: list, ranges: list[tuple[int, int]], spec: ScoreSpec, dim: int,
-                 config: ServiceConfig):
+                 config: ServiceConfig, store_dir: str | None = None, live: LiveRows | None = None,
+                 kb_version: int = 0):
         self._handles, self.ranges, self.spec, self.dim, self.config = list(handles), list(ranges), spec, dim, config
-        self.num_entities = ranges[-1][1]
+        self.num_entities = ranges[-1][1]  # the row space (removed rows included: row ids never move)
         self.num_shards = len(handles)
+        self.store_dir, self.kb_version = store_dir, int(kb_version)
+        self.live = live if live is not None else LiveRows.full(self.num_entities)
+        self.pieces: list[list[tuple[int, int]]] = [[r] for r in self.ranges]  # each shard's row ranges
+        self._state_ref: Any = None  # the entity weights last encoded (this process only; not pickled)
         self._policy = RetryPolicy(config.max_task_retries, config.call_timeout_s, config.call_timeout_s)
         # Fingerprint of the run's initial entity-encoder state (set by ensure_encoded): every
         # version this service encodes records it, so a restarted run recognises its versions.
@@ -190,8 +205,11 @@ class NegativeService:
         if tokenizer_sha256 is None:
             tokenizer_sha256 = tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"]
         store = EntityStore(store_dir, tokenizer_sha256=tokenizer_sha256)
-        n = store.num_entities
-        if n < config.num_shards + 1:
+        # Shards own even ranges of the lineage's version-0 rows, whatever deltas came since: the layout
+        # (and so every persisted version) stays the same across deltas and driver restarts. Rows added
+        # later are pieces placed by apply_delta (ensure_encoded catches a fresh run up to the store).
+        n = int(store.manifest["entities"]["count"])
+        if store.num_live < config.num_shards + 1:
             raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
                              "with negatives to spare")
         ranges = even_ranges(n, config.num_shards, config.index.row_grid())
@@ -199,8 +217,8 @@ class NegativeService:
         dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
                                dim) for i, r in enumerate(ranges)]
-        service = cls(handles, ranges, spec, dim, config)
-        service.status()  # surfaces a shard that failed to start, with its traceback
+        service = cls(handles, ranges, spec, dim, config, str(store_dir))
+        service.sync_kb()  # surfaces a shard that failed to start; follows a reloaded version's KB version
         return service
 
     # ------------------------------------------------------------------ versions
@@ -233,9 +251,74 @@ class NegativeService:
         calls = [ShardCall(h, i, "refresh", (state_ref, version, self._origin), {}, policy)
                  for i, h in enumerate(self._handles)]
         handle = RefreshHandle(self, calls, state_ref)
+        self._state_ref = state_ref
         if wait:
             handle.wait()
         return handle
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_state_ref"] = None  # the weights stay with the driver; copies re-read nothing big
+        return state
+
+    # ------------------------------------------------------------------ KB deltas
+    def apply_delta(self, kb_version: int | None = None, entity_state: dict | Any = None) -> int:
+        """Serve KB version ``kb_version`` of the store (default: its current one) as a new index
+        version, without stopping (module docstring); returns that index version.
+
+        Only the rows added since the served KB version are encoded, with ``entity_state`` or,
+        by default, the weights this service last encoded (a shard that encoded the served
+        version itself also keeps them); they must be the weights of the version served.
+        Waits until every shard serves the new version; searches meanwhile answer from the old one.
+        """
+        from kb.store import EntityStore
+
+        if self.store_dir is None:
+            raise ValueError("apply_delta: this service was not created from a store directory")
+        store = EntityStore(self.store_dir, kb_version=kb_version)
+        if store.kb_version < self.kb_version:
+            raise ValueError(f"apply_delta: the service serves KB version {self.kb_version}; cannot go back to "
+                             f"{store.kb_version}")
+        if store.kb_version == self.kb_version:
+            return self.version()
+        live = LiveRows(store.num_entities, torch.as_tensor(store.tombstones, dtype=torch.int64))
+        if live.num_live < self.num_shards + 1:
+            raise ValueError(f"apply_delta: KB version {store.kb_version} leaves {live.num_live} live entities for "
+                             f"{self.num_shards} shards")
+        first, count = self.num_entities, store.num_entities
+        loads = [sum(b - a for a, b in rs) - sum(int(((live.dead >= a) & (live.dead < b)).sum()) for a, b in rs)
+                 for rs in self.pieces]
+        tail = next((i for i, rs in enumerate(self.pieces) for a, b in rs if a < first <= b), None)
+        placed = place_rows(first, count, loads, self.config.index.row_grid(), tail)
+        state = self._state_ref if entity_state is None else entity_state
+        if isinstance(state, dict):
+            self._check_state(state)
+            state = ray.put(state)
+        status = self.status()
+        version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
+        policy = dataclasses.replace(self._policy, call_timeout_s=None)  # encodes: no per-call timeout
+        calls = [ShardCall(h, i, "apply_delta", (state, version, store.kb_version, placed[i]), {}, policy)
+                 for i, h in enumerate(self._handles)]
+        served = min(int(c.get()) for c in calls)
+        self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]
+        self.num_entities, self.live, self.kb_version = count, live, store.kb_version
+        return served
+
+    def sync_kb(self) -> int:
+        """Follow the KB version the shards serve (a copy of the service in another process, after
+        the driver's :meth:`apply_delta`); returns it."""
+        from kb.store import EntityStore
+
+        status = self.status()
+        if any(s["kb_version"] is None for s in status):  # nothing served yet: the store's version stands
+            return self.kb_version
+        kb_version = min(s["kb_version"] for s in status)
+        if kb_version != self.kb_version and self.store_dir is not None:
+            store = EntityStore(self.store_dir, kb_version=kb_version)
+            self.live = LiveRows(store.num_entities, torch.as_tensor(store.tombstones, dtype=torch.int64))
+            self.num_entities, self.kb_version = store.num_entities, kb_version
+            self.pieces = [[tuple(r) for r in s["pieces"]] for s in status]
+        return self.kb_version
 
     def _check_state(self, state: dict) -> None:
         hidden = (state.get("transformer_config") or {}).get("hidden_size")
@@ -278,14 +361,27 @@ class NegativeService:
         else:
             descendants = [v for v in common if v > version and all_say(v, "origin")]
             target = max(descendants, default=None)
+        these_weights = target is None or all_say(target, "encoder")
         self._origin = fp
+        self._state_ref = entity_state  # what apply_delta encodes new rows with, until a refresh
         if target is not None:
             calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
-            return min(c.get() for c in calls)
-        newest = max((v for versions in lineage for v in versions), default=-1)
-        reusable = newest <= version and all(versions[version]["encoder"] == fp
-                                             for versions in lineage if version in versions)
-        return self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+            served = min(c.get() for c in calls)
+        else:
+            newest = max((v for versions in lineage for v in versions), default=-1)
+            reusable = newest <= version and all(versions[version]["encoder"] == fp
+                                                 for versions in lineage if version in versions)
+            served = self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+        self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
+        if these_weights and self.store_dir is not None:
+            from kb.store import EntityStore
+
+            if EntityStore(self.store_dir).kb_version > self.kb_version:
+                # A run starting on a store changed by deltas: serve its current version (only the rows
+                # added since version 0 are encoded). A resumed run (a descendant version) stays on the KB
+                # version it trained with, so it replays; a delta is then asked for (train.kb_control).
+                served = self.apply_delta(entity_state=state)
+        return served
 
     def use_version(self, version: int) -> bool:
         """Serve ``version`` again on every shard (from memory or disk), if every shard still
@@ -306,6 +402,7 @@ class NegativeService:
             if isinstance(cause(e), VersionUnavailable):
                 return False
             raise
+        self.sync_kb()  # an older index version may encode an older KB version: sample from its live rows
         return True
 
     # ------------------------------------------------------------------ queries
@@ -364,15 +461,16 @@ class NegativeService:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         total = n_hard + n_random
-        room = self.num_entities - (1 if gold.dim() == 1 else gold.shape[1])
+        room = self.live.num_live - (1 if gold.dim() == 1 else gold.shape[1])
         if not 1 <= total <= room:
             raise ValueError(f"n_hard + n_random = {total} negatives: need 1 <= K-1 <= N - golds = {room}")
         if p_mixed is not None and num_hard(p_mixed, total) != n_hard:
             raise ValueError(f"p_mixed={p_mixed} gives {num_hard(p_mixed, total)} hard of {total} "
                              f"(negatives.num_hard), but n_hard={n_hard}")
         seed = int(seed)
+        live = self.live
         if n_hard == 0:
-            negs = sample_random(self.num_entities, n_random, gold, seed)
+            negs = sample_random_live(live, n_random, gold, seed)
             return MineFuture(None, lambda _: MineResult(negs, -1, None))
         reps_ref = ray.put(reps)
         if n_random == 0:
@@ -383,7 +481,7 @@ class NegativeService:
                 return MineResult(hard_negatives(merged, n_hard), merged.version, merged.truncation())
 
             return MineFuture(fan, finish)
-        pool = random_pool(self.num_entities, total, gold, seed)
+        pool = random_pool_live(live, total, gold, seed)
         fan = FanOut(self._handles, "gumbel_topk_scored", (reps_ref, n_hard, gold, seed, query_keys, pool), {},
                      self._policy)
 
@@ -393,7 +491,7 @@ class NegativeService:
             for part in parts:  # each pool row is scored by exactly one shard, the others give NaN
                 scores = torch.where(torch.isnan(scores), part.row_scores, scores)
             p = 100 * n_hard / total  # num_hard(p, total) == n_hard exactly
-            negs = mixed_from_pool(merged, self.num_entities, total, p, gold, pool, scores)
+            negs = mixed_from_pool_live(merged, live, total, p, gold, pool, scores)
             return MineResult(negs, merged.version, merged.truncation())
 
         return MineFuture(fan, finish_mixed)
@@ -402,8 +500,8 @@ class NegativeService:
         """The k best entities by s(x, y) over the KB (gold excluded); for evaluation."""
         reps = self._reps(mention_reps)
         gold = self._int_rows("gold", gold, reps.vecs.shape[0], (1, 2), (-1, self.num_entities))
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.num_entities:
-            raise ValueError(f"k must be an int in [1, {self.num_entities}], got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.live.num_live:
+            raise ValueError(f"k must be an int in [1, {self.live.num_live}], got {k!r}")
         fan = FanOut(self._handles, "topk", (ray.put(reps), k, gold), {}, self._policy)
         return TopkFuture(fan, lambda parts: merge_results(parts, k))
 

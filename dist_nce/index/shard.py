@@ -18,6 +18,12 @@ Python; :func:`start_shard` makes it a threaded Ray actor:
   instead of re-encoding; a call that was in flight is re-run (``max_task_retries``).
   ``refresh(state, v)`` is idempotent: a shard already serving v from the same weights
   (e.g. reloaded after dying mid-call) returns at once.
+* A KB delta (``apply_delta``, in the refresh group too) encodes only the rows the service
+  placed on this shard, with the weights of the version served (checked by fingerprint),
+  persists them as a version that points at the files it reuses, and swaps in a
+  :class:`~dist_nce.index.live.LiveIndex` sharing the old pieces: removed rows are excluded
+  from that version on. Every version records the KB version it encodes, so a restarted
+  shard reloads one consistent (pieces, removed rows, KB version) state.
 """
 from __future__ import annotations
 
@@ -34,8 +40,8 @@ import torch
 from torch import Tensor
 
 from dist_nce.artifacts import ArtifactMismatch
-from dist_nce.gradbias import lse_grad_all, lse_grad_rows
 from dist_nce.index.encode import autocast_dtype, encode_rows, state_fingerprint, store_fingerprint
+from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
 from dist_nce.index.service_config import ServiceConfig
@@ -59,10 +65,11 @@ class VersionUnavailable(LookupError):
 
 
 class _Version(NamedTuple):
-    index: ShardIndex
+    index: LiveIndex
     fingerprint: str | None  # of the encoder state that produced it
     source: str  # "encoded" in this process, or "reloaded" from disk
     origin: str | None = None  # fingerprint of the run's initial encoder state (its lineage)
+    manifest: dict | None = None  # its persisted manifest (base_in, pieces: what a delta builds on)
 
 
 def _device(num_gpus: float) -> torch.device:
@@ -90,20 +97,23 @@ class EntityShard:
     """Rows [a, b) of a prepared store: encoder copy, versions, index (module docstring)."""
 
     def __init__(self, store_dir: str, rows: tuple[int, int], shard: int, num_shards: int,
-                 retriever: RetrieverConfig, config: ServiceConfig, shard_root: str, dim: int):
+                 retriever: RetrieverConfig, config: ServiceConfig, shard_root: str, dim: int, kb_version: int = 0):
         configure_process(config.threads)
         from kb.store import EntityStore
 
+        self.store_dir, self.kb_version = str(store_dir), int(kb_version)  # the KB version rows are cut from
+        self._dead_cache: dict[int, torch.Tensor] = {}
         self.shard, self.rows, self.config = shard, (int(rows[0]), int(rows[1])), config
         self.spec: ScoreSpec = retriever.spec()
         self.storage_dtype, self.dim = retriever.storage_dtype, int(dim)
         self.device = _device(config.num_gpus)
         self.index_config = dataclasses.replace(config.index, device=str(self.device))
-        self.store = EntityStore(store_dir).slice(*self.rows)
+        self.store = EntityStore(store_dir, kb_version=self.kb_version).slice(*self.rows)
         self.versions = PersistedVersions(Path(shard_root) / shard_dir_name(shard, num_shards), {
             "rows": list(self.rows), "store_fingerprint": store_fingerprint(store_dir),
             "spec": dataclasses.asdict(self.spec), "storage_dtype": self.storage_dtype, "dim": self.dim})
         self._encoder: EntityEncoder | None = None
+        self._encoder_fp: str | None = None  # fingerprint of the weights self._encoder holds
         self._refresh_lock = threading.Lock()  # one refresh at a time, even outside Ray's groups
         self._cond = threading.Condition()  # guards everything below; notified on every swap
         self._held: dict[int, _Version] = {}
@@ -112,9 +122,25 @@ class EntityShard:
         self._reload_latest()
 
     # ------------------------------------------------------------------ versions
+    def _dead(self, kb_version: int) -> torch.Tensor:
+        """Rows removed at ``kb_version`` (sorted int64, global), from the store's tombstones."""
+        if kb_version not in self._dead_cache:
+            from kb.store import EntityStore
+
+            dead = EntityStore(self.store_dir, kb_version=kb_version).tombstones if kb_version else []
+            self._dead_cache[kb_version] = torch.as_tensor(dead, dtype=torch.int64)
+        return self._dead_cache[kb_version]
+
     def _load(self, version: int) -> _Version:
-        index, manifest = load_shard_index(self.versions, version, self.spec, self.rows[0], self.index_config)
-        return _Version(index, manifest.get("encoder_fingerprint"), "reloaded", manifest.get("origin_fingerprint"))
+        manifest = self.versions.manifest(version)
+        base, _ = load_shard_index(self.versions, int(manifest.get("base_in", version)), self.spec, self.rows[0],
+                                   self.index_config)
+        pieces = [base] + [ShardIndex(self.spec, self.versions.load_piece(p), p["rows"][0], self.index_config, version)
+                           for p in manifest.get("pieces", [])]
+        kb_version = int(manifest.get("kb_version", 0))
+        index = LiveIndex(pieces, self._dead(kb_version), version, kb_version)
+        return _Version(index, manifest.get("encoder_fingerprint"), "reloaded", manifest.get("origin_fingerprint"),
+                        manifest)
 
     def _reload_latest(self) -> None:
         """Serve the newest persisted version that matches this shard; refuse the others loudly."""
@@ -140,7 +166,7 @@ class EntityShard:
                     del self._held[old]
             self._cond.notify_all()
 
-    def _index(self, version: int | None, wait_s: float = 0.0) -> ShardIndex:
+    def _index(self, version: int | None, wait_s: float = 0.0) -> LiveIndex:
         """The index to answer from: the served one, or exactly ``version``.
 
         A version being built by the running refresh is waited for up to ``wait_s``; one
@@ -183,6 +209,7 @@ class EntityShard:
             self._encoder = EntityEncoder.from_state(state).to(self.device)
         else:  # same architecture: swap the weights in place, no rebuild
             self._encoder.load_state(state)
+        self._encoder_fp = state_fingerprint(state)
         return self._encoder
 
     @ray.method(concurrency_group=REFRESH_GROUP)
@@ -203,7 +230,8 @@ class EntityShard:
                     raise ValueError(f"shard {self.shard}: refresh to version {version}, but version "
                                      f"{self._served} is served already; versions must increase")
                 self._target = version  # queries asking for this version wait instead of failing
-                self._progress = [0, self.store.num_entities]
+                held = self._held.get(self._served)
+                self._progress = [0, held.index.num_rows if held else self.store.num_entities]
             try:
                 return self._refresh(state, version, origin)
             finally:
@@ -221,7 +249,7 @@ class EntityShard:
             return version
         index = self._encode(state, version, fp, origin)
         self._encodes += 1
-        self._install(version, _Version(index, fp, "encoded", origin))
+        self._install(version, _Version(index, fp, "encoded", origin, self.versions.manifest(version)))
         return version
 
     def _persisted_with(self, version: int, fingerprint: str) -> bool:
@@ -232,24 +260,120 @@ class EntityShard:
         except ArtifactMismatch:
             return False
 
-    def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> ShardIndex:
+    def _layout(self) -> tuple[int, list[tuple[int, int]]]:
+        """(KB version, appended ranges) of the version served: what a full refresh re-encodes."""
+        with self._cond:
+            held = self._held.get(self._served)
+        if held is None:
+            return self.kb_version, []
+        return held.index.kb_version, [r for r in held.index.ranges if r[0] >= self.rows[1]]
+
+    def _encode_ranges(self, encoder: EntityEncoder, ranges: list[tuple[int, int]], kb_version: int,
+                       autocast) -> list[tuple[int, int, Reps]]:
+        from kb.store import EntityStore
+
+        store = EntityStore(self.store_dir, kb_version=kb_version)
+        out, done = [], self._progress[0]
+        for a, b in ranges:
+            reps = encode_rows(encoder, store.slice(a, b), self.config.encode_batch_size, self.device, autocast,
+                               self.storage_dtype, progress=lambda k, base=done: self._set_progress(base + k))
+            out.append((a, b, reps))
+            done += b - a
+        return out
+
+    def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> LiveIndex:
         encoder = self._encoder_for(state)
         autocast = autocast_dtype(self.config.encode_dtype, self.device)
+        kb_version, appended = self._layout()
         t0 = time.perf_counter()
         reps = encode_rows(encoder, self.store, self.config.encode_batch_size, self.device, autocast,
                            self.storage_dtype, progress=self._set_progress)
+        pieces = self._encode_ranges(encoder, appended, kb_version, autocast)
         seconds = time.perf_counter() - t0
         # Persist before the swap: every version a query can see survives a restart.
-        self.versions.save(version, reps, encoder_fingerprint=fingerprint, origin_fingerprint=origin,
-                           encode_seconds=round(seconds, 3),
+        self.versions.save(version, reps, pieces, encoder_fingerprint=fingerprint, origin_fingerprint=origin,
+                           encode_seconds=round(seconds, 3), kb_version=kb_version,
                            encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
                            device=str(self.device))
         self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
         del reps  # built from the file just written: one copy of the vectors at the peak (index/load.py)
-        return load_shard_index(self.versions, version, self.spec, self.rows[0], self.index_config)[0]
+        base = load_shard_index(self.versions, version, self.spec, self.rows[0], self.index_config)[0]
+        extra = [ShardIndex(self.spec, p, a, self.index_config, version) for a, _, p in pieces]
+        return LiveIndex([base, *extra], self._dead(kb_version), version, kb_version)
+
+    # ------------------------------------------------------------------ KB deltas
+    @ray.method(concurrency_group=REFRESH_GROUP)
+    def apply_delta(self, state: dict[str, Any] | None, version: int, kb_version: int,
+                    new_ranges: list[tuple[int, int]]) -> int:
+        """Serve ``version``: the served version plus ``new_ranges`` (rows a KB delta added and the
+        service placed here), encoded with the served version's weights (``state``, or the
+        encoder this shard holds when they are those), and the rows removed at ``kb_version``
+        excluded. Idempotent; returns the version served."""
+        version, kb_version = int(version), int(kb_version)
+        new_ranges = [(int(a), int(b)) for a, b in new_ranges]
+        with self._refresh_lock:
+            with self._cond:
+                if self._served < 0:
+                    raise NoIndexError(f"shard {self.shard}: no version to apply a KB delta to; encode first")
+                held = self._held[self._served]
+                if self._served == version and held.index.kb_version == kb_version:
+                    return version
+                if version <= self._served:
+                    raise ValueError(f"shard {self.shard}: KB delta as version {version}, but version "
+                                     f"{self._served} is served already; versions must increase")
+                self._target = version
+                self._progress = [0, sum(b - a for a, b in new_ranges)]
+            try:
+                return self._apply_delta(state, version, kb_version, new_ranges, held)
+            finally:
+                with self._cond:
+                    self._target = None
+                    self._cond.notify_all()
+
+    def _apply_delta(self, state: dict[str, Any], version: int, kb_version: int, new_ranges: list[tuple[int, int]],
+                     held: _Version) -> int:
+        fp = held.fingerprint
+        if state is not None and state_fingerprint(state) == fp:
+            encoder = self._encoder_for(state) if new_ranges else None
+        elif self._encoder is not None and self._encoder_fp == fp:
+            encoder = self._encoder
+        elif not new_ranges:
+            encoder = None  # removals only: nothing to encode
+        else:
+            raise ValueError(f"shard {self.shard}: a KB delta must be encoded with the weights of the version served "
+                             f"({self._served}); pass them (entity_state): the state given is "
+                             f"{'another one' if state is not None else 'missing'} and this shard holds no encoder "
+                             "with those weights")
+        if held.index.kb_version > kb_version:
+            raise ValueError(f"shard {self.shard}: serving KB version {held.index.kb_version}, asked for {kb_version}")
+        owned = held.index.ranges
+        for a, b in new_ranges:
+            if a >= b or any(a < y and x < b for x, y in owned):
+                raise ValueError(f"shard {self.shard}: new rows [{a}, {b}) overlap the rows it owns {owned}")
+        if version in self.versions.versions():  # a retry after the version was persisted
+            try:
+                m = self.versions.manifest(version)
+                if m.get("kb_version") == kb_version and m.get("encoder_fingerprint") == fp:
+                    self._install(version, self._load(version))
+                    return version
+            except ArtifactMismatch:
+                pass
+        autocast = autocast_dtype(self.config.encode_dtype, self.device)
+        t0 = time.perf_counter()
+        new = self._encode_ranges(encoder, new_ranges, kb_version, autocast) if new_ranges else []
+        base = held.manifest or self.versions.manifest(self._served)
+        manifest = self.versions.save_delta(version, base, new, encoder_fingerprint=fp, origin_fingerprint=held.origin,
+                                            kb_version=kb_version, encode_seconds=round(time.perf_counter() - t0, 3),
+                                            delta_rows=[[a, b] for a, b, _ in new], device=str(self.device))
+        self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
+        pieces = [*held.index.pieces, *(ShardIndex(self.spec, p, a, self.index_config, version) for a, _, p in new)]
+        index = LiveIndex(pieces, self._dead(kb_version), version, kb_version)
+        self._encodes += 1
+        self._install(version, _Version(index, fp, "encoded", held.origin, manifest))
+        return version
 
     def _set_progress(self, done: int) -> None:
-        self._progress = [done, self.store.num_entities]
+        self._progress = [done, self._progress[1]]
 
     def use_version(self, version: int) -> int:
         """Serve ``version`` from memory or disk (``NegativeService.ensure_encoded`` aligning
@@ -302,22 +426,15 @@ class EntityShard:
         """This shard's part of d/dq log-sum-exp s(x, .) (the bias monitor, ``dist_nce.gradbias``):
         over all its rows (``rows`` None) or over the rows it owns of global ``rows`` [B, S, K]."""
         index = self._index(version, wait_s)
-        q = Reps(queries) if isinstance(queries, Tensor) else queries
-        dtype = torch.promote_types(index.compute, torch.float32)  # gradients of half scores are too coarse
-        if rows is None:
-            part = lse_grad_all(index.spec, q, index.entities, index.config.chunk_rows, dtype)
-        else:
-            local = rows - index.row_start
-            local = torch.where((local >= 0) & (local < index.num_rows), local, torch.full_like(local, -1))
-            part = lse_grad_rows(index.spec, q, index.entities, local, dtype)
+        part = index.lse_grad(queries, rows)
         return LseGradPart(part.lse, part.grad, index.version)
 
     def score_rows(self, queries: Reps | Tensor, rows: Tensor, version: int) -> Tensor:
         """Exact s(x_b, y) [B, r] float32 for global ``rows`` [B, r]; NaN where a row is not this shard's."""
         return self._owned_scores(self._index(version), queries, rows)
 
-    def _owned_scores(self, index: ShardIndex, queries: Reps | Tensor, rows: Tensor) -> Tensor:
-        owned = (rows >= self.rows[0]) & (rows < self.rows[1])
+    def _owned_scores(self, index: LiveIndex, queries: Reps | Tensor, rows: Tensor) -> Tensor:
+        owned = index.owns(rows)
         scores = index.score_rows(queries, torch.where(owned, rows, self.rows[0]))
         return scores.masked_fill(~owned, float("nan"))
 
@@ -330,7 +447,10 @@ class EntityShard:
                    "served": self._served, "source": served.source if served else "none",
                    "encoder_fingerprint": served.fingerprint if served else None, "held": sorted(self._held),
                    "refreshing": self._target, "encodes": self._encodes, "progress": list(self._progress),
-                   "refused": list(self._refused)}
+                   "refused": list(self._refused),
+                   "kb_version": served.index.kb_version if served else None,
+                   "pieces": [list(r) for r in served.index.ranges] if served else [list(self.rows)],
+                   "live": served.index.num_live if served else None}
         out["node"] = ray.get_runtime_context().get_node_id()  # which Ray node holds these rows
         out["persisted"] = self.versions.valid_versions()
         return out
@@ -360,8 +480,8 @@ def actor_options(config: ServiceConfig) -> dict[str, Any]:
 
 
 def start_shard(store_dir: str, rows: tuple[int, int], shard: int, num_shards: int, retriever: RetrieverConfig,
-                config: ServiceConfig, shard_root: str, dim: int):
+                config: ServiceConfig, shard_root: str, dim: int, kb_version: int = 0):
     """An :class:`EntityShard` actor handle (creation is asynchronous; call ``status`` to wait)."""
     # Concurrency groups can only be declared here, not in .options().
     actor = ray.remote(concurrency_groups={REFRESH_GROUP: 1})(EntityShard).options(**actor_options(config))
-    return actor.remote(str(store_dir), rows, shard, num_shards, retriever, config, str(shard_root), dim)
+    return actor.remote(str(store_dir), rows, shard, num_shards, retriever, config, str(shard_root), dim, kb_version)

@@ -4,7 +4,15 @@ Layout of a shard directory (``<shard_dir>/shard-003-of-008``)::
 
     v00000007/embeddings.safetensors   "vecs" [n, ...] in the storage dtype; "mask" when multi-vector
     v00000007/manifest.json            kind "shard_embeddings": rows [a, b), n, shape, dtype, version,
-                                       encoder fingerprint, store fingerprint, score spec
+                                       encoder fingerprint, store fingerprint, score spec, kb_version
+    v00000008/piece-<a>-<b>.safetensors  rows a KB delta placed on this shard (docs/design.md section 6)
+    v00000008/manifest.json            ``base_in`` (the version whose embeddings.safetensors holds the base
+                                       range) and ``pieces`` (each appended range and the version holding it)
+
+A version records the KB version it encodes (``kb_version``; absent = 0). A KB delta writes
+a version holding only the new rows' files: its manifest points at the earlier versions
+that hold the rest, and :meth:`PersistedVersions.prune` never deletes a version a kept one
+points at.
 
 Each version directory is written to a temporary sibling and renamed into place
 (``artifacts.atomic_path``), so a directory under its final name is always complete.
@@ -19,7 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,6 +48,22 @@ def shard_dir_name(shard: int, num_shards: int) -> str:
 
 def version_dir_name(version: int) -> str:
     return f"v{version:08d}"
+
+
+def piece_file_name(a: int, b: int) -> str:
+    return f"piece-{a:012d}-{b:012d}.safetensors"
+
+
+def _tensors(reps: Reps) -> dict[str, Tensor]:
+    tensors = {"vecs": reps.vecs.contiguous()}
+    if reps.mask is not None:
+        tensors["mask"] = reps.mask.contiguous()
+    return tensors
+
+
+def _piece_entry(a: int, b: int, version: int, reps: Reps) -> dict:
+    return {"rows": [int(a), int(b)], "in": int(version), "shape": list(reps.vecs.shape),
+            "dtype": str(reps.vecs.dtype).removeprefix("torch."), "has_mask": reps.mask is not None}
 
 
 class PersistedVersions:
@@ -67,18 +91,54 @@ class PersistedVersions:
                 found.append(int(match.group(1)))
         return sorted(found)
 
-    def save(self, version: int, reps: Reps, **fields: Any) -> dict:
-        """Write ``reps`` (CPU tensors) as ``version`` atomically; return the manifest."""
-        tensors = {"vecs": reps.vecs.contiguous()}
-        if reps.mask is not None:
-            tensors["mask"] = reps.mask.contiguous()
+    def save(self, version: int, reps: Reps, pieces: Sequence[tuple[int, int, Reps]] = (), **fields: Any) -> dict:
+        """Write ``reps`` (CPU tensors) of the base range, and the reps of appended ``pieces``
+        (a, b, reps), as ``version`` atomically; return the manifest."""
         with atomic_path(self.path(version)) as tmp:
             tmp.mkdir()
-            save_file(tensors, str(tmp / EMBEDDINGS_FILE))
+            save_file(_tensors(reps), str(tmp / EMBEDDINGS_FILE))
+            for a, b, piece in pieces:
+                save_file(_tensors(piece), str(tmp / piece_file_name(a, b)))
             return write_manifest(
                 tmp, KIND, SCHEMA_VERSION, version=int(version), n=int(reps.vecs.shape[0]),
                 shape=list(reps.vecs.shape), dtype=str(reps.vecs.dtype).removeprefix("torch."),
-                has_mask=reps.mask is not None, **self.identity, **fields)
+                has_mask=reps.mask is not None, base_in=int(version),
+                pieces=[_piece_entry(a, b, version, p) for a, b, p in pieces], **self.identity, **fields)
+
+    def save_delta(self, version: int, base: Mapping[str, Any], new: Sequence[tuple[int, int, Reps]],
+                   **fields: Any) -> dict:
+        """Write ``version`` as the version ``base`` (a manifest of this shard) plus the reps of
+        the ``new`` pieces (a, b, reps) only; the base range and earlier pieces stay where they
+        are (``base_in``, ``pieces[i]["in"]``). Returns the manifest."""
+        with atomic_path(self.path(version)) as tmp:
+            tmp.mkdir()
+            for a, b, piece in new:
+                save_file(_tensors(piece), str(tmp / piece_file_name(a, b)))
+            keep = {k: base[k] for k in ("n", "shape", "dtype", "has_mask")}
+            return write_manifest(
+                tmp, KIND, SCHEMA_VERSION, version=int(version), base_in=int(base.get("base_in", base["version"])),
+                pieces=[*base.get("pieces", []), *(_piece_entry(a, b, version, p) for a, b, p in new)],
+                **keep, **self.identity, **fields)
+
+    def load_piece(self, entry: Mapping[str, Any]) -> Reps:
+        """The reps of an appended piece (an entry of a manifest's ``pieces``), checked."""
+        a, b = entry["rows"]
+        file = self.path(int(entry["in"])) / piece_file_name(a, b)
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:  # noqa: BLE001 - missing file, truncated header (SafetensorError)
+            raise ArtifactMismatch(f"{file}: unreadable: {e}") from None
+        vecs, mask = tensors.get("vecs"), tensors.get("mask")
+        if vecs is None or list(vecs.shape) != entry["shape"] or vecs.shape[0] != b - a or \
+                str(vecs.dtype).removeprefix("torch.") != entry["dtype"] or (mask is not None) != entry["has_mask"]:
+            got = None if vecs is None else f"{vecs.dtype} {list(vecs.shape)}"
+            raise ArtifactMismatch(f"{file}: 'vecs' is {got}, manifest says {entry['dtype']} {entry['shape']}")
+        return Reps(vecs, mask)
+
+    def referenced(self, version: int) -> set[int]:
+        """The versions whose files ``version`` reads (itself, its base's, its pieces')."""
+        m = self.manifest(version)
+        return {int(version), int(m.get("base_in", version)), *(int(p["in"]) for p in m.get("pieces", []))}
 
     def manifest(self, version: int) -> dict:
         """The manifest of ``version``; :class:`ArtifactMismatch` if it is not this shard's."""
@@ -152,8 +212,16 @@ class PersistedVersions:
 
         Refused directories (another store or spec) are left for a person to look at."""
         deleted = []
-        for version in self.valid_versions()[:-keep] if keep > 0 else self.valid_versions():
-            if version not in protect:
+        valid = self.valid_versions()
+        kept = set(valid[-keep:] if keep > 0 else []) | set(protect)
+        needed = set()
+        for version in kept & set(valid):
+            try:
+                needed |= self.referenced(version)
+            except ArtifactMismatch:
+                continue
+        for version in valid[:-keep] if keep > 0 else valid:
+            if version not in protect and version not in needed:
                 shutil.rmtree(self.path(version), ignore_errors=True)
                 deleted.append(version)
         return deleted

@@ -67,13 +67,15 @@ class TrainState:
     step: int = 0
     book: RefreshBook = field(default_factory=RefreshBook)
     dev_before: dict[str, Any] | None = None
+    kb_version: int = 0  # the KB version the last step trained against (docs/design.md section 6)
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "book": self.book.to_json(), "dev_before": self.dev_before}
+        return {"step": self.step, "book": self.book.to_json(), "dev_before": self.dev_before,
+                "kb_version": self.kb_version}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TrainState":
-        return cls(int(d["step"]), RefreshBook.from_json(d["book"]), d.get("dev_before"))
+        return cls(int(d["step"]), RefreshBook.from_json(d["book"]), d.get("dev_before"), int(d.get("kb_version", 0)))
 
 
 # --------------------------------------------------------------------------- RNG

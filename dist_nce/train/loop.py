@@ -20,15 +20,18 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from dist_nce.index.encode import store_fingerprint
 from dist_nce.losses import adjusted_nce_loss, nce_loss
+from dist_nce.negatives import Negatives
 from dist_nce.text import tokenizer_fingerprint
 from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
 from dist_nce.train.bias_monitor import BiasMonitor
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.evaluate import evaluate
+from dist_nce.train.kb_follow import KbFollower
 from dist_nce.train.model import build_retriever, export_model, full_state_dict, standalone_copy
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
@@ -68,15 +71,18 @@ class Worker(WorkerScaffold):
     # ------------------------------------------------------------------ setup
 
     def load_data(self) -> None:
-        from kb.store import EntityStore, MentionTable
+        from kb.store import MentionTable
 
         cfg, d = self.cfg, self.cfg.data
-        self.store = EntityStore(d.prepared_dir)
         self.train = MentionTable(d.prepared_dir, d.train_split)
         self.dev = MentionTable(d.prepared_dir, d.dev_split)
-        self.train_gold, self.train_len = self.train.gold_rows, self.train.lengths
-        eligible, _ = eligible_mentions(self.train_gold, d.max_train_mentions)
-        self.plan = make_plan(cfg, self.train_gold, self.store.num_entities, store_fingerprint(d.prepared_dir))
+        # The data order comes from the golds as prepared (KB version 0), so KB deltas never move it
+        # and a resumed run replays it; golds a delta removed are skipped per batch (train.kb_follow).
+        prepared = self.train.prepared_gold_rows
+        self.kb = KbFollower(self.service, d.prepared_dir, d.train_split)  # the KB version the shards serve
+        self.store, self.train_gold, self.train_len = self.kb.store, self.kb.gold, self.train.lengths
+        eligible, _ = eligible_mentions(prepared, d.max_train_mentions)
+        self.plan = make_plan(cfg, prepared, self.store.num_entities, store_fingerprint(d.prepared_dir))
         self.check_world()
         self.order = DataOrder(self.plan, eligible)
         self.probe = eligible[:cfg.bias.probe_mentions]  # the bias monitor's fixed probe set
@@ -122,6 +128,10 @@ class Worker(WorkerScaffold):
                                "re-encoding the KB with the current weights")
                 self.state.book.skip_past(newest)
                 self.publisher.publish(self.state.step, wait=True)
+        self._follow_kb(None)  # the KB version of the index version served (rank 0 may have changed it)
+        if self.state.kb_version != self.kb.kb_version and self.state.step:
+            self.log.write(f"KB version {self.kb.kb_version} served; the checkpoint trained with "
+                           f"{self.state.kb_version}")
         self.monitor = BiasMonitor(self.service, self.sampling, self.encode, self.probe,
                                    torch.from_numpy(self.train_gold[self.probe]), cfg.bias.draws,
                                    self.plan.seed) if cfg.bias.every_steps else None
@@ -150,18 +160,40 @@ class Worker(WorkerScaffold):
             seed=lambda c: request_seed(p.seed, epoch, c, self.rank),
             request_size=self.cfg.negatives.request_size)
         self.epoch_neg = neg._replace(epoch=epoch)
+        self.epoch_gold = self.train_gold  # the golds this epoch was mined with
         return wait
 
-    def negatives(self, step: int) -> tuple[np.ndarray, Any, float]:
-        """(mention indices [b], mined negatives, seconds blocked on the service) for ``step``."""
+    def negatives(self, step: int) -> tuple[np.ndarray, Tensor, Any, float]:
+        """(mention indices [b], the golds they were mined with [b], mined negatives, seconds blocked on
+        the service) for ``step``."""
         if self.prefetcher is not None:
             req, mined, wait = self.prefetcher.get(step)
-            return req.mentions, mined, wait
+            return req.mentions, req.gold, mined, wait
         epoch = self.plan.epoch_of(step)
         wait = 0.0
         if self.epoch_neg is None or self.epoch_neg.epoch != epoch:
             wait = self.mine_epoch(epoch)
-        return self.order.mentions(step, self.rank), self.epoch_neg.step(step % self.plan.steps_per_epoch), wait
+        idx = self.order.mentions(step, self.rank)
+        gold = getattr(self, "epoch_gold", self.train_gold)  # restored mid-epoch: the golds served now
+        return idx, torch.from_numpy(gold[idx]), self.epoch_neg.step(step % self.plan.steps_per_epoch), wait
+
+    def _follow_kb(self, version: int | None) -> None:
+        """Follow the KB version behind index ``version`` (None: ask the shards now; train.kb_follow)."""
+        if self.kb.follow(version):
+            self.store, self.train_gold = self.kb.store, self.kb.gold
+            self.log.write(f"following KB version {self.kb.kb_version}")
+        self.state.kb_version = self.kb.kb_version
+
+    def _live_part(self, idx: np.ndarray, gold: Tensor, negatives: Negatives) -> tuple[np.ndarray, Tensor, Negatives,
+                                                                                      int]:
+        """The mentions whose mined gold is still their live gold (train.kb_follow), and how many were skipped.
+        A batch left empty keeps its rows, with its loss zeroed by the caller (skipped == len(idx))."""
+        keep = self.kb.keep(idx, gold)
+        skipped = int((~keep).sum())
+        if skipped and skipped < len(idx):
+            idx, gold, negatives = idx[keep.numpy()], gold[keep], Negatives(*(t[keep] for t in negatives))
+        self.kb.skipped += skipped
+        return idx, gold, negatives, skipped
 
     # ------------------------------------------------------------------ one step
 
@@ -180,14 +212,19 @@ class Worker(WorkerScaffold):
             if self.publisher.wait and self.prefetcher is not None:
                 self.prefetcher.reset(step)  # sync: every batch from here on uses the new index
         t1 = time.perf_counter()
-        idx, mined, wait = self.negatives(step)
+        idx, gold, mined, wait = self.negatives(step)
         t2 = time.perf_counter()
-        batch = assemble_batch(self.train.token_ids(idx), self.train_len[idx], self.store,
-                               torch.from_numpy(self.train_gold[idx]), mined.negatives).to(self.device)
+        # Random-only mining asks no shard (version -1): look at the shards every 16 steps instead.
+        self._follow_kb(mined.version if mined.version >= 0 else (None if step % 16 == 0 else -1))
+        idx, gold, negatives, skipped = self._live_part(idx, gold, mined.negatives)
+        batch = assemble_batch(self.train.token_ids(idx), self.train_len[idx], self.store, gold,
+                               negatives).to(self.device)
         t3 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask).float()
         loss = self.loss(scores, batch.log_q)
+        if skipped == len(idx):  # every gold of the batch removed: no signal, the step keeps the schedule
+            loss = loss * 0.0
         self.engine.backward(loss)
         self.engine.step()
         t4 = time.perf_counter()
@@ -205,6 +242,7 @@ class Worker(WorkerScaffold):
             "time/mine_submit_s": (self.prefetcher.submit_s - submit0) if self.prefetcher else 0.0,
             "index/version": mined.version, "index/staleness": self.state.book.staleness(step, mined.version),
             "index/published": self.state.book.version,
+            "kb/version": self.kb.kb_version, "kb/removed_gold_skipped": skipped,
         }
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, Any]:

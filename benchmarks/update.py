@@ -1,0 +1,249 @@
+"""KB deltas against a full rebuild: add 1% new entities and remove 1% of a KB, live.
+
+On a synthetic KILT knowledge source of ``--entities`` entities (1M is the target size;
+run it only on an idle machine), in ONE run, interleaved over ``--repeats`` rounds:
+
+1. delta: ``kb.delta.update`` (tokenize the added pages, write KB version 1: appended rows,
+   tombstones, the added ids' index, then the manifest) in a child process, then
+   ``NegativeService.apply_delta()`` on a RUNNING service (S shard actors serving version 0):
+   each shard encodes only the new rows placed on it and swaps in the new version. Timed
+   from the start of the update until every shard serves the new version.
+2. rebuild: ``kb.prepare`` of the final entity set from scratch (child process), then a new
+   service encoding every row (``ensure_encoded``), until it serves version 0. The same
+   final KB, built the way every anchor (BLINK, EntQA, ANCE) changes one entity.
+
+Memory: the peak resident memory of the update child (``ru_maxrss`` of that child, from
+``os.wait4``) against the prepare child's, and each shard's resident memory growth over the
+delta (``uss``) against the vectors of the rows it added: both should follow the delta,
+not the KB. Untimed set-up per round: a fresh copy of the version-0 store and of the
+shards' persisted version 0, a service started on them.
+
+The encoder is a random tiny BERT (``--model tiny``, default: the cost shape of the
+pipeline without hours of MiniLM encoding on 2 CPUs) or the shipped MiniLM (``--model
+minilm``). Prints a table and writes benchmarks/results/update.json.
+
+    .venv/bin/python benchmarks/update.py --entities 1000000      # the target size (idle machine)
+    .venv/bin/python benchmarks/update.py --entities 2000 --repeats 1 --force   # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.common import (add_hygiene_args, compare, interleaved, load_guard, machine_info,  # noqa: E402
+                               print_table, process_memory, save_results)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_dir(kind: str, data_dir: Path) -> str:
+    if kind == "minilm":
+        from dist_nce.testing import default_model_dir
+
+        return default_model_dir()
+    from dist_nce.testing import make_tiny_bert
+
+    out = data_dir / "tiny_bert"
+    return str(out) if (out / "config.json").exists() else make_tiny_bert(out)
+
+
+def write_sources(data_dir: Path, entities: int, add_frac: float, remove_frac: float, seed: int) -> dict:
+    """Base source (first ``entities`` lines), added pages, removed ids, final source: files in
+    the KILT format, cut from one synthetic source of entities + added lines."""
+    from kb.synthetic.cache import ensure_kilt
+
+    n_add, n_remove = max(1, round(entities * add_frac)), max(1, round(entities * remove_frac))
+    src = ensure_kilt(data_dir / "synthetic", entities + n_add, 0, 0, 0, seed, log=lambda m: print(m, flush=True))["kb"]
+    paths = {k: data_dir / f for k, f in (("base", "base.json"), ("add", "add.json"), ("remove", "remove.txt"),
+                                          ("final", "final.json"))}
+    stamp = data_dir / "sources.json"
+    want = {"entities": entities, "n_add": n_add, "n_remove": n_remove, "seed": seed,
+            "source_size": src.stat().st_size}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return {**{k: str(p) for k, p in paths.items()}, **want}
+    step = entities // n_remove
+    removed = set(range(0, step * n_remove, step))  # every step-th base line
+    with open(src, encoding="utf-8") as f, open(paths["base"], "w") as base, open(paths["add"], "w") as add, \
+            open(paths["final"], "w") as final, open(paths["remove"], "w") as rm:
+        for i, line in enumerate(f):
+            if i < entities:
+                base.write(line)
+                if i in removed:
+                    rm.write(json.loads(line)["wikipedia_id"] + "\n")
+                else:
+                    final.write(line)
+            else:
+                add.write(line)
+                final.write(line)
+    stamp.write_text(json.dumps(want))
+    return {**{k: str(p) for k, p in paths.items()}, **want}
+
+
+def run_child(args: list[str]) -> tuple[float, float]:
+    """(seconds, peak resident MiB) of ``python args`` run to completion as a child process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(args)}: exit status {proc.returncode}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def prepare_args(source: str, out: Path, model: str, workers: int) -> list[str]:
+    return ["-m", "kb.prepare", "--kilt-ks", source, "--out", str(out), "--model-dir", model, "--entity-max-len",
+            "128", "--workers", str(workers), "--no-progress"]
+
+
+class Bench:
+    """The state each timed method starts from, set up untimed before every call."""
+
+    def __init__(self, args, sources: dict, model: str, work: Path, state: dict):
+        from dist_nce.index.search import IndexConfig
+        from dist_nce.index.service_config import ServiceConfig
+        from dist_nce.modeling.retriever import RetrieverConfig
+
+        self.args, self.sources, self.model, self.work, self.state = args, sources, model, work, state
+        self.config = ServiceConfig(num_shards=args.shards, num_cpus=0.5, encode_batch_size=args.batch,
+                                    encode_dtype="fp32", keep_versions=2, index=IndexConfig(backend="flat"))
+        self.retriever = RetrieverConfig(preset="dual", mention_model=model, storage_dtype="float32")
+        self.base_store, self.base_shards = work / "base_store", work / "base_run" / "shards"
+        self.service = None
+        self.records: dict[str, list] = {"delta": [], "rebuild": []}
+
+    def build_base(self) -> float:
+        """Version 0, once: the base store and every shard's persisted version 0 (untimed)."""
+        from dist_nce.index.service import NegativeService
+
+        if not (self.base_store / "manifest.json").exists():
+            run_child(prepare_args(self.sources["base"], self.base_store, self.model, self.args.workers))
+        t0 = time.perf_counter()
+        service = NegativeService.create(str(self.base_store), self.retriever, self.config, str(self.work / "base_run"))
+        service.ensure_encoded(self.state)
+        service.shutdown()
+        return time.perf_counter() - t0
+
+    def _stop(self) -> None:
+        if self.service is not None:
+            self.service.shutdown()
+            self.service = None
+
+    def setup_delta(self) -> None:
+        from dist_nce.index.service import NegativeService
+
+        self._stop()
+        store, run = self.work / "delta_store", self.work / "delta_run"
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.copytree(self.base_store, store)
+        shutil.copytree(self.base_shards, run / "shards")
+        self.service = NegativeService.create(str(store), self.retriever, self.config, str(run))
+        if self.service.ensure_encoded(self.state) != 0 or any(s["encodes"] for s in self.service.status()):
+            raise RuntimeError("the copied shards did not reload version 0")
+
+    def delta(self) -> None:
+        store = self.work / "delta_store"
+        before = {s["shard"]: process_memory(s["pid"])["uss_mib"] for s in self.service.status()}
+        seconds, peak = run_child(["-m", "kb.delta", "--store", str(store), "--add", self.sources["add"], "--remove",
+                                   self.sources["remove"], "--model-dir", self.model, "--no-progress",
+                                   "--workers", str(self.args.workers)])
+        version = self.service.apply_delta()
+        status = self.service.status()
+        if {s["served"] for s in status} != {version} or {s["kb_version"] for s in status} != {1}:
+            raise RuntimeError(f"the delta is not served: {status}")
+        growth = [process_memory(s["pid"])["uss_mib"] - before[s["shard"]] for s in status]
+        added = [sum(b - a for a, b in s["pieces"][1:]) for s in status]
+        self.records["delta"].append({"update_seconds": seconds, "update_peak_rss_mib": peak,
+                                      "shard_uss_growth_mib": growth, "shard_rows_added": added,
+                                      "live": self.service.live.num_live})
+
+    def setup_rebuild(self) -> None:
+        self._stop()
+        shutil.rmtree(self.work / "rebuild_store", ignore_errors=True)
+        shutil.rmtree(self.work / "rebuild_run", ignore_errors=True)
+
+    def rebuild(self) -> None:
+        from dist_nce.index.service import NegativeService
+
+        store = self.work / "rebuild_store"
+        seconds, peak = run_child(prepare_args(self.sources["final"], store, self.model, self.args.workers))
+        self.service = NegativeService.create(str(store), self.retriever, self.config, str(self.work / "rebuild_run"))
+        self.service.ensure_encoded(self.state)
+        self.records["rebuild"].append({"prepare_seconds": seconds, "prepare_peak_rss_mib": peak,
+                                        "live": self.service.live.num_live})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--entities", type=int, default=1_000_000)
+    ap.add_argument("--add-frac", type=float, default=0.01)
+    ap.add_argument("--remove-frac", type=float, default=0.01)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64, help="encode batch size of the shards")
+    ap.add_argument("--workers", type=int, default=1, help="ingest processes of prepare and update")
+    ap.add_argument("--model", choices=["tiny", "minilm"], default="tiny")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=str(ROOT / "data" / "bench_update"))
+    ap.add_argument("--out", default=None, help="result JSON (default benchmarks/results/update.json)")
+    add_hygiene_args(ap)
+    args = ap.parse_args()
+    hygiene = load_guard(args.force)
+
+    from dist_nce.index.encode import state_fingerprint
+    from dist_nce.modeling.encoder import Encoder
+    from dist_nce.modeling.retriever import EntityEncoder
+    from dist_nce.modeling.scoring import ScoreSpec
+    from dist_nce.runtime import configure_process, init_ray
+
+    configure_process(1)
+    data_dir = Path(args.data_dir) / f"n{args.entities}-s{args.seed}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model = model_dir(args.model, Path(args.data_dir))
+    sources = write_sources(data_dir, args.entities, args.add_frac, args.remove_frac, args.seed)
+    state = EntityEncoder(Encoder.from_pretrained(model), ScoreSpec.preset("dual")).state()
+    init_ray(num_cpus=max(2, args.shards))
+    bench = Bench(args, sources, model, data_dir / "work", state)
+    try:
+        base_encode = bench.build_base()
+        times = interleaved({"delta": bench.delta, "rebuild": bench.rebuild}, args.repeats, warmup=0,
+                            before={"delta": bench.setup_delta, "rebuild": bench.setup_rebuild})
+    finally:
+        bench._stop()
+        import ray
+
+        ray.shutdown()
+    ratio = compare(times["rebuild"], times["delta"])
+    rows = [{"method": "delta (update + apply_delta)", **{k: times["delta"][k] for k in ("min", "median", "max")},
+             "peak": max(r["update_peak_rss_mib"] for r in bench.records["delta"])},
+            {"method": "full rebuild (prepare + encode all)",
+             **{k: times["rebuild"][k] for k in ("min", "median", "max")},
+             "peak": max(r["prepare_peak_rss_mib"] for r in bench.records["rebuild"])}]
+    print(f"{args.entities:,} entities, +{sources['n_add']:,} added, -{sources['n_remove']:,} removed, "
+          f"{args.shards} shards, {args.model} encoder")
+    print_table(rows, [("method", "method", "<36s"), ("min", "min s", ">9.2f"), ("median", "median s", ">9.2f"),
+                       ("max", "max s", ">9.2f"), ("peak", "peak MiB (child)", ">16.0f")])
+    print(f"rebuild / delta: x{ratio['x_median']:.1f} (spreads apart: {ratio['distinct']})")
+    payload = {
+        "benchmark": "update", "entities": args.entities, "added": sources["n_add"], "removed": sources["n_remove"],
+        "shards": args.shards, "encode_batch": args.batch, "model": args.model, "model_fingerprint":
+        state_fingerprint(state)[:16], "repeats": args.repeats, "seconds": times, "rebuild_over_delta": ratio,
+        "records": bench.records, "base_encode_seconds": base_encode, **hygiene,
+        "machine": machine_info(torch_threads=torch.get_num_threads()),
+    }
+    print(f"wrote {save_results('update', payload, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

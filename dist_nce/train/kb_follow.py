@@ -1,0 +1,58 @@
+"""A training worker across KB deltas: follow the KB version its negatives come from.
+
+The driver applies a delta to the running service (``dist_nce.train.kb_control``); a worker
+learns of it from the first answer of a newer index version and then (:meth:`KbFollower.follow`)
+re-reads the service's live rows (``NegativeService.sync_kb``: random negatives from then on are
+drawn over the new live rows), reopens the store at the new KB version (new rows can be
+negatives) and re-reads the training golds at that version (``kb.gold_version``: a removed
+gold reads -1, a replaced one its new row).
+
+A mention is trained on only if the gold it was mined with is still its gold and live at the
+KB version followed (:meth:`KbFollower.keep`): a gold removed mid-run, or replaced (whose new
+row the sampler did not exclude), is skipped in that batch and counted, never crashed on.
+Mentions whose gold is unresolvable when the run starts are excluded by the plan, as before.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class KbFollower:
+    """service: the worker's NegativeService copy; prepared_dir/split: the training data."""
+
+    def __init__(self, service: Any, prepared_dir: str, split: str):
+        from kb.store import EntityStore, MentionTable
+
+        self.service, self.prepared_dir, self.split = service, prepared_dir, split
+        self.kb_version = int(getattr(service, "kb_version", 0))  # what the service's shards serve
+        self.store = EntityStore(prepared_dir, kb_version=self.kb_version)
+        self.gold = MentionTable(prepared_dir, split, kb_version=self.kb_version).gold_rows
+        self._seen = -1
+        self.skipped = 0
+
+    def follow(self, version: int | None = None) -> bool:
+        """After an answer from index ``version`` (None: ask now): on a newer index version, follow the
+        KB version the shards serve. True when the KB version changed (store and golds were re-read)."""
+        if not hasattr(self.service, "sync_kb") or (version is not None and version <= self._seen):
+            return False
+        if version is not None:
+            self._seen = int(version)
+        kb_version = int(self.service.sync_kb())
+        if kb_version == self.kb_version:
+            return False
+        from kb.store import EntityStore, MentionTable
+
+        self.store = EntityStore(self.prepared_dir, kb_version=kb_version)
+        self.gold = MentionTable(self.prepared_dir, self.split, kb_version=kb_version).gold_rows
+        self.kb_version = kb_version
+        return True
+
+    def keep(self, mentions: np.ndarray, mined_gold: Tensor) -> Tensor:
+        """bool [b]: the gold each mention was mined with [b] is still its gold at the followed KB version
+        (so it is live and the sampler excluded it)."""
+        now = torch.from_numpy(np.asarray(self.gold[mentions], dtype=np.int64))
+        return (now == mined_gold.cpu()) & (now >= 0)

@@ -1,0 +1,85 @@
+"""Training across a KB delta, the pure parts: the driver's control file, a worker following the KB version.
+
+(The service side of a delta is tested on real shards in tests/index/test_live_service.py.)
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.train.kb_control import DONE_FILE, FAILED_FILE, CONTROL_FILE, KbWatcher, apply_request, request_update
+from dist_nce.train.kb_follow import KbFollower
+from kb.delta import UpdateConfig, update
+from kb.store import EntityStore
+
+from kb_delta_helpers import entities, prepare_store  # noqa: E402  (tests/ is on sys.path)
+
+
+class FakeService:
+    """What the control file and the follower use of a NegativeService."""
+
+    def __init__(self, store: str | None = None, fail: bool = False):
+        self.store, self.fail, self.kb_version, self.calls = store, fail, 0, []
+
+    def apply_delta(self, kb_version=None):
+        self.calls.append(kb_version)
+        if self.fail:
+            raise ValueError("no shard holds the served weights")
+        self.kb_version = EntityStore(self.store).kb_version if self.store else (kb_version or 1)
+        return 7
+
+    def sync_kb(self):
+        return self.kb_version
+
+
+def test_control_file_round_trip(tmp_path):
+    service = FakeService()
+    assert apply_request(service, tmp_path) is None and not service.calls
+    request_update(tmp_path, 2)
+    out = apply_request(service, tmp_path)
+    assert service.calls == [2] and out["index_version"] == 7 and out["served_kb_version"] == 2
+    assert not (tmp_path / CONTROL_FILE).exists() and json.loads((tmp_path / DONE_FILE).read_text())["kb_version"] == 2
+    request_update(tmp_path)
+    out = apply_request(FakeService(fail=True), tmp_path)
+    assert "no shard holds" in out["error"] and (tmp_path / FAILED_FILE).exists()
+    with pytest.raises(ValueError):
+        request_update(tmp_path, -1)
+
+
+def test_the_watcher_applies_a_request_while_running(tmp_path):
+    service = FakeService()
+    with KbWatcher(service, tmp_path, interval_s=0.05, log=lambda s: None) as watcher:
+        request_update(tmp_path, 1)
+        deadline = time.monotonic() + 10
+        while not watcher.outcomes:
+            assert time.monotonic() < deadline, "the watcher never applied the request"
+            time.sleep(0.02)
+    assert service.calls == [1] and watcher.outcomes[0]["index_version"] == 7
+
+
+def test_a_worker_follows_the_kb_and_skips_golds_a_delta_changed(tmp_path, tiny_model_dir):
+    base = list(range(1000, 1030))
+    golds = [1003, 1007, 1012, 1020]  # removed, replaced, untouched, untouched
+    store = prepare_store(tmp_path, "store", entities(base), tiny_model_dir, golds)
+    service = FakeService(str(store))
+    follower = KbFollower(service, str(store), "train")
+    mined_gold = torch.as_tensor(follower.gold[np.arange(4)])
+    assert mined_gold.tolist() == [3, 7, 12, 20] and not follower.follow(0)
+
+    (tmp_path / "add.json").write_text("".join(v + "\n" for v in entities([1007, 2000], seed=3).values()))
+    (tmp_path / "rm.txt").write_text("1003\n1007\n")
+    update(UpdateConfig(store=str(store), add=[str(tmp_path / "add.json")], remove=str(tmp_path / "rm.txt"),
+                        model_dir=tiny_model_dir, progress=False), log=lambda s: None)
+    assert not follower.follow(0), "an answer of an index version already seen changes nothing"
+    service.apply_delta()
+    assert follower.follow(1) and follower.kb_version == 1
+    assert follower.store.num_entities == 32  # the appended rows can now be gathered as negatives
+    assert follower.gold[:4].tolist() == [-1, 31, 12, 20]
+    # batches mined before the delta: the removed gold and the replaced one are skipped
+    assert follower.keep(np.arange(4), mined_gold).tolist() == [False, False, True, True]
+    # batches mined after it, with the followed golds: the replacement is trained on
+    assert follower.keep(np.arange(4), torch.as_tensor(follower.gold[:4])).tolist() == [False, True, True, True]
