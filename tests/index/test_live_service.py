@@ -30,6 +30,7 @@ from kb.delta import UpdateConfig, update
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore
 
+from test_service import wait_alive  # noqa: E402
 from test_shard import D, WORDS, entity_state  # noqa: E402  (tests/index is on sys.path)
 
 pytestmark = pytest.mark.ray
@@ -210,15 +211,6 @@ def test_a_full_refresh_covers_the_added_rows(run, kb, states):
     check_against_scratch(service, kb, states[1])
 
 
-def wait_alive(service, timeout: float = 120.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return service.status()
-        except Exception:  # noqa: BLE001 - restarting
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def test_a_shard_killed_during_a_delta_recovers_to_a_consistent_version(run, kb, states):
