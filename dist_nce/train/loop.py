@@ -80,7 +80,8 @@ class Worker(WorkerScaffold):
         # and a resumed run replays it; golds a delta removed are skipped per batch (train.kb_follow).
         prepared = self.train.prepared_gold_rows
         self.kb = KbFollower(self.service, d.prepared_dir, d.train_split)  # the KB version the shards serve
-        self.store, self.train_gold, self.train_len = self.kb.store, self.kb.gold, self.train.lengths
+        # train_gold: the rows mining excludes (a gold a delta removed stays excluded; the batch skips it)
+        self.store, self.train_gold, self.train_len = self.kb.store, self.kb.mining_gold, self.train.lengths
         eligible, _ = eligible_mentions(prepared, d.max_train_mentions)
         self.plan = make_plan(cfg, prepared, self.store.num_entities, store_fingerprint(d.prepared_dir))
         self.check_world()
@@ -180,7 +181,7 @@ class Worker(WorkerScaffold):
     def _follow_kb(self, version: int | None) -> None:
         """Follow the KB version behind index ``version`` (None: ask the shards now; train.kb_follow)."""
         if self.kb.follow(version):
-            self.store, self.train_gold = self.kb.store, self.kb.gold
+            self.store, self.train_gold = self.kb.store, self.kb.mining_gold
             self.log.write(f"following KB version {self.kb.kb_version}")
         self.state.kb_version = self.kb.kb_version
 
