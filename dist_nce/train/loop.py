@@ -117,6 +117,13 @@ class Worker(WorkerScaffold):
         # otherwise rebuild the index from the current weights so negatives and bookkeeping agree.
         want = self.state.book.version
         served = self.comm.broadcast(self.service.version() if self.rank == 0 else None)
+        if served != want and self.state.step == 0:
+            # A fresh run on a store changed by KB deltas: the driver served version `want` from the initial
+            # weights and then the deltas on top (NegativeService.ensure_encoded). Same weights, current KB.
+            same = self.comm.broadcast(self.service.same_weights(want, served) if self.rank == 0 else None)
+            if same:
+                self.state.book.record(served, 0)
+                want = served
         if served != want:
             restored = self.comm.broadcast(self.service.use_version(want) if self.rank == 0 else None)
             if restored:
