@@ -122,6 +122,12 @@ def run(args) -> dict:
     from kb.store import EntityStore
 
     configure_process(args.threads)
+    if EntityStore(args.prepared).kb_version:
+        # The snapshot format holds rows [0, N) of one version; a store changed by KB deltas has removed rows
+        # and appended ones (kb.delta). Its compacted copy is a plain store again.
+        raise ValueError(f"{args.prepared} was changed by KB deltas (kb_version "
+                         f"{EntityStore(args.prepared).kb_version}): compact it first "
+                         "(jobs/update_kb.py --store ... --compact --out NEW) and encode NEW")
     config, state, tokenizer_sha, dim = load_entity_side(args)
     out = Path(args.out).resolve()
     fingerprint = state_fingerprint(state)

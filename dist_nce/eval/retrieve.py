@@ -202,7 +202,9 @@ def build_local_index(
               mininterval=2.0) as bar:
         reps = encode_rows(retriever.entity_side, store.slice(a, b), batch_size, _device(retriever), None,
                            retriever.config.storage_dtype, progress=lambda done: bar.update(done - bar.n))
-    return ShardIndex(retriever.spec, reps, a, config or default_index_config(retriever), version)
+    dead = getattr(store, "tombstones", None)  # rows a KB delta removed: never retrieved
+    return ShardIndex(retriever.spec, reps, a, config or default_index_config(retriever), version,
+                      dead=None if dead is None else torch.as_tensor(dead))
 
 
 # --------------------------------------------------------------------------- service snapshot

@@ -365,13 +365,16 @@ class ShardIndex:
     """
 
     def __init__(self, spec: ScoreSpec, entities: Reps, row_start: int, config: IndexConfig | None = None,
-                 version: int = 0, faiss_index=None):
+                 version: int = 0, faiss_index=None, dead: Tensor | None = None):
         self.config = config = config or IndexConfig()
         config.validate()
         if entities.vecs.dim() not in (2, 3) or not entities.vecs.is_floating_point():
             raise ValueError(f"ShardIndex: entity reps must be floating [n, d] or [n, m, d], "
                              f"got {entities.vecs.dtype} {list(entities.vecs.shape)}")
         self.spec, self.row_start, self.version = spec, int(row_start), int(version)
+        # Rows a KB delta removed (sorted int64, global), excluded from every answer unless a call passes
+        # its own (dist_nce.index.live); in-process indexes over a changed store carry them.
+        self.dead = None if dead is None or not len(dead) else torch.as_tensor(dead, dtype=torch.int64).cpu()
         self.device = config.torch_device()
         self.compute = _DTYPES[config.compute]
         self.entities = Reps(entities.vecs.to(self.device, config.storage_dtype()),
@@ -509,6 +512,7 @@ class ShardIndex:
         returned; ``dist_nce.index.live``). torch backend: ``log_z`` exact; faiss: ``log_z`` None.
         """
         queries = self._prepare(queries, k, gold)
+        dead = self.dead if dead is None else dead
         if self._faiss is None:
             return self._exact(queries, k, gold, dead=dead)
         return self._faiss_topk(queries, k, gold, dead)
@@ -523,6 +527,7 @@ class ShardIndex:
         """
         queries = self._prepare(queries, k, gold)
         _check_batch("query_keys", query_keys, queries.vecs.shape[0], (1,))
+        dead = self.dead if dead is None else dead
         if self.config.gumbel_mode() == "exact":
             return self._exact(queries, k, gold, seed, query_keys, dead)
         return self._gumbel_candidates(queries, k, gold, seed, query_keys, dead)

@@ -383,6 +383,14 @@ class NegativeService:
                 served = self.apply_delta(entity_state=state)
         return served
 
+    def same_weights(self, a: int, b: int) -> bool:
+        """Every shard holds versions ``a`` and ``b``, encoded from the same entity-encoder weights (e.g. a
+        KB delta served on top of version ``a``: only the KB differs)."""
+        calls = [ShardCall(h, i, "lineage", (), {}, self._policy) for i, h in enumerate(self._handles)]
+        lineage = [c.get() for c in calls]
+        return all(a in v and b in v and v[a]["encoder"] is not None and v[a]["encoder"] == v[b]["encoder"]
+                   for v in lineage)
+
     def use_version(self, version: int) -> bool:
         """Serve ``version`` again on every shard (from memory or disk), if every shard still
         holds it from this run's lineage; False (nothing changed) otherwise.

@@ -114,4 +114,6 @@ def snapshot_index(snapshot: str | os.PathLike, store: Any, spec: ScoreSpec, con
     mask = None
     if "mask" in manifest["files"]:
         mask = torch.from_numpy(np.load(snapshot / manifest["files"]["mask"]))
-    return ShardIndex(spec, Reps(vecs, mask), 0, config, int(manifest.get("version", 0)))
+    dead = getattr(store, "tombstones", None)  # rows a KB delta removed since: never linked to
+    return ShardIndex(spec, Reps(vecs, mask), 0, config, int(manifest.get("version", 0)),
+                      dead=None if dead is None else torch.as_tensor(dead))

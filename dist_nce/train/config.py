@@ -255,11 +255,13 @@ def check_against_store(cfg: TrainJobConfig, store_dir: str) -> None:
     """Refuse settings the prepared KB is too small for. Call once the store exists and
     before Ray starts: otherwise this surfaces only after version 0 was encoded."""
     manifest = os.path.join(store_dir, "manifest.json")
-    n = int(json.loads(open(manifest, encoding="utf-8").read())["entities"]["count"])
+    fields = json.loads(open(manifest, encoding="utf-8").read())
+    n = int(fields["entities"]["count"])  # the rows shards split (version 0 of the store's lineage)
+    live = int(fields["versions"][-1]["live"]) if fields.get("versions") else n  # after KB deltas (kb.delta)
     problems = []
     k = cfg.negatives.num_candidates
-    if k > n:
-        problems.append(f"negatives.num_candidates: {k}: must be <= the {n:,} entities of {store_dir} (the gold "
+    if k > live:
+        problems.append(f"negatives.num_candidates: {k}: must be <= the {live:,} entities of {store_dir} (the gold "
                         "and K-1 distinct other entities)")
     if cfg.service.num_shards > n:
         problems.append(f"service.num_shards: {cfg.service.num_shards}: must be <= the {n:,} entities of "

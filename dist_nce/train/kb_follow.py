@@ -30,7 +30,9 @@ class KbFollower:
         self.service, self.prepared_dir, self.split = service, prepared_dir, split
         self.kb_version = int(getattr(service, "kb_version", 0))  # what the service's shards serve
         self.store = EntityStore(prepared_dir, kb_version=self.kb_version)
-        self.gold = MentionTable(prepared_dir, split, kb_version=self.kb_version).gold_rows
+        table = MentionTable(prepared_dir, split, kb_version=self.kb_version)
+        self.prepared = table.prepared_gold_rows
+        self._set_gold(table.gold_rows)
         self._seen = -1
         self.skipped = 0
 
@@ -47,12 +49,19 @@ class KbFollower:
         from kb.store import EntityStore, MentionTable
 
         self.store = EntityStore(self.prepared_dir, kb_version=kb_version)
-        self.gold = MentionTable(self.prepared_dir, self.split, kb_version=kb_version).gold_rows
+        self._set_gold(MentionTable(self.prepared_dir, self.split, kb_version=kb_version).gold_rows)
         self.kb_version = kb_version
         return True
 
+    def _set_gold(self, gold: np.ndarray) -> None:
+        """``gold``: [N] the golds at the KB version followed (-1: removed); ``mining_gold``: [N] the rows a
+        request excludes, the gold or, where a delta removed it, the prepared row (removed rows are excluded
+        anyway, and :meth:`keep` skips such a mention)."""
+        self.gold = gold
+        self.mining_gold = np.where(gold >= 0, gold, self.prepared)
+
     def keep(self, mentions: np.ndarray, mined_gold: Tensor) -> Tensor:
-        """bool [b]: the gold each mention was mined with [b] is still its gold at the followed KB version
-        (so it is live and the sampler excluded it)."""
+        """bool [b]: the gold each mention was mined with [b] is still its live gold at the followed KB
+        version (so the sampler excluded it)."""
         now = torch.from_numpy(np.asarray(self.gold[mentions], dtype=np.int64))
         return (now == mined_gold.cpu()) & (now >= 0)

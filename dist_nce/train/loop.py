@@ -80,7 +80,8 @@ class Worker(WorkerScaffold):
         # and a resumed run replays it; golds a delta removed are skipped per batch (train.kb_follow).
         prepared = self.train.prepared_gold_rows
         self.kb = KbFollower(self.service, d.prepared_dir, d.train_split)  # the KB version the shards serve
-        self.store, self.train_gold, self.train_len = self.kb.store, self.kb.gold, self.train.lengths
+        # train_gold: the rows mining excludes (a gold a delta removed stays excluded; the batch skips it)
+        self.store, self.train_gold, self.train_len = self.kb.store, self.kb.mining_gold, self.train.lengths
         eligible, _ = eligible_mentions(prepared, d.max_train_mentions)
         self.plan = make_plan(cfg, prepared, self.store.num_entities, store_fingerprint(d.prepared_dir))
         self.check_world()
@@ -116,6 +117,13 @@ class Worker(WorkerScaffold):
         # otherwise rebuild the index from the current weights so negatives and bookkeeping agree.
         want = self.state.book.version
         served = self.comm.broadcast(self.service.version() if self.rank == 0 else None)
+        if served != want and self.state.step == 0:
+            # A fresh run on a store changed by KB deltas: the driver served version `want` from the initial
+            # weights and then the deltas on top (NegativeService.ensure_encoded). Same weights, current KB.
+            same = self.comm.broadcast(self.service.same_weights(want, served) if self.rank == 0 else None)
+            if same:
+                self.state.book.record(served, 0)
+                want = served
         if served != want:
             restored = self.comm.broadcast(self.service.use_version(want) if self.rank == 0 else None)
             if restored:
@@ -180,7 +188,7 @@ class Worker(WorkerScaffold):
     def _follow_kb(self, version: int | None) -> None:
         """Follow the KB version behind index ``version`` (None: ask the shards now; train.kb_follow)."""
         if self.kb.follow(version):
-            self.store, self.train_gold = self.kb.store, self.kb.gold
+            self.store, self.train_gold = self.kb.store, self.kb.mining_gold
             self.log.write(f"following KB version {self.kb.kb_version}")
         self.state.kb_version = self.kb.kb_version
 

@@ -115,7 +115,8 @@ def kb_snapshot(service: Any, cfg: TrainJobConfig, directory: str | os.PathLike)
         # The snapshot format covers the shards' base ranges only; after KB deltas it would miss the added
         # rows and keep the removed ones. Say so rather than export a wrong KB.
         return {"skipped": "the shards serve a KB changed by deltas (kb_version > 0): a snapshot of it is not "
-                           "supported yet; encode the current store with jobs/encode_kb.py instead"}
+                           "supported yet; compact the store (jobs/update_kb.py --compact) and encode the "
+                           "compacted one with jobs/encode_kb.py"}
     version = min(s["served"] for s in status)
     root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards")
     parts = []

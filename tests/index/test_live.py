@@ -213,3 +213,16 @@ def test_mixed_negatives_use_live_n(data):
     want = torch.logaddexp(s - hard.log_z[:, None] + math.log(5 / 9),
                            torch.full_like(s, math.log(4 / 9) - math.log(live.num_live - 1)))
     torch.testing.assert_close(negs.log_q[rand].double(), want[rand], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config, grid", CONFIGS)
+def test_an_index_carrying_removed_rows_excludes_them_by_default(data, config, grid):
+    """In-process indexes over a changed store (eval.retrieve.build_local_index, the linker's snapshot
+    index) carry the store's tombstones: plain calls never return or sample a removed row."""
+    vecs, dead, q, gold = data
+    carrying = ShardIndex(DUAL, Reps(vecs), 0, config, 3, dead=dead)
+    live = live_index(vecs, [(0, COUNT)], dead, config)
+    keys = torch.arange(5)
+    assert torch.equal(carrying.topk(q, 9, gold).ids, live.topk(q, 9, gold).ids)
+    assert torch.equal(carrying.gumbel_topk(q, 9, gold, 2, keys).ids, live.gumbel_topk(q, 9, gold, 2, keys).ids)
+    assert not torch.isin(carrying.topk(q, 30).ids, dead).any()

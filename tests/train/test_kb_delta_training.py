@@ -78,8 +78,9 @@ def test_a_worker_follows_the_kb_and_skips_golds_a_delta_changed(tmp_path, tiny_
     service.apply_delta()
     assert follower.follow(1) and follower.kb_version == 1
     assert follower.store.num_entities == 32  # the appended rows can now be gathered as negatives
-    assert follower.gold[:4].tolist() == [-1, 31, 12, 20]
+    assert follower.gold[:4].tolist() == [-1, 30, 12, 20]  # 1007 replaced: the first added row
+    assert follower.mining_gold[:4].tolist() == [3, 30, 12, 20]  # a removed gold stays excluded when mining
     # batches mined before the delta: the removed gold and the replaced one are skipped
     assert follower.keep(np.arange(4), mined_gold).tolist() == [False, False, True, True]
     # batches mined after it, with the followed golds: the replacement is trained on
-    assert follower.keep(np.arange(4), torch.as_tensor(follower.gold[:4])).tolist() == [False, True, True, True]
+    assert follower.keep(np.arange(4), torch.as_tensor(follower.mining_gold[:4])).tolist() == [False, True, True, True]
