@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, atomic_write_json, file_sha256
 from dist_nce.config import AT_LEAST_1, check_fields
 from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
-from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
+from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
 from kb.prepare import _skipped
