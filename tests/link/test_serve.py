@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -29,6 +30,13 @@ def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+_PRIOR_LISTENERS: set = set()
+
+
+def _listeners(proc) -> set:
+    return {c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_run, tiny_reranker):
     from ray import serve
@@ -36,6 +44,9 @@ def server(ray_local, tiny_run, tiny_reranker):
     from dist_nce.link.serve import build_app, start_local
     from dist_nce.runtime import free_port
 
+    # What this pytest process already listened on (an earlier test file in the same xdist worker may
+    # leave e.g. torch's TCPStore on '::'); the loopback test judges what serving opened.
+    _PRIOR_LISTENERS.update(_listeners(psutil.Process()))
     port = free_port()
     start_local(port)
     args = {"run": str(tiny_run), "link": {"k": 3}, "replica_cpus": 0.25, "max_request_bytes": 20_000,
@@ -174,15 +185,13 @@ def test_nothing_listens_beyond_loopback_while_serving(server):
     replicas' inter-deployment gRPC servers) is on loopback: none of them authenticates."""
     import ipaddress
 
-    import psutil
-
     listeners = []  # (pid, process title, address)
     me = psutil.Process()
     for proc in [me, *me.children(recursive=True)]:
         try:
             title = " ".join(proc.cmdline())[:80]
             listeners += [(proc.pid, title, c.laddr) for c in proc.net_connections(kind="inet")
-                          if c.status == psutil.CONN_LISTEN]
+                          if c.status == psutil.CONN_LISTEN and not (proc == me and c.laddr in _PRIOR_LISTENERS)]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     def loopback(ip: str) -> bool:
