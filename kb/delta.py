@@ -48,7 +48,7 @@ from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
-from kb.prepare import _skipped
+from kb.prepare import _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
 from kb.records import BadRecord, BadRecordLog
 from kb.source_index import build_source_index, sort_source_keys, source_index_table
@@ -362,13 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             compact(cfg, log)
         else:
             print(describe(update(cfg, log)))
-    except BadRecord as e:
-        print(f"error: {e}\n  (pass --on-bad-record skip to skip bad lines and list them in the manifest)",
-              file=sys.stderr)
-        return 2
-    except (PrepareError, ArtifactMismatch, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (BadRecord, PrepareError, ArtifactMismatch, FileNotFoundError) as e:
+        return input_error(e)
     return 0
 
 

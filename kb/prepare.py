@@ -399,18 +399,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def input_error(e: Exception) -> int | None:
+    """The exit code and message for an ingest error a user can fix (2), None for any other.
+
+    Shared by the ingest commands (prepare, kb.delta): a bad record gets the skip hint."""
+    if isinstance(e, BadRecord):
+        print(f"error: {e}\n  (pass --on-bad-record skip to skip malformed lines and list them in the manifest)",
+              file=sys.stderr)
+        return 2
+    if isinstance(e, (PrepareError, ArtifactMismatch, FileNotFoundError)):
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = PrepareConfig(**vars(args))
         prepare(cfg, log=lambda s: print(s, file=sys.stderr))
-    except BadRecord as e:
-        print(f"error: {e}\n  (pass --on-bad-record skip to skip malformed lines and list them in the manifest)",
-              file=sys.stderr)
-        return 2
-    except (PrepareError, ArtifactMismatch, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (BadRecord, PrepareError, ArtifactMismatch, FileNotFoundError) as e:
+        return input_error(e)
     except KeyboardInterrupt:
         print(f"interrupted: completed chunks are kept in {Path(args.out) / WORK_DIR} (or, when replacing a store, "
               f"in {staging_dir(args.out) / WORK_DIR}); run the same command again to resume", file=sys.stderr)
