@@ -42,6 +42,12 @@ def _run_line(data: dict) -> str:
             f"(limit {data.get('load_limit', 1.5)}){noisy}; {m.get('cpu_count', m.get('cpus', '?'))} cores{libs}.")
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown table lines: the header, its separator, one line per row of cells."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
 def _ms(spread: dict, per: float = 1e3) -> str:
     return f"{per * spread['median']:.2f} ({per * spread['min']:.2f}-{per * spread['max']:.2f})"
 
@@ -51,18 +57,14 @@ def mining(data: dict) -> str:
     lines = [f"N = {data['n']:,} x {data['d']} clustered vectors, K-1 = {data['k']}; top-k requests of "
              f"{data['batch']} queries, exact hard-negative requests of {data['gumbel_batch']}. Cost per query "
              "(median of the interleaved repeats, min-max in brackets) and its ratio to faiss flat top-k on the "
-             "same threads (median [range the spreads allow]).", "",
-             "| method | ms/query | vs faiss flat top-k | GFLOP/s |", "|---|---|---|---|"]
-    for row in data["rows"]:
-        if "vs_faiss_topk" not in row:
-            continue
-        lines.append(f"| {row['method']} | {_ms(row['seconds_per_query'])} | {_x(row['vs_faiss_topk'])} | "
-                     f"{row['gflops']:.1f} |")
-    lines += ["", "Through Ray (S shard actors of one thread each against one process of S threads):", "",
-              "| method | queries/s | x in-process baseline (same work, S threads) |", "|---|---|---|"]
-    for row in data["rows"]:
-        if "service" in row["method"] or "no Ray" in row["method"]:
-            lines.append(f"| {row['method']} | {row['qps']:.1f} | {row['x_baseline']:.2f} |")
+             "same threads (median [range the spreads allow]).", ""]
+    lines += _table(["method", "ms/query", "vs faiss flat top-k", "GFLOP/s"],
+                    [[row["method"], _ms(row["seconds_per_query"]), _x(row["vs_faiss_topk"]), f"{row['gflops']:.1f}"]
+                     for row in data["rows"] if "vs_faiss_topk" in row])
+    lines += ["", "Through Ray (S shard actors of one thread each against one process of S threads):", ""]
+    lines += _table(["method", "queries/s", "x in-process baseline (same work, S threads)"],
+                    [[row["method"], f"{row['qps']:.1f}", f"{row['x_baseline']:.2f}"] for row in data["rows"]
+                     if "service" in row["method"] or "no Ray" in row["method"]])
     agree = data.get("agreement") or {}
     lines += ["", f"GEMM peaks measured in the same run (torch.mm, 1 thread): fp32 {peaks['fp32']:.0f} GFLOP/s, "
               f"bf16 {peaks['bf16']:.0f} GFLOP/s ({'native' if peaks['bf16_native'] else 'emulated'}). "
@@ -81,12 +83,11 @@ def scale(data: dict) -> str:
              f"(one thread each, {data['shards']} processes on {data['machine'].get('cpu_count', '?')} cores); "
              f"{exact['queries']:,} queries (AIDA train), K-1 = {data['k']}, {data['batch']} per request, "
              f"{data['in_flight']} in flight; each pass over all the queries, measured to the end "
-             "(one pass each, so no spread).", "",
-             "| mining | queries timed | queries/s | minutes for all | cost vs faiss |", "|---|---|---|---|---|"]
-    for row in (exact, flat):
-        extra = " (extrapolated)" if row["extrapolated"] else ""
-        lines.append(f"| {row['mode']} | {row['queries_measured']:,}{extra} | {row['qps']:.1f} | "
-                     f"{row['minutes_for_all']:.1f} | {flat['qps'] / row['qps']:.2f}x |")
+             "(one pass each, so no spread).", ""]
+    lines += _table(["mining", "queries timed", "queries/s", "minutes for all", "cost vs faiss"],
+                    [[row["mode"], f"{row['queries_measured']:,}" + (" (extrapolated)" if row["extrapolated"] else ""),
+                      f"{row['qps']:.1f}", f"{row['minutes_for_all']:.1f}", f"{flat['qps'] / row['qps']:.2f}x"]
+                     for row in (exact, flat)])
     lines += ["", f"The faiss flat mode samples within each query's top 1,024 and misses on average "
               f"{100 * flat['truncation_mean']:.1f}% of the softmax mass (its estimate of the tail, reported, "
               "not hidden); the exact mode samples from all entities. Memory per shard: "
@@ -102,14 +103,12 @@ def refresh(data: dict) -> str:
              f"average, width {data['entity_max_len']}), batch {data['batch']}; in-process rows on one thread, the "
              f"service on {data['shards']} shard actors of one thread each; every method encodes the same rows in "
              "interleaved rounds. MFU = achieved GFLOP/s per thread over the same run's GEMM peak of the method's "
-             "dtype.", "",
-             "| method | entities/s | x naive | GFLOP/s per thread | MFU | max rel. diff vs naive |",
-             "|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        diff = row.get("max_rel_diff_vs_naive")
-        lines.append(f"| {row['method']} | {row['entities_per_s']:.1f} | {row['x_naive']:.2f} | "
-                     f"{row['gflops'] / row['threads']:.0f} ({row['compute']}) | {row['fraction_of_gemm']:.2f} | "
-                     f"{'-' if diff is None else f'{diff:.1e}'} |")
+             "dtype.", ""]
+    lines += _table(["method", "entities/s", "x naive", "GFLOP/s per thread", "MFU", "max rel. diff vs naive"],
+                    [[row["method"], f"{row['entities_per_s']:.1f}", f"{row['x_naive']:.2f}",
+                      f"{row['gflops'] / row['threads']:.0f} ({row['compute']})", f"{row['fraction_of_gemm']:.2f}",
+                      "-" if row.get("max_rel_diff_vs_naive") is None else f"{row['max_rel_diff_vs_naive']:.1e}"]
+                     for row in data["rows"]])
     svc = data["rows"][-1]
     lines += ["", f"GEMM peaks in the same run (1 thread): fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s "
               f"({'native' if peak['bf16_native'] else 'emulated'}). A service refresh, from `refresh()` to the "
@@ -125,17 +124,18 @@ def train_step(data: dict) -> str:
              f"{b['candidates']} candidates, {b['mention_tokens']}/{b['entity_tokens']} tokens, {data['shards']} "
              f"shards, refresh `{data['refresh']}` ({data['refreshes_published']} KB refreshes published during the "
              f"run); the two DeepSpeed modes alternate in {data['rounds']} rounds. Step and part times are medians "
-             "in seconds; wait % = time blocked on negatives over step time (min-max over rounds).", "",
-             "| mode | steps | step s (min-max over rounds) | wait % | negatives % | forward+backward+optimizer s | "
-             "steps overlapping a refresh |", "|---|---|---|---|---|---|---|"]
+             "in seconds; wait % = time blocked on negatives over step time (min-max over rounds).", ""]
+    cells = []
     for row in data["rows"]:
         step = row.get("step_spread")
         steps = f"{row['step']:.3f}" + (f" ({step['min']:.3f}-{step['max']:.3f})" if step else "")
         wait = row.get("wait_pct_spread")
         wait_s = f"{row['wait_pct']:.2f}" + (f" ({wait['min']:.2f}-{wait['max']:.2f})" if wait else "")
         refreshing = row.get("refreshing_pct")
-        lines.append(f"| {row['mode']} | {row['steps']} | {steps} | {wait_s} | {row['negatives_pct']:.1f} | "
-                     f"{row['compute']:.3f} | {'-' if refreshing is None else f'{refreshing:.0f}%'} |")
+        cells.append([row["mode"], str(row["steps"]), steps, wait_s, f"{row['negatives_pct']:.1f}",
+                      f"{row['compute']:.3f}", "-" if refreshing is None else f"{refreshing:.0f}%"])
+    lines += _table(["mode", "steps", "step s (min-max over rounds)", "wait %", "negatives %",
+                     "forward+backward+optimizer s", "steps overlapping a refresh"], cells)
     r = data["ratios"]
     lines += ["", f"Synchronous mining over prefetching: {r['sync_over_prefetch_step']:.2f}x the step time; DeepSpeed "
               f"over a plain PyTorch loop on the same batches: {r['deepspeed_over_plain_compute']:.2f}x the compute.",
@@ -148,11 +148,10 @@ def link(data: dict) -> str:
     lines = [f"{a['mentions']} dev mentions of the demo's run (MiniLM dual encoder, {data['entities']:,} entities, "
              f"k = {a['k']}{', reranked' if a.get('reranker') else ''}), end to end (tokenize, encode, search), "
              f"{a['repeats']} interleaved repeats; Serve: one mention per HTTP request from {a['clients']} "
-             "concurrent clients.", "",
-             "| way | mentions/s median (min-max) | x naive | top-1 equal to batched |", "|---|---|---|---|"]
-    for row in data["results"]:
-        lines.append(f"| {row['way']} | {row['median']:.1f} ({row['min']:.1f}-{row['max']:.1f}) | "
-                     f"{row['speedup']:.2f} | {100 * row['top1_agree']:.0f}% |")
+             "concurrent clients.", ""]
+    lines += _table(["way", "mentions/s median (min-max)", "x naive", "top-1 equal to batched"],
+                    [[row["way"], f"{row['median']:.1f} ({row['min']:.1f}-{row['max']:.1f})", f"{row['speedup']:.2f}",
+                      f"{100 * row['top1_agree']:.0f}%"] for row in data["results"]])
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
@@ -194,22 +193,21 @@ def targets(results: Path) -> str:
             ("time blocked on negatives, async refresh in flight", "< 5% of the step",
              f"{pre['wait_pct']:.2f}% ({pre.get('refreshing_pct', 0):.0f}% of steps overlapped a refresh)",
              pre["wait_pct"] < 5 and pre.get("refreshing_pct", 0) > 0)]
-    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
-    lines += [f"| {what} | {goal} | {got} | {'yes' if ok else '**no**'} |" for what, goal, got, ok in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_table(["target", "goal", "measured", "met"],
+                            [[what, goal, got, "yes" if ok else "**no**"] for what, goal, got, ok in rows])) + "\n"
 
 
 def scoring(data: dict) -> str:
     lines = [f"{data['batch']} mentions per call, hidden {data['dim']}, {data['seq']} tokens, "
              f"{data['threads']} thread; \"loop\" scores one entity at a time, \"unfused\" is the seed code's "
-             "single einsum that materialises every product (medians of repeated calls).", "",
-             "| preset | dtype | entities | scores/s | x loop | x unfused | max rel. diff vs loop / vs unfused |",
-             "|---|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        name = row["preset"] if row.get("m") is None else f"{row['preset']}-{row['m']}"
-        lines.append(f"| {name} | {row['dtype']} | {row['entities']:,} | {row['fast_scores_per_s']:.3g} | "
-                     f"{row['speedup_vs_loop']:.1f} | {row['speedup_vs_unfused']:.2f} | "
-                     f"{row['max_rel_diff_vs_loop']:.1e} / {row['max_rel_diff_vs_unfused']:.1e} |")
+             "single einsum that materialises every product (medians of repeated calls).", ""]
+    lines += _table(["preset", "dtype", "entities", "scores/s", "x loop", "x unfused",
+                     "max rel. diff vs loop / vs unfused"],
+                    [[row["preset"] if row.get("m") is None else f"{row['preset']}-{row['m']}", row["dtype"],
+                      f"{row['entities']:,}", f"{row['fast_scores_per_s']:.3g}", f"{row['speedup_vs_loop']:.1f}",
+                      f"{row['speedup_vs_unfused']:.2f}",
+                      f"{row['max_rel_diff_vs_loop']:.1e} / {row['max_rel_diff_vs_unfused']:.1e}"]
+                     for row in data["rows"]])
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
@@ -217,13 +215,11 @@ def search(data: dict) -> str:
     meta = data["meta"]
     lines = [f"N = {meta['n']:,} x {meta['d']} clustered vectors, {meta['batch']} queries, k = {meta['k']}, "
              f"{meta['threads']} thread. Recall against the exact top-k; for Gumbel rows the overlap of the sample "
-             "with the top-k (a property of the sample, not an error).", "",
-             "| search | queries/s | x flat fp32 | recall (or overlap) | max score error | build s |",
-             "|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        got = row.get("recall", row.get("overlap_with_topk"))
-        lines.append(f"| {row['backend']} | {row['qps']:.1f} | {row['speed_vs_flat_fp32']:.2f} | {got:.3f} | "
-                     f"{row['max_score_err']:.1e} | {row['build_s']:.2f} |")
+             "with the top-k (a property of the sample, not an error).", ""]
+    lines += _table(["search", "queries/s", "x flat fp32", "recall (or overlap)", "max score error", "build s"],
+                    [[row["backend"], f"{row['qps']:.1f}", f"{row['speed_vs_flat_fp32']:.2f}",
+                      f"{row.get('recall', row.get('overlap_with_topk')):.3f}", f"{row['max_score_err']:.1e}",
+                      f"{row['build_s']:.2f}"] for row in data["rows"]])
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
@@ -232,13 +228,11 @@ def ingest(data: dict) -> str:
              f"tokenized to {data['entity_max_len']} tokens with the MiniLM tokenizer into the prepared Arrow store; "
              f"the naive baseline reads its first {data['baseline_entities']:,} lines one tokenizer call each. Token "
              f"ids equal the baseline's on {100 * data['token_agreement_with_baseline']:.0f}% of the checked "
-             "entities. The runs follow one another once each (whole-process runs: no interleaving, no spread).", "",
-             "| run | entities | entities/s | entities per CPU-s | x naive | peak anonymous memory |",
-             "|---|---|---|---|---|---|"]
-    for row in data["runs"]:
-        lines.append(f"| {row['name']} | {row['entities']:,} | {row['entities_per_s']:.0f} | "
-                     f"{row['entities_per_cpu_s']:.0f} | {row['speedup_vs_baseline']:.2f} | "
-                     f"{row['peak_anon_tree_mib']:.0f} MiB |")
+             "entities. The runs follow one another once each (whole-process runs: no interleaving, no spread).", ""]
+    lines += _table(["run", "entities", "entities/s", "entities per CPU-s", "x naive", "peak anonymous memory"],
+                    [[row["name"], f"{row['entities']:,}", f"{row['entities_per_s']:.0f}",
+                      f"{row['entities_per_cpu_s']:.0f}", f"{row['speedup_vs_baseline']:.2f}",
+                      f"{row['peak_anon_tree_mib']:.0f} MiB"] for row in data["runs"]])
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
