@@ -1,0 +1,292 @@
+"""The mini-paper's results: cells -> mini_paper.json -> Markdown tables and PNGs.
+
+:func:`collect` turns finished cells into one JSON-able dict (rows per seed, groups over
+seeds, verdicts against random, the bias ordering); :func:`tables` renders it as Markdown
+(the README's blocks are rendered from the committed JSON by the same function);
+:func:`write_outputs` writes ``mini_paper.md`` and the PNGs.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from dist_nce.minipaper.results import ROWS, curves
+from dist_nce.minipaper.stats import against, curve_band, group
+
+LABELS = ("architecture", "arm")
+RESULT = "docs/mini_paper/mini_paper.json"  # the committed run the README shows
+
+
+def _metric_names(rows: Sequence[Mapping[str, Any]], skip: Sequence[str] = ("/n", "bias/measurements")) -> list[str]:
+    names: dict[str, None] = {}
+    for r in rows:
+        for k, v in r["metrics"].items():
+            if isinstance(v, (int, float)) and not k.endswith(skip):
+                names.setdefault(k)
+    return list(names)
+
+
+def collect(cfg, cells: Mapping[str, Any], done: Mapping[str, dict], failed: Mapping[str, str],
+            seconds: Mapping[str, float], out: Path, root: Path) -> dict[str, Any]:
+    """Everything the tables and plots need, from the cells' directories."""
+    from dist_nce.config import to_dict
+
+    rows = []
+    for name, c in cells.items():
+        d = c.dir(out, root)
+        row = {"name": name, "part": c.part, **c.labels, "dir": str(d.relative_to(out)),
+               "status": "done" if name in done else "failed" if name in failed else "pending"}
+        if name in failed:
+            row["why"] = failed[name]
+        if name in seconds:
+            row["seconds"] = round(seconds[name], 1)
+        if name in done:
+            s = done[name]
+            row["metrics"] = ROWS[c.part](d, s)
+            row["job_seconds"] = s.get("seconds")
+            if c.part != "reranker":
+                row["curves"] = {k: {str(step): v for step, v in cv.items()} for k, cv in curves(d, s).items()}
+        rows.append(row)
+    result: dict[str, Any] = {"config": to_dict(cfg), "cells": rows}
+    for part in ("zeshel", "aida"):
+        trained = [r for r in rows if r["part"] == part and r["status"] == "done" and r["arm"] != "start"]
+        if not trained:
+            continue
+        metrics = _metric_names(trained)
+        groups = group([{**r, **r["metrics"]} for r in trained], LABELS, metrics)
+        result[part] = {"metrics": metrics, "groups": groups,
+                        "versus_random": against(groups, [m for m in metrics if not m.startswith("bias/")]),
+                        "bias_order": bias_order(groups)}
+        starts = [r for r in rows if r["part"] == part and r["arm"] == "start" and r["status"] == "done"]
+        if starts:
+            result[part]["start"] = [{"architecture": r["architecture"], **r["metrics"]} for r in starts]
+    reranked = [r for r in rows if r["part"] == "reranker" and r["status"] == "done"]
+    if reranked:
+        metrics = _metric_names(reranked)
+        groups = group([{**r, **r["metrics"]} for r in reranked], LABELS, metrics)
+        result["reranker"] = {"metrics": metrics, "groups": groups, "versus_random": against(groups, metrics)}
+    return result
+
+
+def bias_order(groups: Sequence[Mapping[str, Any]], metric: str = "bias/final") -> list[dict[str, Any]]:
+    """Appendix C's ordering per architecture: the arms by mean bias on their trained models,
+    largest first, with the verdict of each neighbour pair (ranges over seeds)."""
+    from dist_nce.minipaper.stats import verdict
+
+    out = []
+    for arch in dict.fromkeys(g["architecture"] for g in groups):
+        gs = [g for g in groups if g["architecture"] == arch and metric in g and g[metric]["n"]]
+        gs.sort(key=lambda g: -g[metric]["mean"])
+        if len(gs) < 2:
+            continue
+        pairs = [{"above": a["arm"], "below": b["arm"], "verdict": verdict(a[metric], b[metric])}
+                 for a, b in zip(gs, gs[1:])]
+        out.append({"architecture": arch, "order": [g["arm"] for g in gs], "pairs": pairs})
+    return out
+
+
+def best_retriever(result: Mapping[str, Any]) -> list[tuple[str, str]] | None:
+    """[(architecture, best non-random arm), (architecture, "random")] by mean val R@k, or None."""
+    z = result.get("zeshel")
+    if not z:
+        return None
+    key = next((m for m in z["metrics"] if m.startswith("val/R@") and m != "val/R@1"), None)
+    cands = [g for g in z["groups"] if g["arm"] != "random" and key and g[key]["n"]]
+    if not cands:
+        return None
+    best = max(cands, key=lambda g: g[key]["mean"])
+    if not any(g["architecture"] == best["architecture"] and g["arm"] == "random" for g in z["groups"]):
+        return None
+    return [(best["architecture"], best["arm"]), (best["architecture"], "random")]
+
+
+# ---------------------------------------------------------------------------------------- Markdown
+
+def _pct(s: Mapping[str, Any], bias: bool = False) -> str:
+    if not s or not s.get("n"):
+        return "-"
+    if bias:
+        return f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
+    if s["n"] == 1:
+        return f"{100 * s['mean']:.1f}"
+    return f"{100 * s['mean']:.1f} [{100 * s['min']:.1f}, {100 * s['max']:.1f}]"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _verdict_marks(result_part: Mapping[str, Any], arch: str, arm: str) -> dict[str, str]:
+    for v in result_part.get("versus_random", []):
+        if v["architecture"] == arch and v["arm"] == arm:
+            return {m: {"wins": " (+)", "loses": " (-)"}.get(x["verdict"], "") for m, x in v.items()
+                    if isinstance(x, dict)}
+    return {}
+
+
+def part_table(result: Mapping[str, Any], part: str, columns: Sequence[tuple[str, str]]) -> str:
+    """One row per (architecture, arm): mean [min, max] over seeds; (+)/(-) where every seed is
+    above/below every seed of the random arm of the same architecture."""
+    p = result.get(part)
+    if not p:
+        return "(no finished cells)"
+    rows = []
+    for s in p.get("start", []):
+        rows.append([s["architecture"], "shared start", "1"] + [
+            "-" if metric.startswith("bias/") or metric not in s else _pct({"mean": s[metric], "n": 1})
+            for metric, _ in columns])
+    for g in p["groups"]:
+        marks = _verdict_marks(p, g["architecture"], g["arm"])
+        rows.append([g["architecture"], g["arm"], str(len(g["seeds"]))] + [
+            _pct(g.get(metric, {}), metric.startswith("bias/")) + marks.get(metric, "") for metric, _ in columns])
+    return _table(["architecture", "negatives", "seeds", *(title for _, title in columns)], rows)
+
+
+def zeshel_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
+    metrics = result.get("zeshel", {}).get("metrics", [])
+    k = next((m.split("@")[1] for m in metrics if m.startswith("val/R@") and m != "val/R@1"), "64")
+    return [(f"val/R@{k}", f"val R@{k}"), (f"test/R@{k}", f"test R@{k}"), ("val/R@1", "val R@1"),
+            ("test/R@1", "test R@1"), (f"heldout/R@{k}", f"heldout R@{k}"), ("bias/final", "bias (trained)")]
+
+
+def aida_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
+    metrics = result.get("aida", {}).get("metrics", [])
+    cols = [("dev/accuracy", "dev accuracy")]
+    cols += [(m, m.replace("dev/", "dev ")) for m in metrics if m.startswith("dev/R@")]
+    return cols + [("bias/final", "bias (trained)")]
+
+
+RERANK_COLUMNS = [("val/U.Acc", "val U.Acc"), ("val/N.Acc", "val N.Acc"), ("test/U.Acc", "test U.Acc"),
+                  ("test/N.Acc", "test N.Acc"), ("val/cand_R", "val cand. recall"), ("test/cand_R", "test cand. recall")]
+
+
+def bias_text(result: Mapping[str, Any]) -> str:
+    lines = []
+    for part in ("zeshel", "aida"):
+        for b in result.get(part, {}).get("bias_order", []):
+            steps = ", ".join(f"{p['above']} {'>' if p['verdict'] == 'wins' else '~'} {p['below']}" for p in b["pairs"])
+            lines.append(f"- {part} {b['architecture']}: {steps} (> : every seed above every seed; ~ : ranges overlap)")
+    costs = [r["metrics"]["bias/cost"] for r in result["cells"] if r.get("metrics", {}).get("bias/cost") is not None]
+    if costs:
+        lines.append(f"- monitor cost at the grid's cadence: median {100 * sorted(costs)[len(costs) // 2]:.1f}% "
+                     f"of training time (max {100 * max(costs):.1f}%, {len(costs)} runs)")
+    return "\n".join(lines) or "(no bias measurements)"
+
+
+def tables(result: Mapping[str, Any], level: int = 2) -> str:
+    """Markdown: the three tables and the bias ordering, headings at ``level``."""
+    h = "#" * level
+    parts = [f"{h} Table 1 in miniature (Zeshel retrievers; recall in %, mean [min, max] over seeds)",
+             part_table(result, "zeshel", zeshel_columns(result)),
+             f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
+             part_table(result, "reranker", RERANK_COLUMNS),
+             f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result)),
+             f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result)]
+    return "\n\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- README
+
+README_BLOCK = re.compile(r"(<!-- minipaper -->\n)(?P<body>.*?)(<!-- /minipaper -->)", re.S)
+
+
+def readme_block(text: str) -> str | None:
+    m = README_BLOCK.search(text)
+    return m.group("body") if m else None
+
+
+def rewrite_readme(text: str, result: Mapping[str, Any]) -> str:
+    """``text`` with its ``<!-- minipaper -->`` block rendered from ``result`` (a mini_paper.json)."""
+    if readme_block(text) is None:
+        raise ValueError("README.md has no <!-- minipaper --> ... <!-- /minipaper --> block")
+    return README_BLOCK.sub(lambda m: m.group(1) + tables(result, level=4) + m.group(3), text)
+
+
+# ---------------------------------------------------------------------------------------- plots
+
+def _parse_curves(rows: Sequence[Mapping[str, Any]], metric: str) -> list[dict[int, float]]:
+    return [{int(k): v for k, v in r["curves"][metric].items()} for r in rows if metric in r.get("curves", {})]
+
+
+def plot_curves(result: Mapping[str, Any], part: str, metric: str, path: Path, ylabel: str, scale: float = 100) -> bool:
+    """Per architecture a panel: ``metric`` against optimizer steps, mean line and min-max band per arm."""
+    rows = [r for r in result["cells"] if r["part"] == part and r["status"] == "done"]
+    archs = list(dict.fromkeys(r["architecture"] for r in rows))
+    if not archs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(archs), figsize=(4.5 * len(archs), 3.6), squeeze=False)
+    drew = False
+    for ax, arch in zip(axes[0], archs):
+        for arm in dict.fromkeys(r["arm"] for r in rows if r["architecture"] == arch):
+            mine = [r for r in rows if r["architecture"] == arch and r["arm"] == arm]
+            steps, mean, lo, hi = curve_band(_parse_curves(mine, metric))
+            if not steps:
+                continue
+            drew = True
+            if arm == "start":
+                ax.plot(steps, [scale * v for v in mean], color="grey", linestyle=":", label="shared start")
+                continue
+            line, = ax.plot(steps, [scale * v for v in mean], marker=".", label=f"{arm} (n={len(mine)})")
+            ax.fill_between(steps, [scale * v for v in lo], [scale * v for v in hi], alpha=0.2, color=line.get_color())
+        ax.set_title(arch)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    if drew:
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drew
+
+
+def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
+    """``mini_paper.md`` and the PNGs that have data; returns the paths written."""
+    from dist_nce.artifacts import atomic_write_text
+
+    atomic_write_text(out / "mini_paper.md", "# The paper in miniature\n\n" + tables(result))
+    written = [out / "mini_paper.md"]
+    z_metric = next((m for m in result.get("zeshel", {}).get("metrics", []) if m.startswith("heldout/R@")), None)
+    plots = [("zeshel", f"dev/recall@{z_metric.split('@')[1]}" if z_metric else "", "zeshel_curves.png",
+              "heldout R@k during training (%)"),
+             ("aida", "dev/accuracy", "aida_curves.png", "dev accuracy during training (%)"),
+             ("zeshel", "bias/norm", "zeshel_bias.png", "bias ||b|| (live monitor)"),
+             ("aida", "bias/norm", "aida_bias.png", "bias ||b|| (live monitor)")]
+    for part, metric, name, label in plots:
+        if metric and plot_curves(result, part, metric, out / name, label, 1 if metric.startswith("bias") else 100):
+            written.append(out / name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dist_nce.minipaper.report [--check]``: the README's block from the committed JSON."""
+    import argparse
+    import json
+
+    repo = Path(__file__).resolve().parents[2]
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--result", default=str(repo / RESULT), help="a mini_paper.json")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README block differs from the JSON")
+    args = ap.parse_args(argv)
+    readme = repo / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    new = rewrite_readme(text, json.loads(Path(args.result).read_text(encoding="utf-8")))
+    if args.check:
+        print("README mini-paper block matches the JSON" if new == text else "README mini-paper block is stale")
+        return 0 if new == text else 1
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+    print(f"rendered the README's mini-paper block from {args.result}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

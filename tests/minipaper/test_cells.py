@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dist_nce.config import ConfigError, load_config
+from dist_nce.minipaper.cells import aida_cells, reranker_cells, zeshel_cells
+from dist_nce.minipaper.config import MiniPaperConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(tmp_path, **parts) -> MiniPaperConfig:
+    data = {"seeds": [0, 1, 2], "zeshel": {
+        "config": "configs/zeshel/test_tiny.yaml", "set": ["run.progress=false"],
+        "warmup": ["negatives.mode=random"], "branch": ["optim.epochs=1"],
+        "architectures": {"dual": ["model.retriever.preset=dual"], "som": ["model.retriever.preset=som"]},
+        "arms": {"random": ["negatives.mode=random"], "hard": ["negatives.mode=hard"]}}, **parts}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(MiniPaperConfig, path)
+
+
+def test_every_arm_and_seed_branches_from_its_architectures_one_shared_start(tmp_path):
+    cfg = config(tmp_path)
+    cells = zeshel_cells(cfg, REPO)
+    assert list(cells)[:1] == ["zeshel-dual-start"]
+    assert len(cells) == 2 * (1 + 2 * 3)
+    start = cells["zeshel-dual-start"]
+    assert "negatives.mode=random" in start.sets and "optim.seed=1000" in start.sets
+    init = f"model.init_from=<out>/cells/zeshel-dual-start-{start.key(REPO)}/model"
+    for arm in ("random", "hard"):
+        for seed in (0, 1, 2):
+            c = cells[f"zeshel-dual-{arm}-s{seed}"]
+            assert init in c.sets and c.sets[-1] == f"optim.seed={seed}" and c.after == ("zeshel-dual-start",)
+            assert f"negatives.mode={arm}" in c.sets and "optim.epochs=1" in c.sets
+    # the arm's overrides come after the branch's, the shared start's after the arm's: the later wins
+    c = cells["zeshel-som-hard-s2"].sets
+    assert c.index("optim.epochs=1") < c.index("negatives.mode=hard") < c.index(
+        next(s for s in c if s.startswith("model.init_from=")))
+
+
+def test_keys_follow_settings_and_a_changed_start_rekeys_its_branches(tmp_path):
+    a = zeshel_cells(config(tmp_path), REPO)
+    b = zeshel_cells(config(tmp_path), REPO)
+    assert {n: c.key(REPO) for n, c in a.items()} == {n: c.key(REPO) for n, c in b.items()}
+    cfg = config(tmp_path)
+    cfg.zeshel.warmup = ["negatives.mode=random", "optim.lr=1e-3"]
+    c = zeshel_cells(cfg, REPO)
+    assert c["zeshel-dual-start"].key(REPO) != a["zeshel-dual-start"].key(REPO)
+    assert c["zeshel-dual-hard-s0"].key(REPO) != a["zeshel-dual-hard-s0"].key(REPO)
+    assert c["zeshel-dual-hard-s0"].key(REPO) != a["zeshel-dual-hard-s1"].key(REPO)
+
+
+def test_argv_places_the_run_in_the_cells_directory(tmp_path):
+    cells = zeshel_cells(config(tmp_path), REPO)
+    c = cells["zeshel-dual-hard-s1"]
+    argv = c.argv(tmp_path / "grid", REPO)
+    assert argv[:3] == [str(REPO / "jobs/zeshel_retriever.py"), "--config", str(REPO / "configs/zeshel/test_tiny.yaml")]
+    sets = argv[4::2]
+    assert f"run.output_dir={c.dir(tmp_path / 'grid', REPO)}" in sets
+    assert not any("<out>" in s for s in sets)
+    assert any(s.startswith(f"model.init_from={tmp_path / 'grid'}/cells/zeshel-dual-start-") for s in sets)
+
+
+def test_no_warmup_means_every_cell_starts_from_the_base_model(tmp_path):
+    cfg = config(tmp_path)
+    cfg.zeshel.warmup = None
+    cells = zeshel_cells(cfg, REPO)
+    assert len(cells) == 2 * 2 * 3 and not any(s.startswith("model.init_from") for c in cells.values() for s in c.sets)
+
+
+def test_reranker_cells_rerank_the_same_seeds_retriever_and_aida_cells_cover_arms_and_seeds(tmp_path):
+    cfg = config(tmp_path, aida={"architectures": {"dual": []}, "arms": {"random": [], "mixed50": ["negatives.p=50"]}})
+    z = zeshel_cells(cfg, REPO)
+    rr = reranker_cells(cfg, z, [("dual", "hard"), ("dual", "random")], REPO)
+    assert len(rr) == 6
+    c = rr["rerank-dual-hard-s2"]
+    assert c.after == ("zeshel-dual-hard-s2",)
+    assert f"data.candidates_dir=<out>/cells/zeshel-dual-hard-s2-{z['zeshel-dual-hard-s2'].key(REPO)}/candidates" in c.sets
+    assert sorted(aida_cells(cfg)) == sorted(f"aida-dual-{a}-s{s}" for a in ("random", "mixed50") for s in range(3))
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"seeds": [1, 1]}, "distinct seeds"),
+    ({"zeshel": {"architectures": {"dual": []}, "arms": {"hard": []}}}, "'random' arm"),
+    ({"zeshel": {"branch": ["optim.lr"]}}, "is not key=value"),
+    ({"zeshel": {"architectures": {"du al": []}, "arms": {"random": []}}}, "architectures.du al"),
+    ({"zeshel": {"epochs": 2}}, "unknown key"),
+    ({"reranker": {"enabled": True}}, "zeshel.architectures is empty"),
+])
+def test_bad_configs_name_the_key(tmp_path, patch, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(patch))
+    with pytest.raises(ConfigError, match=message):
+        load_config(MiniPaperConfig, path)

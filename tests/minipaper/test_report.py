@@ -1,0 +1,110 @@
+"""collect -> tables / plots over cells whose runs are written here as the jobs write them."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dist_nce.config import load_config
+from dist_nce.minipaper.cells import aida_cells, reranker_cells, zeshel_cells
+from dist_nce.minipaper.config import MiniPaperConfig
+from dist_nce.minipaper.report import best_retriever, collect, tables, write_outputs
+
+REPO = Path(__file__).resolve().parents[2]
+# Made-up outcomes per (architecture, arm): val R@64 over seeds 0..2 = base + 0.01 * seed.
+VAL = {("dual", "random"): 0.30, ("dual", "hard"): 0.40, ("som", "random"): 0.80, ("som", "hard"): 0.805}
+BIAS = {"random": 0.9, "hard": 0.2}
+
+
+def retriever_run(d: Path, val: float, arm: str, every: int = 10) -> dict:
+    d.mkdir(parents=True)
+    lines = []
+    for step in (10, 20, 30):
+        lines.append({"step": step - 1, "time/step_s": 0.1, "train/loss": 1.0})
+        lines.append({"step": step, "bias/norm": BIAS[arm] + step / 1000, "bias/norm_se": 0.01, "bias/seconds": 0.05})
+        lines.append({"step": step, "dev/recall@64": val * step / 30, "dev/accuracy": val / 3})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rep = lambda v: {"own_world": {"recall@64": {"macro": v}, "accuracy": {"macro": v / 4}, "n_mentions": 600}}  # noqa
+    summary = {"done": True, "seconds": 12.0, "config": {"zeshel": {"k": 64}, "bias": {"every_steps": every}},
+               "dev_after": {"recall@64": val + 0.1, "accuracy": val / 3},
+               "dev_before": {"recall@64": 0.05, "accuracy": 0.01},
+               "zeshel": {"val": rep(val), "test": rep(val - 0.02)}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+def reranker_run(d: Path, acc: float) -> dict:
+    d.mkdir(parents=True)
+    rep = {"unnormalized_accuracy": {"macro": acc}, "normalized_accuracy": {"macro": 2 * acc},
+           "candidate_recall@64": {"macro": 0.5}, "n_mentions": 600}
+    summary = {"done": True, "seconds": 5.0, "eval": {"val": rep, "test": rep}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+@pytest.fixture
+def grid(tmp_path):
+    data = {"seeds": [0, 1, 2], "zeshel": {
+        "config": "configs/zeshel/test_tiny.yaml", "warmup": ["negatives.mode=random"],
+        "architectures": {"dual": [], "som": []}, "arms": {"random": [], "hard": []}},
+        "aida": {"architectures": {"dual": []}, "arms": {"random": [], "hard": []}}}
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_config(MiniPaperConfig, tmp_path / "g.yaml")
+    out = tmp_path / "grid"
+    cells = {**zeshel_cells(cfg, REPO), **aida_cells(cfg)}
+    done = {}
+    for name, c in cells.items():
+        arch, arm, seed = c.labels["architecture"], c.labels["arm"], c.labels["seed"]
+        if arm == "start":
+            done[name] = retriever_run(c.dir(out, REPO), 0.25, "random")
+        elif c.part == "zeshel":
+            done[name] = retriever_run(c.dir(out, REPO), VAL[(arch, arm)] + 0.01 * seed, arm)
+        elif not (arm == "hard" and seed == 2):  # one AIDA cell failed
+            s = retriever_run(c.dir(out, REPO), 0.5 + 0.01 * seed + (0.2 if arm == "hard" else 0), arm)
+            done[name] = s
+    failed = {"aida-dual-hard-s2": "exit 1"}
+    return cfg, cells, done, failed, out
+
+
+def test_collect_groups_seeds_and_judges_against_random(grid):
+    cfg, cells, done, failed, out = grid
+    result = collect(cfg, cells, done, failed, {}, out, REPO)
+    z = result["zeshel"]
+    g = {(x["architecture"], x["arm"]): x for x in z["groups"]}
+    assert g[("dual", "hard")]["val/R@64"]["mean"] == pytest.approx(0.41)
+    assert g[("dual", "hard")]["seeds"] == [0, 1, 2]
+    vs = {(v["architecture"], v["arm"]): v for v in z["versus_random"]}
+    assert vs[("dual", "hard")]["val/R@64"]["verdict"] == "wins"
+    assert vs[("som", "hard")]["val/R@64"]["verdict"] == "tie"  # 0.805-0.825 vs 0.80-0.82
+    assert [s["architecture"] for s in z["start"]] == ["dual", "som"]
+    # the bias ordering from the monitor's last measurement on each trained model
+    order = {b["architecture"]: b for b in z["bias_order"]}
+    assert order["dual"]["order"] == ["random", "hard"] and order["dual"]["pairs"][0]["verdict"] == "wins"
+    assert g[("dual", "hard")]["bias/final"]["mean"] == pytest.approx(0.23)
+    # one measurement (0.05 s) per 10 steps of 0.1 s
+    assert g[("dual", "hard")]["bias/cost"]["mean"] == pytest.approx(0.05)
+    a = {(x["architecture"], x["arm"]): x for x in result["aida"]["groups"]}
+    assert a[("dual", "hard")]["seeds"] == [0, 1]  # the failed seed is not averaged in
+    statuses = {r["name"]: r["status"] for r in result["cells"]}
+    assert statuses["aida-dual-hard-s2"] == "failed"
+    assert best_retriever(result) == [("som", "hard"), ("som", "random")]
+
+
+def test_tables_and_plots_render_from_the_collected_json(grid):
+    cfg, cells, done, failed, out = grid
+    result = collect(cfg, cells, done, failed, {}, out, REPO)
+    # what is written to mini_paper.json reads back to the same tables
+    result = json.loads(json.dumps(result))
+    rr = reranker_cells(cfg, {k: c for k, c in cells.items() if c.part == "zeshel"}, best_retriever(result), REPO)
+    rdone = {n: reranker_run(c.dir(out, REPO), 0.3 if c.labels["arm"] == "hard" else 0.1) for n, c in rr.items()}
+    result = json.loads(json.dumps(collect(cfg, {**cells, **rr}, {**done, **rdone}, failed, {}, out, REPO)))
+    text = tables(result)
+    assert "| dual | hard | 3 | 41.0 [40.0, 42.0] (+) |" in text
+    assert "| dual | shared start | 1 | 25.0 |" in text
+    assert "| som | hard | 3 | 30.0 [30.0, 30.0] (+) |" in text  # Table 2: U.Acc of the best retriever's reranker
+    assert "zeshel dual: random > hard" in text
+    assert "monitor cost at the grid's cadence: median 5.0%" in text
+    written = write_outputs(result, out)
+    assert {p.name for p in written} == {"mini_paper.md", "zeshel_curves.png", "aida_curves.png", "zeshel_bias.png",
+                                         "aida_bias.png"}
+    assert all(p.stat().st_size > 1000 for p in written)
