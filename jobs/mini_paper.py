@@ -20,6 +20,9 @@ is rewritten; at the end also ``mini_paper.md`` and the PNGs (dev curves per arm
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import signal
 import subprocess
 import sys
 import time
@@ -61,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for c in cells.values():
             print(f"{c.name}: {c.job} --config {c.config} " + " ".join(f"--set {s}" for s in c.sets))
+        failed = dry_run_jobs(cells, out)
+        if failed:
+            return 2
         extra = " (+ the reranker cells once the retrievers are done)" if "reranker" in parts else ""
-        print(f"{args.config}: {len(cells)} cells OK{extra} (dry run: nothing run)")
+        print(f"{args.config}: config and inputs OK: {len(cells)} cells{extra} (dry run: nothing run)")
         return 0
     return run_grid(cfg, parts, cells, out, args.config)
 
@@ -70,12 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 def planned_cells(cfg: MiniPaperConfig, parts: list[str]) -> dict:
     from dist_nce.minipaper.cells import aida_cells, zeshel_cells
 
-    cells = {}
-    if "zeshel" in parts:
-        cells.update(zeshel_cells(cfg, ROOT))
-    if "aida" in parts:
-        cells.update(aida_cells(cfg))
-    return cells
+    lists = [list(zeshel_cells(cfg, ROOT).values()) if "zeshel" in parts else [],
+             list(aida_cells(cfg).values()) if "aida" in parts else []]
+    # Interleaved, so that a long part does not run alone at the end (a cell waits only for its needs).
+    return {c.name: c for pair in itertools.zip_longest(*lists) for c in pair if c is not None}
 
 
 def check_cells(cells: dict) -> None:
@@ -91,6 +95,23 @@ def check_cells(cells: dict) -> None:
             load_config(kinds[c.job], ROOT / c.config, sets)
         except ConfigError as e:
             raise ConfigError(f"cell {c.name}: {e}") from None
+
+
+def dry_run_jobs(cells: dict, out: Path) -> list[str]:
+    """The first cell of each part through its job's own ``--dry-run`` (inputs, tiny model);
+    a cell that starts from another cell's output is checked without that override."""
+    failed = []
+    first: dict[str, object] = {}
+    for c in cells.values():
+        first.setdefault(c.part, c)
+    for c in first.values():
+        c = dataclasses.replace(c, sets=tuple(s for s in c.sets if not s.startswith("model.init_from=")))
+        argv = c.argv(out, ROOT)
+        r = subprocess.run([sys.executable, *argv, "--dry-run"], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode != 0:
+            failed.append(c.name)
+            print(f"error: cell {c.name}: {c.job} --dry-run failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+    return failed
 
 
 class Runner:
@@ -114,6 +135,19 @@ class Runner:
                 self.log(f"[mini-paper] {name}: finished earlier, reused")
                 on_done(name)
         running: dict[str, tuple[subprocess.Popen, float, object]] = {}
+        try:
+            self._loop(cells, gates, on_done, pending, running)
+        finally:  # stopped (Ctrl-C, SIGTERM): the cells' processes go too; their runs resume next time
+            for proc, _, logf in running.values():
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                logf.close()
+
+    def _loop(self, cells, gates, on_done, pending, running) -> None:
         while pending or running:
             for name, c in list(pending.items()):
                 needs = (*c.after, *gates.get(name, ()))
@@ -190,6 +224,8 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
         atomic_write_json(out / "mini_paper.json", result)
         return result
 
+    # SIGTERM (ray job stop, kill) unwinds like Ctrl-C: the cells stop and the Ray head with them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Two logical CPUs a cell (a 1-CPU worker + shards) so that `parallel` of them fit together.
     with LocalHead(num_cpus=2 * cfg.parallel) as head:
         env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address}

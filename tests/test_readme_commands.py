@@ -105,7 +105,7 @@ RULES: list[tuple[str, str, str]] = [
     ("shell", r"export RAY_AUTH_MODE=token", "a shell builtin"),
     ("ray", r"ray start .*", "flags checked against `ray start --help`; not started (port 6379)"),
     ("ray", r"ray job submit .* -- python jobs/\w+\.py .*", "flags checked; the submitted job dry-run"),
-    ("dry_run", r"python jobs/(aida_finetune|zeshel_retriever|zeshel_reranker|zeshel_grid)\.py .*",
+    ("dry_run", r"python jobs/(aida_finetune|zeshel_retriever|zeshel_reranker|zeshel_grid|mini_paper)\.py .*",
      "a training run or grid takes minutes to hours: config and inputs checked (make zeshel runs the "
      "Zeshel pair; tests/jobs run each job on tiny data)"),
     ("run", r"python jobs/prepare_kb\.py .*", "on synthetic inputs written under the README's names"),

@@ -154,8 +154,9 @@ def zeshel_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def aida_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     metrics = result.get("aida", {}).get("metrics", [])
-    cols = [("dev/accuracy", "dev accuracy")]
-    cols += [(m, m.replace("dev/", "dev ")) for m in metrics if m.startswith("dev/R@")]
+    cols = [("dev/accuracy", "dev accuracy")]  # = R@1
+    ks = sorted(int(m.split("@")[1]) for m in metrics if m.startswith("dev/R@") and m != "dev/R@1")
+    cols += [(f"dev/R@{k}", f"dev R@{k}") for k in ks]
     return cols + [("bias/final", "bias (trained)")]
 
 

@@ -27,10 +27,10 @@ def spread(values: Iterable[float]) -> dict[str, Any]:
     return {"mean": mean, "min": min(v), "max": max(v), "std": std, "n": len(v), "values": v}
 
 
-def verdict(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+def verdict(a: Mapping[str, Any], b: Mapping[str, Any], min_seeds: int = 2) -> str:
     """"wins" if every seed of ``a`` is above every seed of ``b``, "loses" in the mirror case,
-    else "tie" (also when either side has no value)."""
-    if not a["n"] or not b["n"]:
+    else "tie" (also when either side has fewer than ``min_seeds`` values: one run is no range)."""
+    if a["n"] < min_seeds or b["n"] < min_seeds:
         return "tie"
     if a["min"] > b["max"]:
         return "wins"

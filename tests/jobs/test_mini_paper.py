@@ -34,7 +34,7 @@ def grid(tmp_path_factory, tiny_model_dir):
          "run.eval_every_steps=4", "bias.every_steps=4", "bias.probe_mentions=4", "bias.draws=4",
          "run.checkpoint_every_steps=0"]
     spec = {
-        "seeds": [0, 1], "parallel": 2,
+        "seeds": [0, 1], "parallel": 3,
         "zeshel": {"config": "configs/zeshel/test_tiny.yaml", "set": z, "warmup": ["negatives.mode=random"],
                    "branch": ["optim.lr=1e-3"], "architectures": {"dual": ["model.retriever.preset=dual"]},
                    "arms": {"random": ["negatives.mode=random"], "hard": ["negatives.mode=hard"]}},

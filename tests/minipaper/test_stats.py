@@ -21,6 +21,7 @@ def test_spread_is_mean_range_and_sample_std_with_nan_dropped():
     ([0.5, 0.6, 0.7], [0.1, 0.2, 0.5], "tie"),     # touching ranges are not separated
     ([0.5, 0.9, 0.95], [0.1, 0.6, 0.7], "tie"),    # higher mean, overlapping ranges
     ([0.5], [], "tie"),
+    ([0.9], [0.1, 0.2, 0.3], "tie"),               # one seed is no range
 ])
 def test_verdict_needs_ranges_that_do_not_overlap(a, b, expected):
     assert verdict(spread(a), spread(b)) == expected
