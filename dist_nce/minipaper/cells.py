@@ -11,6 +11,7 @@ directory and never reuses a stale result.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -38,8 +39,7 @@ class Cell:
 
     def key(self, root: Path) -> str:
         """10 hex digits of sha256 over the job, the base config's text and the overrides."""
-        text = (root / self.config).read_text(encoding="utf-8") if (root / self.config).exists() else self.config
-        blob = json.dumps([self.job, text, list(self.sets)], sort_keys=True)
+        blob = json.dumps([self.job, _config_text(root / self.config), list(self.sets)], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
     def dir(self, out: Path, root: Path) -> Path:
@@ -51,6 +51,13 @@ class Cell:
         sets = [s.replace(OUT, str(out)) for s in self.sets]
         sets += [f"run.output_dir={d}", f"run.name={d.name}", f"run.storage_path={out / 'ray_results'}"]
         return [str(root / self.job), "--config", str(root / self.config), *(a for s in sets for a in ("--set", s))]
+
+
+@functools.lru_cache(maxsize=None)
+def _config_text(path: Path) -> str:
+    """A base config's text as first read by this process: editing the file while a grid runs
+    must not move a running cell to another directory (its key would change under it)."""
+    return path.read_text(encoding="utf-8") if path.exists() else str(path)
 
 
 def cell_path(cells: dict[str, Cell], name: str, root: Path) -> str:
