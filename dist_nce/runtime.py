@@ -29,6 +29,9 @@ RAY_LOCAL_ENV = {
     # Without this Ray binds to the machine's routable address; keep local runs on loopback.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Serve's HTTP proxy must answer its readiness check within 5 s, three times in a row, or the
+    # controller kills it and `serve.run` fails (ActorDiedError); on 2 busy cores it can take longer.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
 }
 
 
