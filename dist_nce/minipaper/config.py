@@ -44,6 +44,16 @@ def _check_named(where: str, named: dict[str, Overrides]) -> None:
         _check_overrides(f"{where}.{name}", sets)
 
 
+def _check_grid(sets: Overrides, architectures: dict[str, Overrides], arms: dict[str, Overrides]) -> None:
+    """A part's common overrides, its named architectures and arms, and the 'random' arm every
+    verdict compares against."""
+    _check_overrides("set", sets)
+    _check_named("architectures", architectures)
+    _check_named("arms", arms)
+    if architectures and "random" not in arms:
+        raise ValueError(f"arms: needs a 'random' arm to compare against, got {sorted(arms)}")
+
+
 @dataclass
 class ZeshelPart:
     config: str = _help("Base retriever YAML (jobs/zeshel_retriever.py).",
@@ -62,13 +72,9 @@ class ZeshelPart:
                                        default_factory=dict)
 
     def validate(self) -> None:
-        _check_overrides("set", self.set)
+        _check_grid(self.set, self.architectures, self.arms)
         _check_overrides("warmup", self.warmup or [])
         _check_overrides("branch", self.branch)
-        _check_named("architectures", self.architectures)
-        _check_named("arms", self.arms)
-        if self.architectures and "random" not in self.arms:
-            raise ValueError(f"arms: needs a 'random' arm to compare against, got {sorted(self.arms)}")
 
 
 @dataclass
@@ -88,11 +94,7 @@ class AidaPart:
                                        default_factory=dict)
 
     def validate(self) -> None:
-        _check_overrides("set", self.set)
-        _check_named("architectures", self.architectures)
-        _check_named("arms", self.arms)
-        if self.architectures and "random" not in self.arms:
-            raise ValueError(f"arms: needs a 'random' arm to compare against, got {sorted(self.arms)}")
+        _check_grid(self.set, self.architectures, self.arms)
 
 
 @dataclass
