@@ -80,7 +80,7 @@ def zeshel_cells(cfg: MiniPaperConfig, root: Path) -> dict[str, Cell]:
             start = (f"model.init_from={cell_path(cells, w.name, root)}/model",)
             after = (w.name,)
         for arm, arm_sets in z.arms.items():
-            for seed in cfg.seeds:
+            for seed in cfg.seeds_of("zeshel"):
                 c = Cell("zeshel", f"zeshel-{arch}-{arm}-s{seed}", RETRIEVER_JOB, z.config,
                          (*z.set, *arch_sets, *z.branch, *arm_sets, *start, f"optim.seed={seed}"),
                          {"architecture": arch, "arm": arm, "seed": seed}, after)
@@ -95,7 +95,7 @@ def reranker_cells(cfg: MiniPaperConfig, zeshel: dict[str, Cell], retrievers: Se
     r = cfg.reranker
     cells: dict[str, Cell] = {}
     for arch, arm in retrievers:
-        for seed in cfg.seeds:
+        for seed in cfg.seeds_of("reranker"):
             src = f"zeshel-{arch}-{arm}-s{seed}"
             c = Cell("reranker", f"rerank-{arch}-{arm}-s{seed}", RERANKER_JOB, r.config,
                      (*r.set, f"data.candidates_dir={cell_path(zeshel, src, root)}/candidates", f"optim.seed={seed}"),
@@ -109,7 +109,7 @@ def aida_cells(cfg: MiniPaperConfig) -> dict[str, Cell]:
     cells: dict[str, Cell] = {}
     for arch, arch_sets in a.architectures.items():
         for arm, arm_sets in a.arms.items():
-            for seed in cfg.seeds:
+            for seed in cfg.seeds_of("aida"):
                 c = Cell("aida", f"aida-{arch}-{arm}-s{seed}", AIDA_JOB, a.config,
                          (*a.set, *arch_sets, *arm_sets, f"optim.seed={seed}"),
                          {"architecture": arch, "arm": arm, "seed": seed})

@@ -59,6 +59,8 @@ class ZeshelPart:
     config: str = _help("Base retriever YAML (jobs/zeshel_retriever.py).",
                         default="configs/zeshel/retriever_tiny_cpu.yaml")
     set: Overrides = _help("Overrides for every cell of this part.", default_factory=list)
+    seeds: Optional[list[int]] = _help("Seeds of this part's cells; null = the top-level seeds.", Range(ge=0),
+                                       default=None)
     warmup: Optional[Overrides] = _help(
         "Overrides of the shared start of each architecture (run once, seed warmup_seed); every arm x seed "
         "starts from its exported model. null = every cell starts from the base config's model.", default=None)
@@ -82,6 +84,9 @@ class RerankerPart:
     config: str = _help("Base reranker YAML (jobs/zeshel_reranker.py).",
                         default="configs/zeshel/reranker_tiny_cpu.yaml")
     set: Overrides = _help("Overrides for every reranker cell.", default_factory=list)
+    seeds: Optional[list[int]] = _help("Seeds of Table 2 (each reranks the retriever run of the same seed, so a "
+                                       "subset of the zeshel part's); null = the zeshel part's.", Range(ge=0),
+                                       default=None)
     enabled: bool = _help("Run Table 2 (needs the zeshel part).", default=True)
 
 
@@ -89,6 +94,8 @@ class RerankerPart:
 class AidaPart:
     config: str = _help("Base AIDA YAML (jobs/aida_finetune.py).", default="configs/aida/tiny_cpu.yaml")
     set: Overrides = _help("Overrides for every AIDA cell.", default_factory=list)
+    seeds: Optional[list[int]] = _help("Seeds of this part's cells; null = the top-level seeds.", Range(ge=0),
+                                       default=None)
     architectures: dict[str, Overrides] = _help("Architecture name -> overrides.", default_factory=dict)
     arms: dict[str, Overrides] = _help("Negative arm name -> overrides; one must be 'random'.",
                                        default_factory=dict)
@@ -108,8 +115,21 @@ class MiniPaperConfig:
     aida: AidaPart = _help("AIDA with a pretrained encoder.", default_factory=AidaPart)
 
     def validate(self) -> None:
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds: need distinct seeds, got {self.seeds}")
+        for where, seeds in (("seeds", self.seeds), ("zeshel.seeds", self.zeshel.seeds),
+                             ("reranker.seeds", self.reranker.seeds), ("aida.seeds", self.aida.seeds)):
+            if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+                raise ValueError(f"{where}: need distinct seeds, got {seeds}")
+        missing = sorted(set(self.seeds_of("reranker")) - set(self.seeds_of("zeshel")))
+        if self.reranker.enabled and missing:
+            raise ValueError(f"reranker.seeds: {missing} have no zeshel retriever run to rerank "
+                             f"(zeshel seeds {self.seeds_of('zeshel')})")
         if self.reranker.enabled and not self.zeshel.architectures:
             raise ValueError("reranker.enabled: Table 2 reranks the zeshel part's candidates; "
                              "zeshel.architectures is empty")
+
+    def seeds_of(self, part: str) -> list[int]:
+        """A part's seeds: its own, else (Table 2) the zeshel part's, else the top-level ones."""
+        own = getattr(self, part).seeds
+        if own is not None:
+            return own
+        return self.seeds_of("zeshel") if part == "reranker" else self.seeds

@@ -81,8 +81,21 @@ def test_reranker_cells_rerank_the_same_seeds_retriever_and_aida_cells_cover_arm
     assert sorted(aida_cells(cfg)) == sorted(f"aida-dual-{a}-s{s}" for a in ("random", "mixed50") for s in range(3))
 
 
+def test_a_part_can_run_its_own_seeds_and_table_2_follows_the_retrievers(tmp_path):
+    cfg = config(tmp_path, aida={"seeds": [5], "architectures": {"dual": []}, "arms": {"random": [], "hard": []}})
+    cfg.zeshel.seeds = [3, 4]
+    assert sorted(aida_cells(cfg)) == ["aida-dual-hard-s5", "aida-dual-random-s5"]
+    z = zeshel_cells(cfg, REPO)
+    assert sorted(n for n in z if n.startswith("zeshel-dual-hard")) == ["zeshel-dual-hard-s3", "zeshel-dual-hard-s4"]
+    assert sorted(reranker_cells(cfg, z, [("dual", "hard")], REPO)) == ["rerank-dual-hard-s3", "rerank-dual-hard-s4"]
+    cfg.reranker.seeds = [4]
+    assert list(reranker_cells(cfg, z, [("dual", "hard")], REPO)) == ["rerank-dual-hard-s4"]
+
+
 @pytest.mark.parametrize("patch, message", [
     ({"seeds": [1, 1]}, "distinct seeds"),
+    ({"aida": {"seeds": []}}, "aida.seeds: need distinct seeds"),
+    ({"zeshel": {"seeds": [0, 1]}, "reranker": {"seeds": [2]}}, r"reranker.seeds: \[2\] have no zeshel retriever run"),
     ({"zeshel": {"architectures": {"dual": []}, "arms": {"hard": []}}}, "'random' arm"),
     ({"zeshel": {"branch": ["optim.lr"]}}, "is not key=value"),
     ({"zeshel": {"architectures": {"du al": []}, "arms": {"random": []}}}, "architectures.du al"),
