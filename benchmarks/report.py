@@ -253,6 +253,11 @@ def update(data: dict) -> str:
                       f"{r['max']:.1f}", f"{max(rec['prepare_peak_rss_mib'] for rec in rb):.0f} MiB (prepare)"]])
     lines += ["", f"Rebuild / delta: {_x(x)}. Each shard's resident memory grew by {min(growth):.0f}-{max(growth):.0f} "
                   f"MiB over the delta, for {min(added):,}-{max(added):,} new rows each."]
+    if "shard_uss_ready_mib" in dl[0]:  # recorded since the reloaded shards build their encoder at start
+        ready = [g for rec in dl for g in rec["shard_uss_ready_mib"]]
+        lines[-1] += (f" Before it, untimed, each reloaded shard built its encoder once ("
+                      f"{max(rec['encoder_ready_seconds'] for rec in dl):.1f} s at most, "
+                      f"{min(ready):.0f}-{max(ready):.0f} MiB from its start).")
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 

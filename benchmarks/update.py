@@ -12,11 +12,13 @@ run it only on an idle machine), in ONE run, interleaved over ``--repeats`` roun
    service encoding every row (``ensure_encoded``), until it serves version 0. The same
    final KB, built the way every anchor (BLINK, EntQA, ANCE) changes one entity.
 
-Memory: the peak resident memory of the update child (``ru_maxrss`` of that child, from
-``os.wait4``) against the prepare child's, and each shard's resident memory growth over the
+Memory: the peak resident memory of the update child (its own ``VmHWM``, see
+:func:`run_child`) against the prepare child's, and each shard's resident memory growth over the
 delta (``uss``) against the vectors of the rows it added: both should follow the delta,
 not the KB. Untimed set-up per round: a fresh copy of the version-0 store and of the
-shards' persisted version 0, a service started on them.
+shards' persisted version 0, a service started on them and ready (its reloaded shards
+hold the encoder of the weights they serve, as a running service's do; that one-time
+cost per shard actor is recorded as ``encoder_ready_seconds`` and ``shard_uss_ready_mib``).
 
 The encoder is a random tiny BERT (``--model tiny``, default: the cost shape of the
 pipeline without hours of MiniLM encoding on 2 CPUs) or the shipped MiniLM (``--model
@@ -33,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,16 +92,40 @@ def write_sources(data_dir: Path, entities: int, add_frac: float, remove_frac: f
     return {**{k: str(p) for k, p in paths.items()}, **want}
 
 
+# Runs ``python -m MODULE ARGS`` and writes the process's own peak resident memory (VmHWM: that of
+# the image exec'd, not the forking parent's) to BENCH_PEAK_FILE at exit.
+_PEAK_WRAPPER = """import atexit, os, runpy, sys
+def _peak():
+    with open('/proc/self/status') as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith('VmHWM:'))
+    with open(os.environ['BENCH_PEAK_FILE'], 'w') as out:
+        out.write(str(kib))
+atexit.register(_peak)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+"""
+
+
 def run_child(args: list[str]) -> tuple[float, float]:
-    """(seconds, peak resident MiB) of ``python args`` run to completion as a child process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(args)}: exit status {proc.returncode}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 1024  # Linux: KiB
+    """(seconds, peak resident MiB) of ``python -m MODULE ...`` (``args``) run to completion as a
+    child process. Not ``ru_maxrss`` from ``wait4``: Linux carries the forking parent's peak
+    over the exec into it, so a small child would report this benchmark's own hundreds of MiB.
+    Ingest worker processes (``--workers`` > 1) are not counted."""
+    if args[0] != "-m":
+        raise ValueError(f"run_child runs modules: -m MODULE ..., got {args[:2]}")
+    peak_file = Path(tempfile.mkstemp(prefix="bench_peak_")[1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "BENCH_PEAK_FILE": str(peak_file)}
+    try:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *args[1:]], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL)
+        seconds = time.perf_counter() - t0
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(args)}: exit status {proc.returncode}")
+        return seconds, int(peak_file.read_text()) / 1024  # KiB
+    finally:
+        peak_file.unlink(missing_ok=True)
 
 
 def prepare_args(source: str, out: Path, model: str, workers: int) -> list[str]:
@@ -149,8 +176,19 @@ class Bench:
         shutil.copytree(self.base_store, store)
         shutil.copytree(self.base_shards, run / "shards")
         self.service = NegativeService.create(str(store), self.retriever, self.config, str(run))
+        start = {s["shard"]: process_memory(s["pid"])["uss_mib"] for s in self.service.status()}
+        t0 = time.perf_counter()
         if self.service.ensure_encoded(self.state) != 0 or any(s["encodes"] for s in self.service.status()):
             raise RuntimeError("the copied shards did not reload version 0")
+        # A running service: the reloaded shards have built the encoder of the weights they serve
+        # (ensure_encoded starts that in the background). Its one-time cost is recorded, not timed.
+        while any(s["encoder_held"] != s["encoder_fingerprint"] for s in self.service.status()):
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError(f"the reloaded shards never built their encoder: {self.service.status()}")
+            time.sleep(0.05)
+        status = self.service.status()
+        self.ready = {"encoder_ready_seconds": time.perf_counter() - t0,
+                      "shard_uss_ready_mib": [process_memory(s["pid"])["uss_mib"] - start[s["shard"]] for s in status]}
 
     def delta(self) -> None:
         store = self.work / "delta_store"
@@ -166,7 +204,7 @@ class Bench:
         added = [sum(b - a for a, b in s["pieces"][1:]) for s in status]
         self.records["delta"].append({"update_seconds": seconds, "update_peak_rss_mib": peak,
                                       "shard_uss_growth_mib": growth, "shard_rows_added": added,
-                                      "live": self.service.live.num_live})
+                                      "live": self.service.live.num_live, **self.ready})
 
     def setup_rebuild(self) -> None:
         self._stop()

@@ -53,6 +53,33 @@ class SpecialIds(NamedTuple):
     title_sep: int
 
 
+def _local_dir(model_dir: str | os.PathLike | None) -> str:
+    if model_dir is None:
+        from dist_nce.testing import default_model_dir
+
+        model_dir = default_model_dir()
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: tokenizer directory not found (dist-nce loads tokenizers from a local "
+                                "Hugging Face model directory only and never downloads a hub id: fetch the model "
+                                "where the network is reachable and give its directory)")
+    return model_dir
+
+
+def _register_markers(tok, model_dir: str, add) -> None:
+    """Make the markers never-split special tokens through ``add``; they must already be in
+    the vocabulary, or the encoder's embedding matrix would not cover new ids."""
+    vocab = tok.get_vocab()
+    missing = [m for m in MARKERS if m not in vocab]
+    if missing:
+        raise ValueError(f"{model_dir}: vocabulary lacks {missing}; BLINK's markers must be existing "
+                         "[unusedN] entries of the vocabulary")
+    size = len(tok)
+    add(list(MARKERS))
+    if len(tok) != size or [tok.convert_tokens_to_ids(m) for m in MARKERS] != [vocab[m] for m in MARKERS]:
+        raise RuntimeError(f"{model_dir}: registering {list(MARKERS)} changed the vocabulary")
+
+
 def load_tokenizer(model_dir: str | os.PathLike | None = None):
     """A Hugging Face fast tokenizer from the local directory ``model_dir`` (default: the
     shipped MiniLM) with ``[unused0..2]`` registered as never-split special tokens.
@@ -64,27 +91,27 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None):
     """
     from transformers import AutoTokenizer
 
-    if model_dir is None:
-        from dist_nce.testing import default_model_dir
-
-        model_dir = default_model_dir()
-    model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"{model_dir}: tokenizer directory not found (dist-nce loads tokenizers from a local "
-                                "Hugging Face model directory only and never downloads a hub id: fetch the model "
-                                "where the network is reachable and give its directory)")
+    model_dir = _local_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{model_dir}: need a fast (Rust) tokenizer, got {type(tok).__name__}")
-    vocab = tok.get_vocab()
-    missing = [m for m in MARKERS if m not in vocab]
-    if missing:
-        raise ValueError(f"{model_dir}: vocabulary lacks {missing}; BLINK's markers must be existing "
-                         "[unusedN] entries of the vocabulary")
-    size = len(tok)
-    tok.add_special_tokens({"additional_special_tokens": list(MARKERS)}, replace_extra_special_tokens=False)
-    if len(tok) != size or [tok.convert_tokens_to_ids(m) for m in MARKERS] != [vocab[m] for m in MARKERS]:
-        raise RuntimeError(f"{model_dir}: registering {list(MARKERS)} changed the vocabulary")
+    _register_markers(tok, model_dir, lambda markers: tok.add_special_tokens(
+        {"additional_special_tokens": markers}, replace_extra_special_tokens=False))
+    return tok
+
+
+def load_ingest_tokenizer(model_dir: str | os.PathLike | None = None):
+    """:func:`load_tokenizer`'s ids for the batch encoders below, without importing
+    transformers or torch when the directory's ``tokenizer.json`` allows it
+    (:mod:`dist_nce.rust_tokenizer`): prepare's and a KB delta's workers only tokenize.
+    Any other directory gets :func:`load_tokenizer` itself."""
+    from dist_nce import rust_tokenizer
+
+    model_dir = _local_dir(model_dir)
+    tok = rust_tokenizer.load(model_dir)
+    if tok is None:
+        return load_tokenizer(model_dir)
+    _register_markers(tok, model_dir, tok.add_special_tokens)
     return tok
 
 

@@ -43,11 +43,12 @@ _TOKENIZERS: dict[str | None, Any] = {}
 
 
 def tokenizer(model_dir: str | None):
-    """One tokenizer per process and model directory (workers load it on first use)."""
+    """One tokenizer per process and model directory (workers load it on first use), without
+    transformers where the directory allows: a worker only tokenizes (dist_nce.rust_tokenizer)."""
     if model_dir not in _TOKENIZERS:
-        from dist_nce.text import load_tokenizer
+        from dist_nce.text import load_ingest_tokenizer
 
-        _TOKENIZERS[model_dir] = load_tokenizer(model_dir)
+        _TOKENIZERS[model_dir] = load_ingest_tokenizer(model_dir)
     return _TOKENIZERS[model_dir]
 
 

@@ -294,10 +294,14 @@ class NegativeService:
         if isinstance(state, dict):
             self._check_state(state)
             state = ray.put(state)
+            if entity_state is None:
+                self._state_ref = state  # shipped once, not once per delta
         status = self.status()
         version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
         policy = dataclasses.replace(self._policy, call_timeout_s=None)  # encodes: no per-call timeout
-        calls = [ShardCall(h, i, "apply_delta", (state, version, store.kb_version, placed[i]), {}, policy)
+        # Boxed: a shard already holding the served weights never fetches them (EntityShard._fetch).
+        boxed = None if state is None else [state]
+        calls = [ShardCall(h, i, "apply_delta", (boxed, version, store.kb_version, placed[i]), {}, policy)
                  for i, h in enumerate(self._handles)]
         served = min(int(c.get()) for c in calls)
         self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]
@@ -363,15 +367,21 @@ class NegativeService:
             target = max(descendants, default=None)
         these_weights = target is None or all_say(target, "encoder")
         self._origin = fp
-        self._state_ref = entity_state  # what apply_delta encodes new rows with, until a refresh
+        state_ref = entity_state if isinstance(entity_state, ray.ObjectRef) else ray.put(state)
+        self._state_ref = state_ref  # what apply_delta encodes new rows with, until a refresh
         if target is not None:
             calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
             served = min(c.get() for c in calls)
+            if these_weights:
+                # Reloaded shards hold no encoder. Build it now, in the background (searches go on),
+                # rather than inside the first KB delta, whose cost should be that of its rows.
+                for h in self._handles:
+                    h.hold_encoder.remote([state_ref], fp)
         else:
             newest = max((v for versions in lineage for v in versions), default=-1)
             reusable = newest <= version and all(versions[version]["encoder"] == fp
                                                  for versions in lineage if version in versions)
-            served = self.refresh(entity_state, version if reusable else newest + 1, wait=True).wait()
+            served = self.refresh(state_ref, version if reusable else newest + 1, wait=True).wait()
         self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
         if these_weights and self.store_dir is not None:
             from kb.store import EntityStore
@@ -380,7 +390,7 @@ class NegativeService:
                 # A run starting on a store changed by deltas: serve its current version (only the rows
                 # added since version 0 are encoded). A resumed run (a descendant version) stays on the KB
                 # version it trained with, so it replays; a delta is then asked for (train.kb_control).
-                served = self.apply_delta(entity_state=state)
+                served = self.apply_delta(entity_state=state_ref)
         return served
 
     def same_weights(self, a: int, b: int) -> bool:

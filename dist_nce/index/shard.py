@@ -81,6 +81,15 @@ def _device(num_gpus: float) -> torch.device:
     return torch.device("cpu")
 
 
+def _fetch(state: Any) -> dict[str, Any] | None:
+    """An entity state passed as ``[ObjectRef]``: Ray resolves an ObjectRef argument before the
+    call runs, which would ship and unpickle every weight for each delta even when this shard
+    holds them already; inside a list it stays a reference until a call needs it."""
+    if isinstance(state, list):
+        state = state[0] if state else None
+    return ray.get(state) if isinstance(state, ray.ObjectRef) else state
+
+
 class ScoredSample(NamedTuple):
     """A shard's Gumbel-top-k answer plus the exact scores of requested rows, both from ONE
     index version (the random part of a mixed-p sample; ``negatives.mixed_from_pool``)."""
@@ -197,7 +206,8 @@ class EntityShard:
                                  f"in memory {sorted(self._held)}, persisted {self.versions.versions()})")
 
     # ------------------------------------------------------------------ refresh
-    def _encoder_for(self, state: dict[str, Any]) -> EntityEncoder:
+    def _encoder_for(self, state: dict[str, Any], fingerprint: str | None = None) -> EntityEncoder:
+        """The encoder with ``state``'s weights: built once per actor, then weights swapped in place."""
         if ScoreSpec(**state["spec"]) != self.spec:
             raise ValueError(f"shard {self.shard}: entity state has spec {state['spec']}, the service was "
                              f"created for {self.spec}")
@@ -205,12 +215,36 @@ class EntityShard:
         if hidden != self.dim:
             raise ValueError(f"shard {self.shard}: entity state has hidden size {hidden}, the service was "
                              f"created for d={self.dim}")
+        fingerprint = fingerprint or state_fingerprint(state)
         if self._encoder is None:
             self._encoder = EntityEncoder.from_state(state).to(self.device)
-        else:  # same architecture: swap the weights in place, no rebuild
+        elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place, no rebuild
             self._encoder.load_state(state)
-        self._encoder_fp = state_fingerprint(state)
+        self._encoder_fp = fingerprint
         return self._encoder
+
+    def _encoder_with(self, fingerprint: str, state: Any) -> EntityEncoder | None:
+        """The encoder holding the weights ``fingerprint``: the one this actor holds, else one
+        from ``state`` when it has them; None otherwise. ``state`` is fetched only here, and
+        only when the held encoder is not already those weights (:func:`_fetch`)."""
+        if self._encoder is not None and self._encoder_fp == fingerprint:
+            return self._encoder
+        state = _fetch(state)
+        if state is not None and state_fingerprint(state) == fingerprint:
+            return self._encoder_for(state, fingerprint)
+        return None
+
+    @ray.method(concurrency_group=REFRESH_GROUP)
+    def hold_encoder(self, state: Any, fingerprint: str | None = None) -> str | None:
+        """Build (or keep) the encoder of ``state`` without encoding anything: a shard that
+        reloaded its versions from disk is then ready to encode a KB delta with the weights it
+        serves, as one that encoded them is. ``fingerprint`` (of ``state``) skips the fetch
+        when it is held already. Returns the fingerprint of the weights held."""
+        with self._refresh_lock:
+            if fingerprint is None or self._encoder_fp != fingerprint:
+                state = _fetch(state)
+                self._encoder_for(state, fingerprint)
+            return self._encoder_fp
 
     @ray.method(concurrency_group=REFRESH_GROUP)
     def refresh(self, state: dict[str, Any], version: int, origin: str | None = None) -> int:
@@ -282,7 +316,7 @@ class EntityShard:
         return out
 
     def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> LiveIndex:
-        encoder = self._encoder_for(state)
+        encoder = self._encoder_for(state, fingerprint)
         autocast = autocast_dtype(self.config.encode_dtype, self.device)
         kb_version, appended = self._layout()
         t0 = time.perf_counter()
@@ -303,12 +337,11 @@ class EntityShard:
 
     # ------------------------------------------------------------------ KB deltas
     @ray.method(concurrency_group=REFRESH_GROUP)
-    def apply_delta(self, state: dict[str, Any] | None, version: int, kb_version: int,
-                    new_ranges: list[tuple[int, int]]) -> int:
+    def apply_delta(self, state: Any, version: int, kb_version: int, new_ranges: list[tuple[int, int]]) -> int:
         """Serve ``version``: the served version plus ``new_ranges`` (rows a KB delta added and the
-        service placed here), encoded with the served version's weights (``state``, or the
-        encoder this shard holds when they are those), and the rows removed at ``kb_version``
-        excluded. Idempotent; returns the version served."""
+        service placed here), encoded with the served version's weights (the encoder this shard
+        holds when it has them, else ``state``: a dict, or ``[ObjectRef]`` fetched only then), and
+        the rows removed at ``kb_version`` excluded. Idempotent; returns the version served."""
         version, kb_version = int(version), int(kb_version)
         new_ranges = [(int(a), int(b)) for a, b in new_ranges]
         with self._refresh_lock:
@@ -330,16 +363,11 @@ class EntityShard:
                     self._target = None
                     self._cond.notify_all()
 
-    def _apply_delta(self, state: dict[str, Any], version: int, kb_version: int, new_ranges: list[tuple[int, int]],
+    def _apply_delta(self, state: Any, version: int, kb_version: int, new_ranges: list[tuple[int, int]],
                      held: _Version) -> int:
         fp = held.fingerprint
-        if state is not None and state_fingerprint(state) == fp:
-            encoder = self._encoder_for(state) if new_ranges else None
-        elif self._encoder is not None and self._encoder_fp == fp:
-            encoder = self._encoder
-        elif not new_ranges:
-            encoder = None  # removals only: nothing to encode
-        else:
+        encoder = self._encoder_with(fp, state) if new_ranges and fp is not None else None
+        if new_ranges and encoder is None:  # removals only need no encoder
             raise ValueError(f"shard {self.shard}: a KB delta must be encoded with the weights of the version served "
                              f"({self._served}); pass them (entity_state): the state given is "
                              f"{'another one' if state is not None else 'missing'} and this shard holds no encoder "
@@ -446,6 +474,7 @@ class EntityShard:
             out = {"shard": self.shard, "rows": list(self.rows), "pid": os.getpid(), "device": str(self.device),
                    "served": self._served, "source": served.source if served else "none",
                    "encoder_fingerprint": served.fingerprint if served else None, "held": sorted(self._held),
+                   "encoder_held": self._encoder_fp,
                    "refreshing": self._target, "encodes": self._encodes, "progress": list(self._progress),
                    "refused": list(self._refused),
                    "kb_version": served.index.kb_version if served else None,

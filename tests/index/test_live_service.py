@@ -273,3 +273,35 @@ def test_services_created_on_a_changed_store(run, kb, states, tiny_model_dir, tm
         check_against_flat(restarted, flat(restarted, run_dir, kb, served), queries(6), torch.tensor([0, 1, 2, 3, 4, 5]))
     finally:
         restarted.shutdown()
+
+
+def test_a_restarted_service_holds_its_encoders_before_the_first_delta(ray_local, tiny_model_dir, states,
+                                                                       tmp_path_factory):
+    """Shards reloaded from disk build the encoder of the weights they serve when the driver
+    hands them over (ensure_encoded), in the background, so the first delta only encodes rows."""
+    from dist_nce.index.encode import state_fingerprint
+
+    kb = Kb(tmp_path_factory.mktemp("restart_kb"), tiny_model_dir)
+    run_dir = tmp_path_factory.mktemp("restart_run")
+    config = ServiceConfig(num_shards=S, num_cpus=0.5, encode_batch_size=1, encode_dtype="fp32", keep_versions=3,
+                           call_timeout_s=120.0, index=CONFIG)
+    retriever = RetrieverConfig(preset="dual", mention_model=tiny_model_dir, storage_dtype="float32")
+    first = NegativeService.create(kb.store, retriever, config, str(run_dir))
+    assert first.ensure_encoded(states[0]) == 0
+    first.shutdown()
+    service = NegativeService.create(kb.store, retriever, config, str(run_dir))
+    try:
+        assert service.ensure_encoded(states[0]) == 0
+        fp, deadline = state_fingerprint(states[0]), time.monotonic() + 120
+        while {s["encoder_held"] for s in service.status()} != {fp}:
+            assert time.monotonic() < deadline, "the reloaded shards never built their encoder"
+            time.sleep(0.1)
+        assert not any(s["encodes"] for s in service.status()) and {s["source"] for s in service.status()} == {
+            "reloaded"}
+        kb.change(remove=[1002, 1090], add=kilt_lines(range(7000, 7040), seed=8))
+        v = service.apply_delta()
+        assert v == 1 and {s["kb_version"] for s in service.status()} == {1}
+        check_against_flat(service, flat(service, run_dir, kb, v), queries(7), torch.tensor([0, 1, 2, 3, 4, 5]))
+        check_against_scratch(service, kb, states[0])
+    finally:
+        service.shutdown()
