@@ -237,28 +237,36 @@ def ingest(data: dict) -> str:
 
 
 def update(data: dict) -> str:
-    """KB delta (issue 15's target: >= 50x faster than a rebuild, memory following the delta)."""
-    d, r = data["seconds"]["delta"], data["seconds"]["rebuild"]
-    x = data["rebuild_over_delta"]
-    dl, rb = data["records"]["delta"], data["records"]["rebuild"]
-    growth = [g for rec in dl for g in rec["shard_uss_growth_mib"]]
-    added = dl[0]["shard_rows_added"]
-    lines = [f"{data['entities']:,} entities, +{data['added']:,} added and -{data['removed']:,} removed, "
-             f"{data['shards']} shards, the {data['model']} encoder; {data['repeats']} interleaved rounds "
-             "(min / median / max s).", ""]
-    lines += _table(["method", "min s", "median s", "max s", "peak RSS of its process"],
-                    [["delta: update_kb + apply_delta on the running service", f"{d['min']:.2f}", f"{d['median']:.2f}",
-                      f"{d['max']:.2f}", f"{max(rec['update_peak_rss_mib'] for rec in dl):.0f} MiB (update)"],
-                     ["full rebuild: prepare + encode every row", f"{r['min']:.1f}", f"{r['median']:.1f}",
-                      f"{r['max']:.1f}", f"{max(rec['prepare_peak_rss_mib'] for rec in rb):.0f} MiB (prepare)"]])
-    lines += ["", f"Rebuild / delta: {_x(x)}. Each shard's resident memory grew by {min(growth):.0f}-{max(growth):.0f} "
-                  f"MiB over the delta, for {min(added):,}-{max(added):,} new rows each."]
-    if "shard_uss_ready_mib" in dl[0]:  # recorded since the reloaded shards build their encoder at start
-        ready = [g for rec in dl for g in rec["shard_uss_ready_mib"]]
-        lines[-1] += (f" Before it, untimed, each reloaded shard built its encoder once ("
-                      f"{max(rec['encoder_ready_seconds'] for rec in dl):.1f} s at most, "
-                      f"{min(ready):.0f}-{max(ready):.0f} MiB from its start).")
-    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+    """KB delta (issue 15's target: >= 50x faster than a rebuild, memory following the delta), one
+    table row pair per KB size of the run."""
+    sizes = data.get("sizes") or [data]  # one size per file before sizes were measured together
+    first = sizes[0]
+    share = lambda key: f"{first[key] / first['entities']:.0%}"  # noqa: E731
+    lines = [f"Deltas adding {share('added')} and removing {share('removed')} of the KB, {data['shards']} shards, "
+             f"the {data['model']} encoder; {data['repeats']} interleaved rounds per size (min / median / max s).", ""]
+    rows, notes = [], []
+    for size in sizes:
+        d, r = size["seconds"]["delta"], size["seconds"]["rebuild"]
+        dl, rb = size["records"]["delta"], size["records"]["rebuild"]
+        n = f"{size['entities']:,}"
+        rows += [[n, f"delta: update_kb (+{size['added']:,} -{size['removed']:,}) + apply_delta on the running "
+                     "service", f"{d['min']:.2f}", f"{d['median']:.2f}", f"{d['max']:.2f}",
+                  f"{max(rec['update_peak_rss_mib'] for rec in dl):.0f} MiB (update)"],
+                 [n, "full rebuild: prepare + encode every row", f"{r['min']:.1f}", f"{r['median']:.1f}",
+                  f"{r['max']:.1f}", f"{max(rec['prepare_peak_rss_mib'] for rec in rb):.0f} MiB (prepare)"]]
+        growth = [g for rec in dl for g in rec["shard_uss_growth_mib"]]
+        added = dl[0]["shard_rows_added"]
+        note = (f"- {n} entities: rebuild / delta {_x(size['rebuild_over_delta'])}. Each shard's resident memory "
+                f"grew by {min(growth):.0f}-{max(growth):.0f} MiB over the delta, for {min(added):,}-{max(added):,} "
+                "new rows each.")
+        if "shard_uss_ready_mib" in dl[0]:  # recorded since the reloaded shards build their encoder at start
+            ready = [g for rec in dl for g in rec["shard_uss_ready_mib"]]
+            note += (f" Before it, untimed, each reloaded shard built its encoder once ("
+                     f"{max(rec['encoder_ready_seconds'] for rec in dl):.1f} s at most, "
+                     f"{min(ready):.0f}-{max(ready):.0f} MiB from its start).")
+        notes.append(note)
+    lines += _table(["entities", "method", "min s", "median s", "max s", "peak RSS of its process"], rows)
+    return "\n".join([*lines, "", *notes, "", _run_line(data)]) + "\n"
 
 
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,

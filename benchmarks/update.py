@@ -1,7 +1,8 @@
 """KB deltas against a full rebuild: add 1% new entities and remove 1% of a KB, live.
 
-On a synthetic KILT knowledge source of ``--entities`` entities (1M is the target size;
-run it only on an idle machine), in ONE run, interleaved over ``--repeats`` rounds:
+On synthetic KILT knowledge sources of each size in ``--entities`` (1M is the target size,
+100k beside it shows what grows with the KB; run it only on an idle machine), in ONE run,
+each size interleaved over ``--repeats`` rounds:
 
 1. delta: ``kb.delta.update`` (tokenize the added pages, write KB version 1: appended rows,
    tombstones, the added ids' index, then the manifest) in a child process, then
@@ -24,8 +25,8 @@ The encoder is a random tiny BERT (``--model tiny``, default: the cost shape of 
 pipeline without hours of MiniLM encoding on 2 CPUs) or the shipped MiniLM (``--model
 minilm``). Prints a table and writes benchmarks/results/update.json.
 
-    .venv/bin/python benchmarks/update.py --entities 1000000      # the target size (idle machine)
-    .venv/bin/python benchmarks/update.py --entities 2000 --repeats 1 --force   # a smoke run
+    .venv/bin/python benchmarks/update.py --repeats 2      # 100k and 1M, the target size (idle machine)
+    .venv/bin/python benchmarks/update.py --entities 2000 5000 --repeats 1 --force --out /tmp/u.json  # smoke
 """
 from __future__ import annotations
 
@@ -222,9 +223,41 @@ class Bench:
                                         "live": self.service.live.num_live})
 
 
+def measure(args, entities: int, model: str, state: dict) -> dict:
+    """One KB size: the base version built untimed, then delta and rebuild interleaved."""
+    from dist_nce.index.encode import state_fingerprint
+
+    data_dir = Path(args.data_dir) / f"n{entities}-s{args.seed}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    sources = write_sources(data_dir, entities, args.add_frac, args.remove_frac, args.seed)
+    bench = Bench(args, sources, model, data_dir / "work", state)
+    try:
+        base_encode = bench.build_base()
+        times = interleaved({"delta": bench.delta, "rebuild": bench.rebuild}, args.repeats, warmup=0,
+                            before={"delta": bench.setup_delta, "rebuild": bench.setup_rebuild})
+    finally:
+        bench._stop()
+    ratio = compare(times["rebuild"], times["delta"])
+    rows = [{"method": "delta (update + apply_delta)", **{k: times["delta"][k] for k in ("min", "median", "max")},
+             "peak": max(r["update_peak_rss_mib"] for r in bench.records["delta"])},
+            {"method": "full rebuild (prepare + encode all)",
+             **{k: times["rebuild"][k] for k in ("min", "median", "max")},
+             "peak": max(r["prepare_peak_rss_mib"] for r in bench.records["rebuild"])}]
+    print(f"{entities:,} entities, +{sources['n_add']:,} added, -{sources['n_remove']:,} removed, "
+          f"{args.shards} shards, {args.model} encoder")
+    print_table(rows, [("method", "method", "<36s"), ("min", "min s", ">9.2f"), ("median", "median s", ">9.2f"),
+                       ("max", "max s", ">9.2f"), ("peak", "peak MiB (child)", ">16.0f")])
+    print(f"rebuild / delta: x{ratio['x_median']:.1f} (spreads apart: {ratio['distinct']})", flush=True)
+    return {"entities": entities, "added": sources["n_add"], "removed": sources["n_remove"],
+            "model_fingerprint": state_fingerprint(state)[:16], "seconds": times, "rebuild_over_delta": ratio,
+            "records": bench.records, "base_encode_seconds": base_encode}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--entities", type=int, default=1_000_000)
+    ap.add_argument("--entities", type=int, nargs="+", default=[100_000, 1_000_000],
+                    help="KB sizes, each measured in turn in this run (a second size shows whether the delta's "
+                         "time and memory follow the KB or the delta)")
     ap.add_argument("--add-frac", type=float, default=0.01)
     ap.add_argument("--remove-frac", type=float, default=0.01)
     ap.add_argument("--shards", type=int, default=2)
@@ -239,47 +272,24 @@ def main() -> None:
     args = ap.parse_args()
     hygiene = load_guard(args.force)
 
-    from dist_nce.index.encode import state_fingerprint
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder
     from dist_nce.modeling.scoring import ScoreSpec
     from dist_nce.runtime import configure_process, init_ray
 
     configure_process(1)
-    data_dir = Path(args.data_dir) / f"n{args.entities}-s{args.seed}"
-    data_dir.mkdir(parents=True, exist_ok=True)
     model = model_dir(args.model, Path(args.data_dir))
-    sources = write_sources(data_dir, args.entities, args.add_frac, args.remove_frac, args.seed)
     state = EntityEncoder(Encoder.from_pretrained(model), ScoreSpec.preset("dual")).state()
     init_ray(num_cpus=max(2, args.shards))
-    bench = Bench(args, sources, model, data_dir / "work", state)
     try:
-        base_encode = bench.build_base()
-        times = interleaved({"delta": bench.delta, "rebuild": bench.rebuild}, args.repeats, warmup=0,
-                            before={"delta": bench.setup_delta, "rebuild": bench.setup_rebuild})
+        sizes = [measure(args, n, model, state) for n in sorted(args.entities)]
     finally:
-        bench._stop()
         import ray
 
         ray.shutdown()
-    ratio = compare(times["rebuild"], times["delta"])
-    rows = [{"method": "delta (update + apply_delta)", **{k: times["delta"][k] for k in ("min", "median", "max")},
-             "peak": max(r["update_peak_rss_mib"] for r in bench.records["delta"])},
-            {"method": "full rebuild (prepare + encode all)",
-             **{k: times["rebuild"][k] for k in ("min", "median", "max")},
-             "peak": max(r["prepare_peak_rss_mib"] for r in bench.records["rebuild"])}]
-    print(f"{args.entities:,} entities, +{sources['n_add']:,} added, -{sources['n_remove']:,} removed, "
-          f"{args.shards} shards, {args.model} encoder")
-    print_table(rows, [("method", "method", "<36s"), ("min", "min s", ">9.2f"), ("median", "median s", ">9.2f"),
-                       ("max", "max s", ">9.2f"), ("peak", "peak MiB (child)", ">16.0f")])
-    print(f"rebuild / delta: x{ratio['x_median']:.1f} (spreads apart: {ratio['distinct']})")
-    payload = {
-        "benchmark": "update", "entities": args.entities, "added": sources["n_add"], "removed": sources["n_remove"],
-        "shards": args.shards, "encode_batch": args.batch, "model": args.model, "model_fingerprint":
-        state_fingerprint(state)[:16], "repeats": args.repeats, "seconds": times, "rebuild_over_delta": ratio,
-        "records": bench.records, "base_encode_seconds": base_encode, **hygiene,
-        "machine": machine_info(torch_threads=torch.get_num_threads()),
-    }
+    payload = {"benchmark": "update", "shards": args.shards, "encode_batch": args.batch, "model": args.model,
+               "repeats": args.repeats, "add_frac": args.add_frac, "remove_frac": args.remove_frac,
+               "sizes": sizes, **hygiene, "machine": machine_info(torch_threads=torch.get_num_threads())}
     print(f"wrote {save_results('update', payload, args.out)}")
 
 
