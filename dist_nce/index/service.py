@@ -294,8 +294,6 @@ class NegativeService:
         if isinstance(state, dict):
             self._check_state(state)
             state = ray.put(state)
-            if entity_state is None:
-                self._state_ref = state  # shipped once, not once per delta
         status = self.status()
         version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
         policy = dataclasses.replace(self._policy, call_timeout_s=None)  # encodes: no per-call timeout
