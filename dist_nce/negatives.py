@@ -58,12 +58,15 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ _shr(x, 31)
 
 
-def _mix_(x: Tensor) -> Tensor:
-    """:func:`_mix` in place (same bits)."""
+def _mix_(x: Tensor, tmp: Tensor) -> Tensor:
+    """:func:`_mix` in place (same bits), ``tmp`` a scratch tensor of x's shape: no allocations."""
     x.add_(_GOLDEN)
-    x.bitwise_xor_(_shr(x, 30)).mul_(_MUL1)
-    x.bitwise_xor_(_shr(x, 27)).mul_(_MUL2)
-    return x.bitwise_xor_(_shr(x, 31))
+    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(tmp)
+        if mul is not None:
+            x.mul_(mul)
+    return x
 
 
 # Elements per noise block: the ~10 integer passes then stay in cache (2-3x faster on CPU).
@@ -87,15 +90,22 @@ def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
     if rows.dtype != torch.int64 or rows.dim() not in (1, 2):
         raise ValueError(f"gumbel_noise: rows must be int64 [n] or [B, n], got {rows.dtype} {list(rows.shape)}")
     q = _mix(_mix(torch.full_like(query_keys, int(seed))) ^ query_keys)[:, None]
-    r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)
-    r = r[None, :] if r.dim() == 1 else r
+    shared = rows.dim() == 1
+    r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)[None, :] if shared else rows.to(query_keys.device)
     n = r.shape[1]
     out = torch.empty((q.shape[0], n), dtype=torch.float64, device=q.device)
     step = max(1, _NOISE_BLOCK // max(q.shape[0], 1))
-    for a in range(0, n, step):
-        h = _mix_(q ^ r[:, a:a + step])
-        u = _shr(h, 11).to(torch.float64).add_(0.5).mul_(_TWO_M53)
-        out[:, a:a + step] = u.log_().neg_().log_().neg_()
+    tmp = None
+    for a in range(0, n, step):  # in place per block: the ~10 integer passes stay in cache
+        h = torch.bitwise_xor(q, r[:, a:a + step]) if shared else torch.bitwise_xor(r[:, a:a + step], _ROW_SALT)
+        if tmp is None or tmp.shape != h.shape:
+            tmp = torch.empty_like(h)
+        if not shared:  # per-query rows: the row's own mix first, as _mix(rows ^ salt) ^ q
+            _mix_(h, tmp).bitwise_xor_(q)
+        _mix_(h, tmp).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+        block = out[:, a:a + step]
+        block.copy_(h)
+        block.add_(0.5).mul_(_TWO_M53).log_().neg_().log_().neg_()
     return out
 
 

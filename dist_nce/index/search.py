@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from dist_nce.config import AT_LEAST_0, AT_LEAST_1, Range, check_fields
-from dist_nce.index import faiss_backend
+from dist_nce.index import block_native, faiss_backend
 from dist_nce.index.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
     score_candidates
@@ -94,6 +94,11 @@ class IndexConfig:
         "exact Gumbel-top-k sampler: dense draws one Gumbel per (query, row) (the reference); block draws "
         "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
         "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/index/block_gumbel.py)", "dense")
+    kernel: Literal["auto", "native", "torch"] = _help(
+        "block sampler over bf16 dual reps (score_dtype bf16): native = the fused AVX512-BF16 kernel "
+        "(dist_nce/index/native), scores never leave the core; torch = chunked GEMM then reductions; auto = "
+        "native where the CPU and a C compiler allow. Same law, different float rounding, so runs that must "
+        "repeat draws bit for bit across machines should pin it", "auto")
     block_rows: int = _help(
         "rows per block of the block sampler, on a global grid; must divide chunk_rows. sqrt(N/(K-1)) "
         "minimises the noise drawn. Sharded == flat bit for bit when every shard starts on this grid", 128,
@@ -235,7 +240,7 @@ def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | 
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                  query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
-                 block_rows: int = 128, dead: Tensor | None = None) -> ShardResult:
+                 block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
     """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
 
     queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
@@ -252,16 +257,17 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
 
     ``sampler`` (Gumbel only): "dense" adds a Gumbel to every score; "block" samples top-down
     over blocks of ``block_rows`` rows (``block_gumbel``; ``block_rows`` must divide
-    ``chunk_rows``), keeping the K-1 best blocks across chunks.
+    ``chunk_rows``), keeping the K-1 best blocks across chunks; ``kernel`` as
+    ``IndexConfig.kernel``.
     """
     return exact_search_pieces(spec, queries, [Piece(int(row_start), entities)], k, gold, chunk_rows, compute, seed,
-                               query_keys, version, sampler, block_rows, dead)
+                               query_keys, version, sampler, block_rows, dead, kernel)
 
 
 def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
                         chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                         query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
-                        block_rows: int = 128, dead: Tensor | None = None) -> ShardResult:
+                        block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
     """:func:`exact_search` over the disjoint contiguous ``pieces`` a shard owns (its base range
     plus the row segments KB deltas gave it), as one search: every global block is scored once
     with all of this shard's rows in it, so the answer is the one a flat search over the same
@@ -272,6 +278,13 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
     q = Reps(queries.vecs.to(compute), queries.mask)
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
     if seed is not None and sampler == "block":
+        if kernel != "torch":
+            why = block_native.usable(_is_dot(spec, q, pieces), q.vecs, pieces[0].reps.vecs, block_rows)
+            if why is None:
+                return _native_block_gumbel(q, pieces, k, gold, chunk_rows, seed, query_keys, version, block_rows,
+                                            dead)
+            if kernel == "native":
+                raise ValueError(f"index.kernel 'native': {why}")
         return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
                                    block_rows, dead)
     result = None
@@ -317,6 +330,63 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: in
         log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
         stream.add(blocks[:, j0:j1], log_mass, counters)
     return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
+
+
+def _is_dot(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece]) -> bool:
+    """s(x, y) is the plain dot product of one mention and one entity vector."""
+    return (spec.mention_side.count == 1 and spec.entity_side.count == 1 and q.mask is None
+            and all(p.reps.mask is None and p.reps.vecs.dim() == 2 for p in pieces))
+
+
+def _native_calls(pieces: Sequence[Piece], chunk_rows: int, block_rows: int, parts_wanted: int
+                  ) -> list[block_native.Call]:
+    """Kernel calls over the shard's rows on the grid of :func:`_exact_block_gumbel`.
+
+    A chunk holding one piece is read in place (consecutive ones merged up to about 1 /
+    ``parts_wanted`` of the rows, so each thread gets a few long calls); a chunk several
+    pieces meet is copied into its padded grid layout, the rows between them excluded. A
+    block's counter is max(block start, the call's first row), as on the torch path.
+    """
+    total = sum(p.reps.vecs.shape[0] for p in pieces)
+    target = max(chunk_rows, -(-total // max(1, parts_wanted) // chunk_rows) * chunk_rows)
+    calls: list[block_native.Call] = []
+    empty = torch.empty(0, dtype=torch.int64)
+
+    def counters(lo: int, j0: int, j1: int) -> Tensor:
+        return (block_rows * torch.arange(j0, j1)).clamp(min=lo)
+
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        j0, j1 = lo // block_rows, -(-hi // block_rows)
+        if len(parts) == 1:
+            piece = pieces[parts[0][0]]
+            last = calls[-1] if calls else None
+            if (last is not None and last.ent is piece.reps.vecs and last.hi == lo and not last.exclude.numel()
+                    and last.hi - last.lo < target and lo % block_rows == 0):
+                calls[-1] = last._replace(hi=hi, j1=j1, counters=counters(last.lo, last.j0, j1))
+            else:
+                calls.append(block_native.Call(piece.reps.vecs, piece.row_start, lo, hi, j0, j1, empty,
+                                               counters(lo, j0, j1)))
+            continue
+        chunk = _padded_chunk(pieces, parts, b0, chunk_rows, torch.bfloat16).vecs
+        own = torch.zeros(hi - lo, dtype=torch.bool)
+        for _, a, z in parts:
+            own[a - lo:z - lo] = True
+        calls.append(block_native.Call(chunk, b0, lo, hi, j0, j1, (~own).nonzero().squeeze(1) + lo,
+                                       counters(lo, j0, j1)))
+    return calls
+
+
+def _native_block_gumbel(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int, seed: int,
+                         query_keys: Tensor, version: int, block_rows: int, dead: Tensor | None) -> ShardResult:
+    """:func:`_exact_block_gumbel` with steps 1-2 in the native kernel (``block_native``)."""
+    if block_rows < 1 or chunk_rows % block_rows:
+        raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
+    threads = max(1, torch.get_num_threads())
+    calls = _native_calls(pieces, chunk_rows, block_rows, threads)
+    kept, log_z = block_native.run_calls(calls, q.vecs.to(torch.bfloat16), k, gold, dead, seed, query_keys,
+                                         block_rows, threads)
+    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
 
 
 def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:
@@ -500,7 +570,7 @@ class ShardIndex:
         res = exact_search(self.spec, queries, self.entities, self.row_start, k,
                            None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute,
                            seed, None if query_keys is None else query_keys.to(self.device), self.version,
-                           self.config.sampler, self.config.block_rows, dead)
+                           self.config.sampler, self.config.block_rows, dead, self.config.kernel)
         return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
 
     def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None, dead: Tensor | None = None

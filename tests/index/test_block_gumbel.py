@@ -73,6 +73,29 @@ def test_truncated_keys_given_a_gumbel_maximum_are_iid_gumbels():
     assert float(corr.abs().max()) < 5 / math.sqrt(n)
 
 
+@pytest.mark.parametrize("k", [1, 4, 9, 12])
+def test_truncated_keys_pick_exactly_what_all_keys_pick(k):
+    # rows_from_blocks computes eq. 23 only for rows that can reach the k-th best block maximum
+    from dist_nce.index.topk import result_from_keys
+
+    for seed in range(10):
+        g = gen(100 + seed)
+        batch, c, b = 7, 12, 16
+        s = torch.randn(batch, c, b, generator=g, dtype=torch.float64) * (1 + seed % 3)
+        s[torch.rand(batch, c, b, generator=g) < 0.2] = INF  # gold, dead, rows of other shards
+        s[0, 3] = INF  # a dead block
+        phi = s - torch.log(-torch.log(torch.rand(batch, c, b, generator=g, dtype=torch.float64)))
+        top = torch.logsumexp(s, -1) - torch.log(-torch.log(torch.rand(batch, c, generator=g, dtype=torch.float64)))
+        top[1, :4] = top[1, 4]  # exact ties among block maxima, also across the k-th place
+        top[0, 3] = INF
+        ids = torch.arange(c * b).expand(batch, -1)
+        want = result_from_keys(bg.truncated_gumbel(phi, top).reshape(batch, -1), s.float().reshape(batch, -1),
+                                ids, k)
+        got = result_from_keys(bg.truncated_keys(phi, top, k).reshape(batch, -1), s.float().reshape(batch, -1),
+                               ids, k)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.keys, want.keys)
+
+
 def test_block_noise_is_its_own_stream():
     q, c = torch.arange(3), torch.tensor([0, 4, 8])
     blk = bg.block_noise(5, q, c)
@@ -172,7 +195,8 @@ def _shards(spec, ents: Reps, cfg: IndexConfig, layout) -> list[ShardIndex]:
 
 @pytest.mark.parametrize("dtypes", [{"storage": "fp32", "compute": "fp32"}, {"storage": "bf16", "compute": "bf16"},
                                     {"storage": "fp16", "compute": "fp32"}, {"storage": "bf16", "compute": "fp32"},
-                                    {"score_dtype": "bf16"}], ids=lambda d: "-".join(d.values()))
+                                    {"score_dtype": "bf16"}, {"score_dtype": "bf16", "kernel": "torch"}],
+                         ids=lambda d: "-".join(d.values()))
 def test_sharded_block_equals_flat_for_stored_dtypes(dtypes):
     e = torch.randn(203, 16, generator=gen(4))
     q = torch.randn(6, 16, generator=gen(5))
