@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import (add_hygiene_args, clustered, compare, gemm_peaks, load_guard,  # noqa: E402
                                machine_info, median_time, print_table, save_results, spread, unit_centres,
                                vector_service)
+from dist_nce.index import block_native  # noqa: E402
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
 from dist_nce.index.service import even_ranges  # noqa: E402
 from dist_nce.index.service_config import ServiceConfig  # noqa: E402
@@ -107,15 +108,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d", type=int, default=128, help="dimension")
     ap.add_argument("--shards", type=int, default=2, help="S shard actors (1 thread each)")
     ap.add_argument("--batch", type=int, default=128, help="B queries per top-k request")
-    ap.add_argument("--gumbel-batch", type=int, default=32, help="queries per exact Gumbel request (it costs "
-                    "~10x a top-k per query here)")
+    ap.add_argument("--gumbel-batch", type=int, default=128, help="queries per exact Gumbel request")
     ap.add_argument("--k", type=int, default=63, help="K-1 negatives")
     ap.add_argument("--calls", type=int, default=4, help="requests per timed repeat and method")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per method (median)")
     ap.add_argument("--in-flight", default="1,4", help="comma-separated P values for the service rows")
-    ap.add_argument("--sampler", choices=["dense", "block", "both"], default="dense",
+    ap.add_argument("--sampler", choices=["dense", "block", "both"], default="block",
                     help="exact Gumbel sampler (index.sampler); both: the service and the baselines use dense and "
                          "the in-process Gumbel rows are repeated with block, interleaved in the same repeats")
+    ap.add_argument("--exact", choices=["bf16", "fp32"], default="bf16",
+                    help="the exact Gumbel rows' index (in-process and service): bf16 = backend torch with "
+                         "index.score_dtype bf16 (the native block kernel where it runs), fp32 = the faiss flat "
+                         "index's fp32 rows. The top-k rows always use faiss flat fp32 (a second service when bf16)")
     ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
     ap.add_argument("--chunk-rows", type=int, default=8192, help="index.chunk_rows of the exact path (larger chunks "
                     "amortise the block sampler's per-chunk work; must be a multiple of --block-rows)")
@@ -161,6 +165,15 @@ def main(argv: list[str] | None = None) -> None:
     brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", chunk_rows=args.chunk_rows))
     ranges = even_ranges(args.n, S, args.block_rows if args.sampler != "dense" else 1)
     parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
+    exact_cfg = index_cfg if args.exact == "fp32" else IndexConfig(
+        backend="torch", score_dtype="bf16", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows)
+    exact = flat if args.exact == "fp32" else ShardIndex(DUAL, Reps(ents), 0, exact_cfg)
+    exact_parts = parts if args.exact == "fp32" else [ShardIndex(DUAL, Reps(ents[a:b]), a, exact_cfg)
+                                                      for a, b in ranges]
+    kernel = "native" if block_native.usable(True, ents[:1], ents[:1].bfloat16(), args.block_rows) is None \
+        else "torch"
+    print(f"exact rows: {args.exact} ({exact_cfg.backend}, sampler {sampler}"
+          f"{', kernel ' + kernel if args.exact == 'bf16' and sampler == 'block' else ''})", flush=True)
 
     def with_sampler(index: ShardIndex, name: str) -> ShardIndex:
         """The same index (same vectors and faiss structure, no copy) searching with another sampler."""
@@ -170,19 +183,31 @@ def main(argv: list[str] | None = None) -> None:
 
     flat_block = with_sampler(flat, "block")
     parts_block = [with_sampler(part, "block") for part in parts]
-    # bf16 scoring (index.score_dtype): its own bf16 copy of the rows (torch backend), both samplers
-    bf16 = {name: ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", score_dtype="bf16", sampler=name,
-                                                              block_rows=args.block_rows, chunk_rows=args.chunk_rows)) for name in ("dense", "block")}
+    # bf16 scoring (index.score_dtype): its own bf16 copy of the rows (torch backend), both samplers, and the
+    # block sampler on the torch kernel (chunked GEMM + reductions) beside the native one
+    bf16_block = exact if args.exact == "bf16" and sampler == "block" else ShardIndex(
+        DUAL, Reps(ents), 0, IndexConfig(backend="torch", score_dtype="bf16", sampler="block",
+                                         block_rows=args.block_rows, chunk_rows=args.chunk_rows))
+    bf16 = {"dense": with_sampler(bf16_block, "dense"), "block": bf16_block}
+    bf16_torch_kernel = copy.copy(bf16_block)
+    bf16_torch_kernel.config = dataclasses.replace(bf16_block.config, kernel="torch")
     flat_dense = with_sampler(flat, "dense")
     pool = ThreadPoolExecutor(S)
-    service = root = start_s = None
+    service = mine_service = root = start_s = mine_start_s = None
     if not args.no_service:
         init_ray(num_cpus=os.cpu_count())
         root = tempfile.mkdtemp(prefix="dist-nce-mining-")
-        cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S), threads=1,
+        services = 2 if args.exact == "bf16" else 1  # Ray CPUs are split so both services' actors fit
+        cfg = ServiceConfig(num_shards=S, num_cpus=min(1.0, os.cpu_count() / S / services), threads=1,
                             max_concurrency=max(4, max(flights)), index=index_cfg)
-        service, start_s = vector_service(root, args.n, args.d, lambda i, a, b: ents[a:b], cfg)
+        service, start_s = vector_service(os.path.join(root, "flat"), args.n, args.d, lambda i, a, b: ents[a:b], cfg)
         print(f"service: {S} shards serving in {start_s:.1f} s (reload + faiss build)", flush=True)
+        mine_service, mine_start_s = service, start_s
+        if args.exact == "bf16":  # the exact rows' shards hold bf16 rows (half the bytes), on the same CPUs
+            mine_service, mine_start_s = vector_service(
+                os.path.join(root, "bf16"), args.n, args.d, lambda i, a, b: ents[a:b],
+                dataclasses.replace(cfg, index=exact_cfg), storage_dtype="bfloat16")
+            print(f"service (exact rows): {S} bf16 shards serving in {mine_start_s:.1f} s", flush=True)
 
     def partitioned(search: Callable[[ShardIndex, int], Any], finish: Callable[[list], Any], over=parts):
         def run(j: int) -> _Done:
@@ -211,15 +236,17 @@ def main(argv: list[str] | None = None) -> None:
         **{f"topk: service S={S}, P={p}": (
             "topk", lambda j: service.topk(queries[j], k, gold[j]), topk_calls, p, 1) for p in flights},
         f"gumbel: exact{tag}, {one} (baseline)": ("gumbel", in_process(lambda j: hard_negatives(
-            flat.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, S),
+            exact.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, S),
         f"gumbel: exact{tag}, 1 process x 1 thread": ("gumbel", in_process(lambda j: hard_negatives(
-            flat.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, 1),
+            exact.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)), args.calls, 1, 1),
         f"gumbel: exact{tag}, {many}": (
             "gumbel", partitioned(lambda part, j: part.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]),
-                                  lambda res: hard_negatives(merge_results(res, k), k)), args.calls, 1, 1),
-        **{f"gumbel: service mine S={S}, P={p}": ("gumbel", lambda j: service.mine(
+                                  lambda res: hard_negatives(merge_results(res, k), k), exact_parts),
+            args.calls, 1, 1),
+        **{f"gumbel: service mine S={S}, P={p}": ("gumbel", lambda j: mine_service.mine(
             gq[j], ggold[j], k, 0, 11, gkeys[j]), args.calls, p, 1) for p in flights},
     }
+    references = set(methods)  # the rows below are compared, never references
     if args.sampler == "both":  # the block sampler on the same indexes, interleaved with the rows above
         methods.update({
             f"gumbel: exact block, {one}": ("gumbel", in_process(lambda j: hard_negatives(
@@ -233,10 +260,22 @@ def main(argv: list[str] | None = None) -> None:
     # The exact samplers x scoring precision on ONE thread, beside faiss flat top-k on one thread
     # (issue 12: exact mining <= 1.2x top-k on the same threads), interleaved with everything above.
     for name, index in (("dense fp32", flat_dense), ("block fp32", flat_block), ("dense bf16", bf16["dense"]),
-                        ("block bf16", bf16["block"])):
+                        (f"block bf16 ({kernel} kernel)", bf16["block"]),
+                        *([("block bf16 (torch kernel)", bf16_torch_kernel)] if kernel == "native" else [])):
         methods.setdefault(f"gumbel: exact {name}, 1 process x 1 thread", ("gumbel", in_process(
             lambda j, index=index: hard_negatives(index.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k)),
             args.calls, 1, 1))
+    if kernel == "native" and args.exact == "bf16" and sampler == "block":
+        # The kernel alone (bf16 scores, block logsumexp, block noise, best-block selection): the
+        # scoring part of the block sampler, read against the bf16 GEMM peak; step 3 (rows given
+        # their block maximum) is the rest of the row above.
+        from dist_nce.index.search import _native_calls, Piece
+
+        kernel_calls = _native_calls([Piece(0, exact.entities)], args.chunk_rows, args.block_rows, 1)
+        methods["gumbel: native kernel alone (scoring + block selection), 1 process x 1 thread"] = (
+            "gumbel", in_process(lambda j: block_native.run_calls(
+                kernel_calls, gq[j].bfloat16(), k, ggold[j], None, 11, gkeys[j], args.block_rows, 1)),
+            args.calls, 1, 1)
     times: dict[str, list[float]] = {name: [] for name in methods}
 
     def threads(n: int) -> None:
@@ -259,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     if service is not None:
         svc_topk = service.topk(queries[0], k, gold[0]).result()
         ref_topk = flat.topk(queries[0], k, gold[0])
-        svc_mine = service.mine(gq[0], ggold[0], k, 0, 11, gkeys[0]).result()
-        ref_mine = flat.gumbel_topk(gq[0], k, ggold[0], 11, gkeys[0])
+        svc_mine = mine_service.mine(gq[0], ggold[0], k, 0, 11, gkeys[0]).result()
+        ref_mine = exact.gumbel_topk(gq[0], k, ggold[0], 11, gkeys[0])
         agreement = {"topk_ids_equal_fraction": float((svc_topk.ids == ref_topk.ids).float().mean()),
                      "gumbel_ids_equal_fraction": float((svc_mine.negatives.ids == ref_mine.ids).float().mean())}
         noop_s, _ = median_time(lambda: service.status(), 10)
@@ -279,8 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             row["fraction_of_bf16_peak"] = gflops / peaks[t]["bf16"]
         if "baseline" in name:
             base[group] = row
-        # the block / precision rows are compared, never references
-        reference = not any(tag in name for tag in ("exact block", "fp32,", "bf16,"))
+        reference = name in references
         if "no Ray" in name and reference:
             no_ray[group] = row
         if "1 process x 1 thread" in name and reference:
@@ -305,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
                                                   / no_ray[row["group"]]["ms_per_query"])
     if service is not None:
         service.shutdown()
+        if mine_service is not service:
+            mine_service.shutdown()
         shutil.rmtree(root, ignore_errors=True)  # the persisted shard vectors
 
     print(f"\nN={args.n:,} d={args.d} B={B} (Gumbel: {Bg}) k={k}, S={S} shards x 1 thread vs 1 process x {S} threads; "
@@ -330,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
           f"in-process: {agreement}")
     out = save_results("mining", {
         "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
-        "sampler": args.sampler, "block_rows": args.block_rows, "chunk_rows": args.chunk_rows,
+        "sampler": args.sampler, "exact": args.exact, "kernel": kernel, "block_rows": args.block_rows,
+        "chunk_rows": args.chunk_rows, "mine_service_start_s": mine_start_s,
         "gemm_peak_gflops": {str(t): v for t, v in peak.items()},
         "gemm_peaks": {str(t): v for t, v in peaks.items()}, "service_start_s": start_s, **guard,
         "noop_fanout_ms": 1e3 * noop_s, "agreement": agreement, "rows": rows,

@@ -1,29 +1,36 @@
 """KILT scale on one machine: 5.9M synthetic entities across S shard actors.
 
-5,903,530 clustered synthetic entity vectors (the KILT knowledge source's size) x d=64
-fp32 (or d=128 fp16 with ``--dtype fp16``: the same bytes) are written as each shard's
-persisted version 0, generated one shard at a time in blocks (no per-row Python), and S
-EntityShard actors of a real NegativeService reload them and build a faiss flat index.
-Reported:
+5,903,530 clustered synthetic entity vectors (the KILT knowledge source's size) x d=64 are
+written as each shard's persisted version 0, generated one shard at a time in blocks (no
+per-row Python), and S EntityShard actors of a real NegativeService reload them. Two passes,
+each its own service over the same values (rounded to bf16 first with ``--exact bf16``):
+
+- exact: Gumbel-top-k over every entity. ``--exact bf16`` (default): the shards hold bf16 rows
+  (``index.score_dtype bf16``) and sample with the top-down block sampler, the native kernel
+  where the CPU has AVX512-BF16 (``dist_nce/index/native``); ``--exact fp32``: the faiss flat
+  index's fp32 rows, torch scoring;
+- faiss flat: faiss top-N candidates (fp32, or fp16 with ``--dtype fp16``), then Gumbel within
+  them plus the tail estimate.
+
+Reported, per pass:
 
 - build: vector generation + write, and service start until every shard serves (reload +
   index build, shards in parallel);
 - memory per shard: RSS of each actor process (psutil), its peak (VmHWM), and RSS minus
   the RSS of an EMPTY shard process (same code, no vectors: the interpreter, torch,
-  faiss, Ray), against the raw bytes of the shard's vectors (target <= 1.3x);
-- mining time for 18,395 AIDA-train-size queries with K-1 = 63 negatives, side by side:
-  exact Gumbel-top-k (brute force: a score and a Gumbel key for every (query, entity)
-  pair, ~1.1e11 of them) and faiss flat mode (faiss top-N candidates, then Gumbel within
-  them plus the tail estimate). Both run over all the queries by default (measured to the
-  end; ``--sampler block`` by default, the top-down exact sampler); ``--exact-queries`` and
+  faiss, Ray), against the raw bytes of the shard's vectors in the dtype it holds
+  (target <= 1.3x);
+- mining time for 18,395 AIDA-train-size queries with K-1 = 63 negatives, each pass over
+  all the queries by default (measured to the end); ``--exact-queries`` and
   ``--flat-budget-s`` cut a smoke run short and extrapolate linearly. Extrapolated figures
   are LABELLED in the table and JSON. Refuses to record above load average 1.5 unless --force.
 
-Queries are noisy copies of cluster centres (the driver never holds the 5.9M vectors);
-each gets a random gold row, excluded as in training. Prints tables and writes
-benchmarks/results/scale.json.
+The passes run one after the other (each holds every core), not interleaved: each is one
+long measurement to the end rather than repeats. Queries are noisy copies of cluster
+centres (the driver never holds the 5.9M vectors); each gets a random gold row, excluded as
+in training. Prints tables and writes benchmarks/results/scale.json.
 
-    .venv/bin/python benchmarks/scale.py                     # 5.9M x 64 fp32, 4 shards: ~10 minutes
+    .venv/bin/python benchmarks/scale.py                     # 5.9M x 64, 4 shards: ~10 minutes
     .venv/bin/python benchmarks/scale.py --entities 500000   # smaller
     .venv/bin/python benchmarks/scale.py --dtype fp16 --d 128
 """
@@ -103,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="queries timed in exact Gumbel mode (default: all of --queries, measured to the end)")
     ap.add_argument("--flat-budget-s", type=float, default=None, help="seconds of flat-mode mining before "
                     "extrapolating (default: none, measured to the end)")
+    ap.add_argument("--exact", choices=["bf16", "fp32"], default="bf16",
+                    help="the exact pass's shards: bf16 rows (index.score_dtype bf16; the native block kernel where "
+                         "it runs) or the faiss flat index's own rows (--dtype)")
     ap.add_argument("--sampler", choices=["dense", "block"], default="block",
                     help="exact Gumbel sampler (index.sampler); block: the top-down sampler, shards on its grid")
     ap.add_argument("--block-rows", type=int, default=128, help="index.block_rows of the block sampler")
@@ -132,37 +142,27 @@ def main(argv: list[str] | None = None) -> None:
     root = args.workdir or tempfile.mkdtemp(prefix="dist-nce-scale-")
     reuse = args.workdir is not None
     init_ray(num_cpus=os.cpu_count())
-    index = IndexConfig(backend="flat", storage=args.dtype, gumbel="exact", sampler=args.sampler,
-                        block_rows=args.block_rows)
-    cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, max_concurrency=4, index=index)
-
     gen_s = [0.0]
 
     def shard_vectors(i: int, a: int, b: int) -> torch.Tensor:
         t0 = time.perf_counter()
         out = clustered(b - a, d, clusters, seed=1000 + i, scale=4.0, centres=centres)
+        if args.exact == "bf16":  # both passes score the same values: the bf16 rows the exact pass holds
+            out = out.bfloat16().float()
         gen_s[0] += time.perf_counter() - t0
         return out
 
-    t0 = time.perf_counter()
-    service, start_exact = vector_service(root, n, d, shard_vectors, cfg, storage_dtype=storage_dtype, reuse=reuse)
-    write_s = time.perf_counter() - t0 - start_exact
-    print(f"vectors: generated in {gen_s[0]:.1f} s, generated + written in {write_s:.1f} s; service (exact "
-          f"mode) serving after {start_exact:.1f} s", flush=True)
-
-    # ---- memory per shard
-    floor = empty_shard_memory(str(os.path.join(root, "store")), cfg, d, storage_dtype)
-    mem_rows = []
-    for status in service.status():
-        a, b = status["rows"]
-        mem = process_memory(status["pid"])
-        shard_raw = (b - a) * d * itemsize / 2 ** 20
-        extra = mem["rss_mib"] - floor["rss_mib"]
-        mem_rows.append({"shard": status["shard"], "rows": f"[{a:,}, {b:,})", "raw_mib": shard_raw, **mem,
-                         "empty_shard_rss_mib": floor["rss_mib"], "rss_minus_empty_mib": extra,
-                         "ratio_rss_minus_empty": extra / shard_raw, "ratio_rss": mem["rss_mib"] / shard_raw,
-                         "ratio_peak_minus_empty": (mem["peak_rss_mib"] - floor["rss_mib"]) / shard_raw
-                         if mem["peak_rss_mib"] else None})
+    # The exact pass: bf16 rows (index.score_dtype bf16, the native block kernel where it runs), or the
+    # faiss flat fp32 rows (--exact fp32). The faiss pass: faiss flat top-N + Gumbel within + tail estimate.
+    exact_index = (IndexConfig(backend="torch", score_dtype="bf16", gumbel="exact", sampler=args.sampler,
+                               block_rows=args.block_rows) if args.exact == "bf16" else
+                   IndexConfig(backend="flat", storage=args.dtype, gumbel="exact", sampler=args.sampler,
+                               block_rows=args.block_rows))
+    flat_index = IndexConfig(backend="flat", storage=args.dtype, gumbel="candidates", candidates=args.candidates,
+                             tail_sample=1024, sampler=args.sampler, block_rows=args.block_rows)
+    passes = [(f"exact Gumbel ({args.sampler} sampler, {args.exact})", exact_index,
+               "bfloat16" if args.exact == "bf16" else storage_dtype),
+              (f"faiss flat (top-{args.candidates} + Gumbel)", flat_index, storage_dtype)]
 
     # ---- queries: noisy cluster centres, a random gold row each
     g = torch.Generator().manual_seed(7)
@@ -176,39 +176,53 @@ def main(argv: list[str] | None = None) -> None:
     def miner(svc) -> Callable[[int], Any]:
         return lambda j: svc.mine(q[j], gold[j], args.k, 0, 3, qkeys[j])
 
-    mine_rows = []
-
-    def record(mode: str, svc, batches_wanted: int, budget: float | None, start_s: float) -> None:
-        run_queries(miner(svc), 1, 1, None)  # warm-up
-        done, seconds = run_queries(miner(svc), batches_wanted, args.in_flight, budget)
+    mine_rows, mem_rows, floors, write_s = [], [], {}, {}
+    exact_batches = min(batches, max(1, -(-(args.exact_queries or args.queries) // B)))
+    for mode, index, dtype in passes:
+        cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, max_concurrency=4, index=index)
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        t0, gen_before = time.perf_counter(), gen_s[0]
+        service, start_s = vector_service(os.path.join(root, dtype), n, d, shard_vectors, cfg, storage_dtype=dtype,
+                                          reuse=reuse)
+        write_s[mode] = time.perf_counter() - t0 - start_s
+        print(f"{mode}: vectors generated in {gen_s[0] - gen_before:.1f} s, generated + written in "
+              f"{write_s[mode]:.1f} s; serving after {start_s:.1f} s", flush=True)
+        # ---- memory per shard, against the bytes of its rows in the dtype it holds
+        floor = floors[mode] = empty_shard_memory(str(os.path.join(root, dtype, "store")), cfg, d, dtype)
+        for status in service.status():
+            a, b = status["rows"]
+            mem = process_memory(status["pid"])
+            shard_raw = (b - a) * d * itemsize / 2 ** 20
+            extra = mem["rss_mib"] - floor["rss_mib"]
+            mem_rows.append({"mode": mode, "dtype": dtype, "shard": status["shard"], "rows": f"[{a:,}, {b:,})",
+                             "raw_mib": shard_raw, **mem, "empty_shard_rss_mib": floor["rss_mib"],
+                             "rss_minus_empty_mib": extra, "ratio_rss_minus_empty": extra / shard_raw,
+                             "ratio_rss": mem["rss_mib"] / shard_raw,
+                             "ratio_peak_minus_empty": (mem["peak_rss_mib"] - floor["rss_mib"]) / shard_raw
+                             if mem["peak_rss_mib"] else None})
+        exact_mode = index is exact_index
+        run_queries(miner(service), 1, 1, None)  # warm-up
+        done, seconds = run_queries(miner(service), exact_batches if exact_mode else batches, args.in_flight,
+                                    None if exact_mode else args.flat_budget_s)
         measured = done * B
         per_query = seconds / measured
-        full = per_query * args.queries
-        mine_rows.append({"mode": mode, "queries_measured": measured, "seconds_measured": seconds,
-                          "qps": 1 / per_query, "queries": args.queries, "minutes_for_all": full / 60,
-                          "extrapolated": measured < args.queries, "service_start_s": start_s,
-                          "label": f"extrapolated from {measured:,} queries" if measured < args.queries else
-                          "measured"})
+        row = {"mode": mode, "queries_measured": measured, "seconds_measured": seconds, "qps": 1 / per_query,
+               "queries": args.queries, "minutes_for_all": per_query * args.queries / 60,
+               "extrapolated": measured < args.queries, "service_start_s": start_s, "dtype": dtype,
+               "label": f"extrapolated from {measured:,} queries" if measured < args.queries else "measured"}
+        if not exact_mode:
+            trunc = service.mine(q[0], gold[0], args.k, 0, 3, qkeys[0]).result().truncation
+            row["truncation_mean"] = float(trunc.mean()) if trunc is not None else None
+        mine_rows.append(row)
         print(f"{mode}: {measured:,} queries in {seconds:.1f} s", flush=True)
-
-    exact_batches = min(batches, max(1, -(-(args.exact_queries or args.queries) // B)))
-    record(f"exact Gumbel ({args.sampler} sampler)", service, exact_batches, None, start_exact)
-    service.shutdown()
-
-    cand = {"gumbel": "candidates", "candidates": args.candidates, "tail_sample": 1024}
-    cfg_flat = dataclasses.replace(cfg, index=dataclasses.replace(index, **cand))
-    service, start_flat = vector_service(root, n, d, shard_vectors, cfg_flat, storage_dtype=storage_dtype,
-                                         reuse=True)
-    record(f"faiss flat (top-{args.candidates} + Gumbel)", service, batches, args.flat_budget_s, start_flat)
-    trunc = service.mine(q[0], gold[0], args.k, 0, 3, qkeys[0]).result().truncation
-    mine_rows[-1]["truncation_mean"] = float(trunc.mean()) if trunc is not None else None
-    service.shutdown()
+        service.shutdown()
     for row in mine_rows:
         row["x_exact"] = mine_rows[0]["minutes_for_all"] / row["minutes_for_all"]
+    floor = floors[passes[0][0]]
 
     print(f"\n{n:,} entities x {d} {args.dtype}, {S} shards x 1 thread; load average {load_before:.1f} -> "
           f"{os.getloadavg()[0]:.1f}; empty shard process: {floor['rss_mib']:.0f} MiB RSS")
-    print_table(mem_rows, [("shard", "shard", ">5d"), ("rows", "rows", "<24s"), ("raw_mib", "raw MiB", ">8.0f"),
+    print_table(mem_rows, [("mode", "service", "<34s"), ("shard", "shard", ">5d"), ("rows", "rows", "<24s"), ("raw_mib", "raw MiB", ">8.0f"),
                            ("rss_mib", "RSS MiB", ">8.0f"), ("peak_rss_mib", "peak MiB", ">8.0f"),
                            ("rss_minus_empty_mib", "RSS-empty", ">9.0f"),
                            ("ratio_rss_minus_empty", "(RSS-empty)/raw", ">6.2f"),
@@ -220,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                             ("label", "", "<36s")])
     out = save_results("scale", {
         "benchmark": "scale", "entities": n, "d": d, "dtype": args.dtype, "shards": S, "k": args.k,
-        "batch": B, "in_flight": args.in_flight, "sampler": args.sampler, "block_rows": args.block_rows, "raw_bytes": raw, "vector_generation_s": gen_s[0],
-        "vector_generate_and_write_s": write_s, "empty_shard_memory": floor, "memory": mem_rows,
+        "batch": B, "in_flight": args.in_flight, "sampler": args.sampler, "exact": args.exact,
+        "block_rows": args.block_rows, "raw_bytes": raw, "vector_generation_s": gen_s[0],
+        "vector_generate_and_write_s": write_s, "empty_shard_memory": floor, "empty_shard_memory_by_mode": floors,
+        "memory": mem_rows,
         "mining": mine_rows, **guard,
         "machine": machine_info(threads_per_shard=1, load_average_before=load_before),
     }, args.out)

@@ -67,10 +67,12 @@ static inline __m512d exp_pd_reduced(__m512d m, __m512d i) {
     return p;
 }
 
-/* Scores of rows [first, first + b) for one query tile into buf[r * QT + lane]; rows outside
- * [lo, hi) are computed on row lo (valid memory) and masked by the caller. */
+/* Scores of rows [first, first + b) for one query tile into buf[r * QT + lane], and their
+ * lane-wise maximum into mx[v]; rows outside [lo, hi) are computed on row lo (valid memory)
+ * and masked by the caller (mx then counts them: the caller uses mx only for unmasked blocks). */
 static void score_block(const uint16_t *ent, int64_t base, int64_t d, int64_t first, int64_t lo, int64_t hi,
-                        int64_t b, const uint32_t *qp, float *buf) {
+                        int64_t b, const uint32_t *qp, float *buf, __m512 *mx) {
+    for (int v = 0; v < QV; v++) mx[v] = _mm512_set1_ps(-INFINITY);
     const int64_t dp = d / 2;
     for (int64_t r0 = 0; r0 < b; r0 += ER) {
         const uint32_t *rp[ER];
@@ -91,7 +93,10 @@ static void score_block(const uint16_t *ent, int64_t base, int64_t d, int64_t fi
             }
         }
         for (int i = 0; i < ER; i++)
-            for (int v = 0; v < QV; v++) _mm512_store_ps(buf + (r0 + i) * QT + 16 * v, acc[i][v]);
+            for (int v = 0; v < QV; v++) {
+                _mm512_store_ps(buf + (r0 + i) * QT + 16 * v, acc[i][v]);
+                mx[v] = _mm512_max_ps(mx[v], acc[i][v]);
+            }
     }
 }
 
@@ -144,7 +149,10 @@ int dnce_block_topk(const uint16_t *ent, int64_t base, int64_t d, int64_t lo, in
         if (live <= 0) continue;  /* no eligible row: L_B = -inf for every query */
         const __m512d log_live = _mm512_set1_pd(log((double)live) + 1e-9);
         for (int64_t t = 0; t < ntiles; t++) {
-            score_block(ent, base, d, first, rlo, rhi, b, qp + t * dp * QT, buf);
+            __m512 mx[QV];
+            score_block(ent, base, d, first, rlo, rhi, b, qp + t * dp * QT, buf, mx);
+            /* a block with no masked row for any lane of the tile takes its max from the micro-tiles */
+            int clean = rlo == first && rhi == first + b && db == da;
             for (int64_t r = 0; r < b; r++)
                 if (first + r < rlo || first + r >= rhi)
                     for (int v = 0; v < QV; v++) _mm512_store_ps(buf + r * QT + 16 * v, vninf);
@@ -154,14 +162,17 @@ int dnce_block_topk(const uint16_t *ent, int64_t base, int64_t d, int64_t lo, in
             for (int64_t l = 0; l < qn; l++)
                 for (int64_t e = 0; e < ne; e++) {
                     const int64_t g = gold[(q0 + l) * ne + e];
-                    if (g >= rlo && g < rhi) buf[(g - first) * QT + l] = ninf;
+                    if (g >= rlo && g < rhi) { buf[(g - first) * QT + l] = ninf; clean = 0; }
                 }
             float mv[QT] __attribute__((aligned(64))), sv[QT] __attribute__((aligned(64)));
             uint32_t cand = 0;
             for (int v = 0; v < QV; v++) {
                 /* L_B per lane = m + log(s): the block's max, then the sum of exp(s - max) */
-                __m512 m = vninf;
-                for (int64_t r = 0; r < b; r++) m = _mm512_max_ps(m, _mm512_load_ps(buf + r * QT + 16 * v));
+                __m512 m = mx[v];
+                if (!clean) {
+                    m = vninf;
+                    for (int64_t r = 0; r < b; r++) m = _mm512_max_ps(m, _mm512_load_ps(buf + r * QT + 16 * v));
+                }
                 const __mmask16 alive = _mm512_cmp_ps_mask(m, vninf, _CMP_NEQ_OQ);
                 const __m512 ms = _mm512_maskz_mov_ps(alive, m);
                 __m512 s = _mm512_setzero_ps();
