@@ -74,12 +74,21 @@ def mining(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _memory_by_mode(data: dict) -> dict[str, dict]:
+    """Per service (mode): its shards' raw MiB and worst (RSS - empty) / raw at rest and at the build peak."""
+    out: dict[str, dict] = {}
+    for row in data["memory"]:
+        mode = row.get("mode", data["mining"][0]["mode"])  # older runs measured the first service only
+        m = out.setdefault(mode, {"raw_mib": row["raw_mib"], "dtype": row.get("dtype", data["dtype"]), "rest": 0.0,
+                                  "peak": 0.0})
+        m["rest"] = max(m["rest"], row["ratio_rss_minus_empty"])
+        m["peak"] = max(m["peak"], row["ratio_peak_minus_empty"] or 0.0)
+    return out
+
+
 def scale(data: dict) -> str:
     exact, flat = data["mining"][0], data["mining"][1]
-    mem = data["memory"]
-    worst_peak = max(r["ratio_peak_minus_empty"] for r in mem)
-    worst_rest = max(r["ratio_rss_minus_empty"] for r in mem)
-    lines = [f"{data['entities']:,} x {data['d']} {data['dtype']} vectors over {data['shards']} shard actors "
+    lines = [f"{data['entities']:,} x {data['d']} vectors over {data['shards']} shard actors "
              f"(one thread each, {data['shards']} processes on {data['machine'].get('cpu_count', '?')} cores); "
              f"{exact['queries']:,} queries (AIDA train), K-1 = {data['k']}, {data['batch']} per request, "
              f"{data['in_flight']} in flight; each pass over all the queries, measured to the end "
@@ -88,12 +97,15 @@ def scale(data: dict) -> str:
                     [[row["mode"], f"{row['queries_measured']:,}" + (" (extrapolated)" if row["extrapolated"] else ""),
                       f"{row['qps']:.1f}", f"{row['minutes_for_all']:.1f}", f"{flat['qps'] / row['qps']:.2f}x"]
                      for row in (exact, flat)])
+    floors = data.get("empty_shard_memory_by_mode") or {exact["mode"]: data["empty_shard_memory"]}
+    mem = "; ".join(f"{mode}: {m['raw_mib']:.0f} MiB of raw {m['dtype']} vectors per shard, RSS minus an empty "
+                    f"shard process ({floors[mode]['rss_mib']:.0f} MiB of Ray, torch and faiss) {m['rest']:.2f}x "
+                    f"the raw bytes at rest and {m['peak']:.2f}x at the peak of the build"
+                    for mode, m in _memory_by_mode(data).items())
     lines += ["", f"The faiss flat mode samples within each query's top 1,024 and misses on average "
               f"{100 * flat['truncation_mean']:.1f}% of the softmax mass (its estimate of the tail, reported, "
-              "not hidden); the exact mode samples from all entities. Memory per shard: "
-              f"{mem[0]['raw_mib']:.0f} MiB of raw vectors; RSS minus an empty shard process "
-              f"({data['empty_shard_memory']['rss_mib']:.0f} MiB of Ray, torch and faiss) is {worst_rest:.2f}x the raw "
-              f"bytes at rest and {worst_peak:.2f}x at the peak of the build (worst shard).", _run_line(data)]
+              f"not hidden); the exact mode samples from all entities. Memory (worst shard): {mem}.",
+              _run_line(data)]
     return "\n".join(lines) + "\n"
 
 
@@ -166,19 +178,21 @@ def targets(results: Path) -> str:
     """Issue 12's targets, each read from the run that measures it."""
     mining_, scale_, refresh_, step_ = (_load(results, n) for n in ("mining", "scale", "refresh", "train_step"))
     by = {r["method"]: r for r in mining_["rows"]}
-    block, dense = by["gumbel: exact block, 1 process x 1 thread"], by["gumbel: exact, 1 process x 1 thread"]
-    bf16 = by["gumbel: exact block bf16, 1 process x 1 thread"]
+    block, dense = by["gumbel: exact block, 1 process x 1 thread"], by["gumbel: exact dense fp32, 1 process x 1 thread"]
+    alone = by.get("gumbel: native kernel alone (scoring + block selection), 1 process x 1 thread")
     exact, flat = scale_["mining"]
-    peak = max(r["ratio_peak_minus_empty"] for r in scale_["memory"])
+    peak = max(m["peak"] for m in _memory_by_mode(scale_).values())
     svc = refresh_["rows"][-1]
     inproc = max((r for r in refresh_["rows"][:-1] if r["compute"] == "bf16"), key=lambda r: r["fraction_of_gemm"],
                  default=None)
     pre = step_["rows"][0]
-    rows = [("exact hard-negative mining vs faiss flat top-k, 1 thread, 1M x 128", "<= 1.2x",
-             f"block {_x(block['vs_faiss_topk'])}; dense {_x(dense['vs_faiss_topk'])}",
+    rows = [(f"exact hard-negative mining vs faiss flat top-k, 1 thread, {mining_['n'] / 1e6:g}M x {mining_['d']}",
+             "<= 1.2x", f"block {_x(block['vs_faiss_topk'])}; dense fp32 {_x(dense['vs_faiss_topk'])}",
              block["vs_faiss_topk"]["x_high"] <= 1.2),
-            ("exact scoring (block, bf16) vs the same run's bf16 GEMM peak", ">= 50%",
-             f"{100 * bf16['fraction_of_bf16_peak']:.1f}%", bf16["fraction_of_bf16_peak"] >= 0.5),
+            ("exact scoring vs the same run's bf16 GEMM peak, whole sampler (and the kernel alone)", ">= 50%",
+             f"{100 * block['fraction_of_bf16_peak']:.0f}%"
+             + (f" ({100 * alone['fraction_of_bf16_peak']:.0f}%)" if alone else ""),
+             block["fraction_of_bf16_peak"] >= 0.5),
             (f"{scale_['entities']:,}-entity exact pass over {exact['queries']:,} queries vs the faiss pass, "
              "to the end", "<= 1.2x",
              f"{flat['qps'] / exact['qps']:.2f}x ({exact['seconds_measured']:.0f} s vs {flat['seconds_measured']:.0f} s"
