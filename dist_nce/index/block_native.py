@@ -166,6 +166,10 @@ def usable(spec_is_dot: bool, queries: Tensor, entities: Tensor, block_rows: int
         return "the rows are not on the CPU"
     if entities.shape[1] % 2:
         return f"d={entities.shape[1]} is odd"
+    if queries.dtype != torch.bfloat16 and not torch.equal(queries.to(torch.bfloat16).to(queries.dtype), queries):
+        # the kernel multiplies bf16 values: it serves the scores the config defines only when the
+        # queries are bf16 values already (index.score_dtype bf16 rounds them; storage bf16 alone does not)
+        return "the queries are not bf16 values (index.score_dtype bf16 rounds them)"
     if not native.available():
         return "the kernel is unavailable on this machine"
     if block_rows % native.rows_per_microtile():

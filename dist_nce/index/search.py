@@ -37,9 +37,12 @@ own: exact, but another draw than flat); ``NegativeService`` puts its shard boun
 that grid (``IndexConfig.row_grid``).
 
 Scoring precision (``IndexConfig.score_dtype``, torch backend): ``bf16`` keeps the entity
-rows in bf16 (half the bytes) and rounds queries to bf16; each chunk is upcast and the
-GEMM sums the exact bf16 products in fp32, so scores are fp32 sums of bf16 products (what
-a bf16 GEMM with fp32 accumulation computes), within 2^-7 sum_i |q_i e_i| of fp32 scoring.
+rows in bf16 (half the bytes) and rounds queries to bf16; scores are fp32 sums of the exact
+bf16 products (what a bf16 GEMM with fp32 accumulation computes), within 2^-7 sum_i |q_i e_i|
+of fp32 scoring. The torch path upcasts each chunk and runs the fp32 GEMM (torch's CPU bf16
+GEMM rounds its output to bf16); the block sampler over single-vector rows runs the native
+kernel instead where the CPU has AVX512-BF16 (``IndexConfig.kernel``, ``block_native``),
+which sums the same products in its own fixed order.
 """
 from __future__ import annotations
 
@@ -560,8 +563,8 @@ class ShardIndex:
             # bf16 values held in fp32: with the bf16 entity rows (upcast per chunk by
             # _padded_block) every product q_i e_i is exact in fp32 and the GEMM sums in fp32,
             # what a bf16 GEMM with fp32 accumulation and output computes, up to summation order.
-            # torch's CPU bf16 matmul would round its output to bf16 (~2^-9 relative), and this
-            # CPU (AVX2) has no bf16 units at all: the fp32 GEMM on upcast chunks is its fast path.
+            # torch's CPU bf16 matmul would round its output to bf16 (~2^-9 relative); the native
+            # block kernel takes these values as bf16 without loss.
             vecs = vecs.to(torch.bfloat16).float()
         return Reps(vecs, None if queries.mask is None else queries.mask.to(self.device))
 

@@ -236,8 +236,10 @@ def test_kernel_choice_and_fallback(monkeypatch):
         exact_search(som, Reps(q[:, None]), Reps(e[:, None]), 0, 5, gold, kernel="native", **kw)
     with pytest.raises(ValueError, match="block_rows=12 is not a multiple of 8"):
         exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **{**kw, "block_rows": 12, "chunk_rows": 48})
-    with pytest.raises(ValueError, match="not bf16"):
+    with pytest.raises(ValueError, match="entity rows are not bf16"):
         exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, kernel="native", **kw)
+    with pytest.raises(ValueError, match="queries are not bf16 values"):  # storage bf16 without score_dtype
+        exact_search(DUAL, Reps(q + 1e-3), Reps(e), 0, 5, gold, kernel="native", **kw)
     torch_path = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="torch", **kw)
     monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("this CPU lacks avx512_bf16"))
     auto = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="auto", **kw)

@@ -28,6 +28,9 @@
 #define QV 2              /* zmm vectors of queries per tile */
 #endif
 #define QT (16 * QV)      /* queries per tile */
+#if QT > 32
+#error "the candidate mask is 32 bits: QV <= 2"
+#endif
 #ifndef ER
 #define ER 8              /* rows per micro-tile */
 #endif
