@@ -102,6 +102,15 @@ def run_calls(calls: Sequence[Call], q: Tensor, k: int, gold: Tensor | None, dea
         (gold[:, None] if gold.dim() == 1 else gold).to(torch.int64).contiguous()
     dead = torch.empty(0, dtype=torch.int64) if dead is None else dead.to(torch.int64).contiguous()
 
+    for call in calls:  # the kernel reads raw memory: every row it may touch must be there
+        ent = call.ent
+        if (ent.dtype != torch.bfloat16 or ent.dim() != 2 or ent.shape[1] != d or not ent.is_contiguous()
+                or ent.device.type != "cpu" or not call.base <= call.lo <= call.hi <= call.base + ent.shape[0]
+                or call.counters.numel() != call.j1 - call.j0 or call.j0 * b > call.lo or call.j1 * b < call.hi):
+            raise ValueError(f"native block kernel: bad call rows [{call.lo}, {call.hi}) over {ent.dtype} "
+                             f"{list(ent.shape)} at row {call.base} (contiguous {ent.is_contiguous()}), blocks "
+                             f"[{call.j0}, {call.j1}) of {b} rows, {call.counters.numel()} counters")
+
     def work(group: Sequence[Call]) -> _State:
         state = _State(batch, nqp, k, b)
         for call in group:

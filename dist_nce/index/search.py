@@ -350,6 +350,9 @@ def _native_calls(pieces: Sequence[Piece], chunk_rows: int, block_rows: int, par
     pieces meet is copied into its padded grid layout, the rows between them excluded. A
     block's counter is max(block start, the call's first row), as on the torch path.
     """
+    # the kernel walks rows of d contiguous values (a strided view is copied once)
+    pieces = [p if p.reps.vecs.is_contiguous() else Piece(p.row_start, Reps(p.reps.vecs.contiguous(), p.reps.mask))
+              for p in pieces]
     total = sum(p.reps.vecs.shape[0] for p in pieces)
     target = max(chunk_rows, -(-total // max(1, parts_wanted) // chunk_rows) * chunk_rows)
     calls: list[block_native.Call] = []

@@ -271,3 +271,16 @@ def test_fresh_cache_builds_once_under_concurrent_first_use(tmp_path):
     assert all(o[0].strip() == "32" for o in outs)
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 1 and files[0].startswith("block_lse-") and files[0].endswith(".so"), files
+
+
+def test_strided_rows_and_bad_calls():
+    e, q, gold = _data(n=512, d=16, batch=5)
+    kw = dict(chunk_rows=64, seed=4, query_keys=torch.arange(5), sampler="block", block_rows=16, kernel="native")
+    wide = torch.zeros(512, 32, dtype=torch.bfloat16)
+    wide[:, ::2] = e  # a strided view of the same values
+    a = exact_search(DUAL, Reps(q), Reps(e), 0, 7, gold, **kw)
+    b = exact_search(DUAL, Reps(q), Reps(wide[:, ::2]), 0, 7, gold, **kw)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.keys, b.keys)
+    bad = block_native.Call(e[:100], 0, 0, 128, 0, 8, torch.empty(0, dtype=torch.int64), torch.arange(8) * 16)
+    with pytest.raises(ValueError, match=r"bad call rows \[0, 128\) over torch.bfloat16 \[100, 16\]"):
+        block_native.run_calls([bad], q.bfloat16(), 3, gold, None, 1, torch.arange(5), 16)

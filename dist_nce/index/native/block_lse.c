@@ -89,7 +89,7 @@ static void score_block(const uint16_t *ent, int64_t base, int64_t d, int64_t fi
             for (int v = 0; v < QV; v++) acc[i][v] = _mm512_setzero_ps();
         for (int64_t p = 0; p < dp; p++) {
             __m512bh q[QV];
-            for (int v = 0; v < QV; v++) q[v] = (__m512bh)_mm512_load_si512((const void *)(qp + p * QT + 16 * v));
+            for (int v = 0; v < QV; v++) q[v] = (__m512bh)_mm512_loadu_si512((const void *)(qp + p * QT + 16 * v));
             for (int i = 0; i < ER; i++) {
                 __m512bh e = (__m512bh)_mm512_set1_epi32((int)rp[i][p]);
                 for (int v = 0; v < QV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], q[v], e);
@@ -125,7 +125,7 @@ static int64_t worst_slot(const double *st, const int64_t *sj, int64_t k) {
  * nqp = ceil(nq / QT) * QT. Optionally writes each block's fp32 max and sum of exp(s - max) to
  * out_m / out_s [nq][j1 - j0] (tests; NULL otherwise).
  *
- * qp:      packed queries [nqp / QT][d/2][QT] uint32 (bf16 pairs), 64-byte aligned.
+ * qp:      packed queries [nqp / QT][d/2][QT] uint32 (bf16 pairs).
  * noise:   [j1 - j0][nqp] float64 G_B of each block (drawn by the caller).
  * counter: [j1 - j0] int64, the first row of each block's piece.
  * gold:    [nq][ne] int64 global rows (-1 none); dead: [nd] sorted int64 global rows.
