@@ -67,6 +67,7 @@ from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold_
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
 log = logging.getLogger(__name__)
+_TOLD: set[str] = set()
 
 
 def _help(text: str, default, bounds: Range | None = None):
@@ -288,6 +289,9 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
                                             dead)
             if kernel == "native":
                 raise ValueError(f"index.kernel 'native': {why}")
+            if why not in _TOLD:  # say once per process why the fast path is not taken
+                _TOLD.add(why)
+                log.info("index.kernel auto: the block sampler runs on torch here: %s", why)
         return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
                                    block_rows, dead)
     result = None

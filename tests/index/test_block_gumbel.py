@@ -274,6 +274,9 @@ def test_sampler_config_is_validated():
         from_dict(IndexConfig, {"sampler": "blocks"}, "configs/x.yaml")
     with pytest.raises(ConfigError, match="block_rows"):
         from_dict(IndexConfig, {"block_rows": 0}, "configs/x.yaml")
+    assert from_dict(IndexConfig, {"kernel": "torch"}, "configs/x.yaml").kernel == "torch"
+    with pytest.raises(ConfigError, match="kernel"):
+        from_dict(IndexConfig, {"kernel": "cuda"}, "configs/x.yaml")
     with pytest.raises(ValueError, match="sampler must be 'dense' or 'block'"):
         exact_search(DUAL, Reps(torch.randn(2, 4)), Reps(torch.randn(5, 4)), 0, 2, None, 8, seed=0,
                      query_keys=torch.arange(2), sampler="exact")
