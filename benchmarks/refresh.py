@@ -9,16 +9,19 @@ On 1,500 (by default) entities of a synthetic KILT knowledge source prepared wit
 3. + length sorting: ``dist_nce.index.encode.encode_rows`` (batches of similar length,
    longest first, each cut to its longest row), fp32;
 4. + bf16: the same with bf16 autocast (where the CPU runs bf16 fast: AVX512-BF16/AMX);
-5. the service: ``NegativeService.refresh(new weights, version)`` on S shard actors of
+5. + torch.compile: the same with the encoder compiled as ``service.encode_compile``
+   does (``index.encode.compile_encoder``; the compile itself is in the untimed warm-up);
+6. the service: ``NegativeService.refresh(new weights, version)`` on S shard actors of
    one thread each, timed from the call until every shard serves the new version
-   (weights broadcast, encode, persist, index build, swap).
+   (weights broadcast, encode, persist, index build, swap); and a second service with
+   ``encode_compile`` (its compile is in its first, untimed encode, reported apart).
 
-Rows 1-4 run in this process on ``--threads`` threads (default 1: on this shared 2-core
+Rows 1-5 run in this process on ``--threads`` threads (default 1: on this shared 2-core
 machine a 2-thread process is erratic, every parallel region waiting for a descheduled
 thread), so the per-thread rate compares rows; the service's S processes x 1 thread
 add the S-way split of a refresh (encode time / S). Timing is round-robin
-over ``--rounds`` blocks of rows: each round runs rows 1-4 on its block, then one service
-refresh of the whole KB (new weights each time; the median refresh is reported), so load
+over ``--rounds`` blocks of rows: each round runs rows 1-5 on its block, then one refresh
+of the whole KB per service (new weights each time; the median refresh is reported), so load
 from other processes falls on every row alike. Reported: entities/s, speed-up over the
 naive loop, the share of computed token positions that are real tokens (padding
 efficiency), achieved GFLOP/s (2 FLOPs per non-embedding parameter per computed
@@ -35,6 +38,7 @@ The first run also generates and prepares the KB (cached under --data-dir).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -50,7 +54,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, gemm_peaks, load_guard, machine_info, print_table, save_results  # noqa: E402
-from dist_nce.index.encode import (autocast_dtype, encode_rows, length_sorted_batches,  # noqa: E402
+from dist_nce.index.encode import (autocast_dtype, compile_encoder, encode_rows, length_sorted_batches,  # noqa: E402
                                    state_fingerprint)
 from dist_nce.runtime import configure_process, init_ray  # noqa: E402
 
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="row blocks timed round-robin (one service refresh each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", default=None, help="where the synthetic KB is prepared (reused)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the torch.compile rows (service.encode_compile: in-process and a second service)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/refresh.json)")
     add_hygiene_args(ap)
     args = ap.parse_args(argv)
@@ -167,28 +173,44 @@ def main(argv: list[str] | None = None) -> None:
             lambda a, b: encode_rows(entity, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length, "bf16")
     else:
         print("bf16 row skipped: this CPU has no fast bf16 (no AVX512-BF16/AMX)")
-    service_name = f"service: refresh() -> served, S={S} x 1 thread"
+    compile_rows = not args.no_compile
+    if compile_rows:  # what service.encode_compile does in each shard, here in-process
+        compiled = compile_encoder(copy.deepcopy(entity))
+        methods[f"+ torch.compile (service.encode_compile), {'bf16' if bf16 else 'fp32'}"] = (
+            lambda a, b: encode_rows(compiled, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length,
+            "bf16" if bf16 else "fp32")
+    service_names = {False: f"service: refresh() -> served, S={S} x 1 thread"}
+    if compile_rows:
+        service_names[True] = f"service, encode_compile: refresh() -> served, S={S} x 1 thread"
 
-    # ---- the service: S shards x 1 thread; time from refresh() to the new version being served
+    # ---- the services: S shards x 1 thread each (eager, and compiled); time from refresh() to the new
+    # version being served. Both are alive at once, so each shard holds half a CPU of Ray's accounting;
+    # they refresh one after the other, never together.
     init_ray(num_cpus=os.cpu_count())
-    run_dir = tempfile.mkdtemp(prefix="dist-nce-refresh-")
-    service_cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S, threads=1, encode_batch_size=B,
-                                encode_dtype="auto", keep_versions=1, index=IndexConfig(backend="flat"))
-    service = NegativeService.create(str(store_dir), config, service_cfg, run_dir,
-                                     tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
+    services, run_dirs, first_encode = {}, {}, {}
     state = entity.state()
-    t0 = time.perf_counter()
-    service.ensure_encoded(state, 0)
-    first_encode = time.perf_counter() - t0
+    for compile_flag, name in service_names.items():
+        run_dirs[name] = tempfile.mkdtemp(prefix="dist-nce-refresh-")
+        service_cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S / len(service_names), threads=1,
+                                    encode_batch_size=B, encode_dtype="auto", encode_compile=compile_flag,
+                                    keep_versions=1, index=IndexConfig(backend="flat"))
+        services[name] = NegativeService.create(
+            str(store_dir), config, service_cfg, run_dirs[name],
+            tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
+        t0 = time.perf_counter()
+        services[name].ensure_encoded(state, 0)  # untimed: includes the compile of encode_compile
+        first_encode[name] = time.perf_counter() - t0
 
-    # ---- round-robin: round r runs every in-process method on block r of the rows, then one service
-    # refresh of the whole KB, so load from other processes falls on every row alike
-    for name, (run, _, _) in methods.items():  # warm-up, untimed: kernel selection, allocator, first touch
-        run(0, min(B, n))
-    seconds = {name: 0.0 for name in [*methods, service_name]}
+    # ---- round-robin: round r runs every in-process method on block r of the rows, then one refresh of
+    # the whole KB per service, so load from other processes falls on every row alike
+    for name, (run, _, _) in methods.items():  # warm-up, untimed: kernel selection, allocator, first touch,
+        run(0, min(B, n))                      # the compile of the compiled row
+    seconds = {name: 0.0 for name in methods}
     work = {name: [0, 0.0] for name in methods}
     parts: dict[str, list] = {name: [] for name in methods}
-    refreshes, encodes, serves_new = [], [], True
+    refreshes = {name: [] for name in services}
+    encodes = {name: [] for name in services}
+    serves_new = {name: True for name in services}
     blocks = [(r * n // args.rounds, (r + 1) * n // args.rounds) for r in range(args.rounds)]
     for r, (a, b) in enumerate(blocks):
         for name, (run, batching, _) in methods.items():
@@ -199,20 +221,23 @@ def main(argv: list[str] | None = None) -> None:
         # new weights (as after training steps): a new fingerprint, so every shard re-encodes
         new_state = {**state, "weights": {k: v * (1 + 1e-3 * (r + 1)) if "LayerNorm.weight" in k else v
                                           for k, v in state["weights"].items()}}
-        t0 = time.perf_counter()
-        served = service.refresh(new_state, r + 1).wait()
-        refreshes.append(time.perf_counter() - t0)
-        # each shard records its own encode time in the version's manifest: the rest of the refresh is
-        # weights broadcast, persist, index build and swap
-        encodes.append(max(json.loads(m.read_text())["encode_seconds"]
-                           for m in Path(run_dir, "shards").glob(f"shard-*/{version_dir_name(r + 1)}/manifest.json")))
-        fingerprints = {st["encoder_fingerprint"] for st in service.status()}
-        serves_new &= served == r + 1 and service.version() == r + 1 and \
-            fingerprints == {state_fingerprint(new_state)}
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{seconds[m]:.0f}" for m in methods) +
-              f" s so far; refresh {refreshes[-1]:.1f} s (slowest shard's encode {encodes[-1]:.1f} s)", flush=True)
-    service.shutdown()
-    shutil.rmtree(run_dir, ignore_errors=True)
+        for name, service in services.items():
+            t0 = time.perf_counter()
+            served = service.refresh(new_state, r + 1).wait()
+            refreshes[name].append(time.perf_counter() - t0)
+            # each shard records its own encode time in the version's manifest: the rest of the refresh is
+            # weights broadcast, persist, index build and swap
+            encodes[name].append(max(json.loads(m.read_text())["encode_seconds"] for m in Path(
+                run_dirs[name], "shards").glob(f"shard-*/{version_dir_name(r + 1)}/manifest.json")))
+            fingerprints = {st["encoder_fingerprint"] for st in service.status()}
+            serves_new[name] &= served == r + 1 and service.version() == r + 1 and \
+                fingerprints == {state_fingerprint(new_state)}
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{seconds[m]:.0f}" for m in methods) + " s so far; "
+              + "; ".join(f"refresh {refreshes[x][-1]:.1f} s (slowest shard's encode {encodes[x][-1]:.1f} s)"
+                          for x in services), flush=True)
+    for name, service in services.items():
+        service.shutdown()
+        shutil.rmtree(run_dirs[name], ignore_errors=True)
 
     real = int(lengths.sum())
     results, embeddings = [], {}
@@ -229,12 +254,14 @@ def main(argv: list[str] | None = None) -> None:
         add(name, seconds[name], n / seconds[name], *work[name], dtype, T)
         embeddings[name] = torch.cat(parts[name]).float()
     # each shard sorts its own rows; the whole-KB sorted batching is a close stand-in for its work
-    per_refresh = statistics.median(refreshes)
-    add(service_name, per_refresh, n / per_refresh, *by_length(0, n), "bf16" if bf16 else "fp32", S,
-        refresh_seconds_all=refreshes, slowest_shard_encode_s_all=encodes,
-        encode_share_of_refresh=statistics.median(e / t for e, t in zip(encodes, refreshes)),
-        first_encode_s=first_encode, serves_new_weights=serves_new,
-        encode_dtype=str(bf16 or torch.float32).removeprefix("torch."))
+    for name in services:
+        per_refresh = statistics.median(refreshes[name])
+        add(name, per_refresh, n / per_refresh, *by_length(0, n), "bf16" if bf16 else "fp32", S,
+            refresh_seconds_all=refreshes[name], slowest_shard_encode_s_all=encodes[name],
+            encode_share_of_refresh=statistics.median(e / t for e, t in zip(encodes[name], refreshes[name])),
+            first_encode_s=first_encode[name], serves_new_weights=serves_new[name],
+            encode_dtype=str(bf16 or torch.float32).removeprefix("torch."),
+            encode_compile=name == service_names.get(True))
 
     base = results[0]
     for r in results:
@@ -251,8 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                           ("real_token_fraction", "real tok", ">8.2f"),
                           ("gflops", "GFLOP/s", ">8.1f"), ("fraction_of_gemm", "of thr*GEMM", ">7.2f"),
                           ("max_rel_diff_vs_naive", "rel diff", ">8.1e")])
-    print(f"service refreshes: {', '.join(f'{t:.1f}' for t in refreshes)} s, of which the slowest shard's encode "
-          f"{', '.join(f'{e:.1f}' for e in encodes)} s (the rest: broadcast, persist, index build, swap)")
+    for name in services:
+        print(f"{name}: refreshes {', '.join(f'{t:.1f}' for t in refreshes[name])} s, of which the slowest shard's "
+              f"encode {', '.join(f'{e:.1f}' for e in encodes[name])} s (the rest: broadcast, persist, index build, "
+              f"swap); first encode {first_encode[name]:.1f} s")
     out = save_results("refresh", {
         **guard,
         "benchmark": "refresh", "entities": n, "batch": B, "shards": S, "model": "all-MiniLM-L6-v2",

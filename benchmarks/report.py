@@ -121,12 +121,15 @@ def refresh(data: dict) -> str:
                       f"{row['gflops'] / row['threads']:.0f} ({row['compute']})", f"{row['fraction_of_gemm']:.2f}",
                       "-" if row.get("max_rel_diff_vs_naive") is None else f"{row['max_rel_diff_vs_naive']:.1e}"]
                      for row in data["rows"]])
-    svc = data["rows"][-1]
     lines += ["", f"GEMM peaks in the same run (1 thread): fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s "
-              f"({'native' if peak['bf16_native'] else 'emulated'}). A service refresh, from `refresh()` to the "
-              f"new version served: {', '.join(f'{t:.1f}' for t in svc['refresh_seconds_all'])} s, of which the "
-              f"slowest shard's encoding is {100 * svc['encode_share_of_refresh']:.0f}% (the rest: weights "
-              "broadcast, persist, index build, swap).", _run_line(data)]
+              f"({'native' if peak['bf16_native'] else 'emulated'})."]
+    for svc in (r for r in data["rows"] if r["method"].startswith("service")):
+        lines[-1] += (f" {svc['method'].split(':')[0].capitalize()}: a refresh, from `refresh()` to the new version "
+                      f"served, {', '.join(f'{t:.1f}' for t in svc['refresh_seconds_all'])} s, of which the slowest "
+                      f"shard's encoding is {100 * svc['encode_share_of_refresh']:.0f}% (the rest: weights broadcast, "
+                      f"persist, index build, swap); its first encode {svc['first_encode_s']:.1f} s"
+                      + (" (with the compile)." if svc.get("encode_compile") else "."))
+    lines.append(_run_line(data))
     return "\n".join(lines) + "\n"
 
 
@@ -182,9 +185,10 @@ def targets(results: Path) -> str:
     alone = by.get("gumbel: native kernel alone (scoring + block selection), 1 process x 1 thread")
     exact, flat = scale_["mining"]
     peak = max(m["peak"] for m in _memory_by_mode(scale_).values())
-    svc = refresh_["rows"][-1]
-    inproc = max((r for r in refresh_["rows"][:-1] if r["compute"] == "bf16"), key=lambda r: r["fraction_of_gemm"],
-                 default=None)
+    services = [r for r in refresh_["rows"] if r["method"].startswith("service")]
+    svc = max(services, key=lambda r: r["fraction_of_gemm"])
+    inproc = max((r for r in refresh_["rows"] if not r["method"].startswith("service") and r["compute"] == "bf16"),
+                 key=lambda r: r["fraction_of_gemm"], default=None)
     pre = step_["rows"][0]
     rows = [(f"exact hard-negative mining vs faiss flat top-k, 1 thread, {mining_['n'] / 1e6:g}M x {mining_['d']}",
              "<= 1.2x", f"block {_x(block['vs_faiss_topk'])}; dense fp32 {_x(dense['vs_faiss_topk'])}",
@@ -201,8 +205,9 @@ def targets(results: Path) -> str:
             ("shard memory at the peak of the build vs raw vector bytes (5.9M)", "<= 1.3x", f"{peak:.2f}x",
              peak <= 1.3),
             ("KB refresh MFU vs the same run's bf16 peak", ">= 60%",
-             f"service {100 * svc['fraction_of_gemm']:.0f}%" + (f"; one process {100 * inproc['fraction_of_gemm']:.0f}%"
-                                                               if inproc else ""),
+             "; ".join(f"service{' with encode_compile' if r.get('encode_compile') else ''} "
+                       f"{100 * r['fraction_of_gemm']:.0f}%" for r in services)
+             + (f"; best one process {100 * inproc['fraction_of_gemm']:.0f}%" if inproc else ""),
              svc["fraction_of_gemm"] >= 0.6),
             ("time blocked on negatives, async refresh in flight", "< 5% of the step",
              f"{pre['wait_pct']:.2f}% ({pre.get('refreshing_pct', 0):.0f}% of steps overlapped a refresh)",

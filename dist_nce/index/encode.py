@@ -74,6 +74,20 @@ def _fixed_width(reps: Reps, width: int) -> Reps:
     return Reps(vecs, mask)
 
 
+def compile_encoder(encoder: EntityEncoder) -> EntityEncoder:
+    """``torch.compile`` the transformer of ``encoder`` in place (``ServiceConfig.encode_compile``).
+
+    Inductor fuses the elementwise work between the GEMMs (bias, GELU, layer norm, the
+    autocast casts), which is what keeps a small encoder such as MiniLM well below the GEMM
+    rate on a CPU. ``dynamic=True``: one graph for every batch length. The weights stay graph
+    inputs (no freezing), so ``EntityEncoder.load_state`` swapping them in place is seen by
+    the next forward without recompiling; ``state_dict`` keys are unchanged. The first
+    forward pays the compile (seconds to a minute; needs a C++ compiler on CPUs).
+    """
+    encoder.encoder.model.compile(dynamic=True)
+    return encoder
+
+
 @torch.inference_mode()
 def encode_rows(encoder: EntityEncoder, store: Any, batch_size: int, device: torch.device,
                 autocast: torch.dtype | None, storage_dtype: str,

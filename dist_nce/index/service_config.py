@@ -41,6 +41,10 @@ class ServiceConfig:
     encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _help(
         "Autocast dtype of re-encoding: auto = bf16 where the device supports it fast, else fp32.",
         default="auto")
+    encode_compile: bool = _help(
+        "torch.compile each shard's entity encoder (index/encode.py compile_encoder): faster re-encoding "
+        "after a one-time compile on the shard's first encode; weights of later refreshes are swapped in "
+        "without recompiling. Needs a C++ compiler on CPUs.", default=False)
     shard_dir: Optional[str] = _help(
         "Directory where shards persist embedding versions (one sub-directory per shard and version).",
         default=None)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dist_nce.artifacts import ArtifactMismatch
-from dist_nce.index.encode import autocast_dtype, encode_rows, state_fingerprint, store_fingerprint
+from dist_nce.index.encode import autocast_dtype, compile_encoder, encode_rows, state_fingerprint, store_fingerprint
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
@@ -218,6 +218,8 @@ class EntityShard:
         fingerprint = fingerprint or state_fingerprint(state)
         if self._encoder is None:
             self._encoder = EntityEncoder.from_state(state).to(self.device)
+            if self.config.encode_compile:
+                compile_encoder(self._encoder)
         elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place, no rebuild
             self._encoder.load_state(state)
         self._encoder_fp = fingerprint
