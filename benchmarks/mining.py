@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     exact = flat if args.exact == "fp32" else ShardIndex(DUAL, Reps(ents), 0, exact_cfg)
     exact_parts = parts if args.exact == "fp32" else [ShardIndex(DUAL, Reps(ents[a:b]), a, exact_cfg)
                                                       for a, b in ranges]
-    kernel = "native" if block_native.usable(True, ents[:1], ents[:1].bfloat16(), args.block_rows) is None \
-        else "torch"
+    kernel = "native" if block_native.usable(True, ents[:1].bfloat16().float(), ents[:1].bfloat16(),
+                                             args.block_rows) is None else "torch"
     print(f"exact rows: {args.exact} ({exact_cfg.backend}, sampler {sampler}"
           f"{', kernel ' + kernel if args.exact == 'bf16' and sampler == 'block' else ''})", flush=True)
 
