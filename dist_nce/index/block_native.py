@@ -179,8 +179,9 @@ def usable(spec_is_dot: bool, queries: Tensor, entities: Tensor, block_rows: int
         # the kernel multiplies bf16 values: it serves the scores the config defines only when the
         # queries are bf16 values already (index.score_dtype bf16 rounds them; storage bf16 alone does not)
         return "the queries are not bf16 values (index.score_dtype bf16 rounds them)"
-    if not native.available():
-        return "the kernel is unavailable on this machine"
+    missing = native.unavailable_reason()
+    if missing is not None:
+        return f"the kernel is unavailable on this machine ({missing})"
     if block_rows % native.rows_per_microtile():
         return f"block_rows={block_rows} is not a multiple of {native.rows_per_microtile()}"
     return None

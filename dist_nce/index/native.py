@@ -16,14 +16,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "block_lse.c"
 ABI = 3
@@ -105,15 +103,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def available() -> bool:
-    """True when the kernel runs on this machine (logs the reason once when it does not)."""
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run on this machine (CPU features, compiler, build), or None when it can."""
     lib = _load()
-    if isinstance(lib, NativeUnavailable):
-        if not getattr(available, "_told", False):
-            log.info("native block kernel unavailable (%s); the block sampler uses torch", lib)
-            available._told = True
-        return False
-    return True
+    return str(lib) if isinstance(lib, NativeUnavailable) else None
+
+
+def available() -> bool:
+    """True when the kernel runs on this machine."""
+    return unavailable_reason() is None
 
 
 def tile_queries() -> int:

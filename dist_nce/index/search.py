@@ -371,8 +371,8 @@ def _native_calls(pieces: Sequence[Piece], chunk_rows: int, block_rows: int, par
         if len(parts) == 1:
             piece = pieces[parts[0][0]]
             last = calls[-1] if calls else None
-            if (last is not None and last.ent is piece.reps.vecs and last.hi == lo and not last.exclude.numel()
-                    and last.hi - last.lo < target and lo % block_rows == 0):
+            # the piece's previous chunk (a copied multi-piece chunk holds another tensor)
+            if last is not None and last.ent is piece.reps.vecs and last.hi == lo and last.hi - last.lo < target:
                 calls[-1] = last._replace(hi=hi, j1=j1, counters=counters(last.lo, last.j0, j1))
             else:
                 calls.append(block_native.Call(piece.reps.vecs, piece.row_start, lo, hi, j0, j1, empty,
