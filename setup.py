@@ -12,8 +12,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dist_nce", "dist_nce.*", "kb", "kb.*"]),
-    # the native block kernel's source, compiled on first use (dist_nce/index/native.py)
-    package_data={"dist_nce.index": ["native/*.c"]},
+    # the native kernels' sources, compiled on first use (dist_nce/index/native.py)
+    package_data={"dist_nce.index": ["native/*.c", "native/*.h"]},
     install_requires=[
         # torch is pinned by the Makefile on CPU machines (see TORCH_SPEC there);
         # this is only the compatibility floor.

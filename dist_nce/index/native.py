@@ -1,4 +1,7 @@
-"""The native block kernel (``native/block_lse.c``): compiled on first use, loaded with ctypes.
+"""The native kernels (``native/*.c``): compiled on first use, loaded with ctypes.
+
+``block_lse.c`` is the block sampler's kernel (below); ``attention_bf16.c`` the shards'
+encoder attention (``index/attention.py``), built and loaded by the same :func:`build`.
 
 Why C and not a torch op: the block sampler needs a bf16 GEMM whose fp32 scores never leave
 the core (block max, sum of exp, keep-or-drop), and torch's CPU bf16 GEMM rounds its output
@@ -23,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 
-SOURCE = Path(__file__).with_name("native") / "block_lse.c"
+SOURCES = Path(__file__).with_name("native")
+SOURCE = SOURCES / "block_lse.c"
 ABI = 3
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 CFLAGS = ["-O3", "-funroll-loops", "-fPIC", "-shared", "-ffp-contract=off", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -57,19 +61,20 @@ def _compiler() -> str:
     raise NativeUnavailable("no C compiler (set CC, or install gcc)")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr((version, CFLAGS)).encode()).hexdigest()[:16]
-    out = cache_dir() / f"block_lse-{digest}.so"
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + repr((version, CFLAGS)).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
         if proc.returncode:
-            raise NativeUnavailable(f"{compiler} could not build {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise NativeUnavailable(f"{compiler} could not build {source.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -77,17 +82,28 @@ def _build(compiler: str) -> Path:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> ctypes.CDLL | NativeUnavailable:
+def build(name: str, abi_symbol: str, abi: int) -> ctypes.CDLL | NativeUnavailable:
+    """Load kernel ``native/<name>.c``, building it first if needed; the reason it cannot run
+    instead (CPU features, compiler, build, or an ABI other than ``abi``, read from the
+    library's ``abi_symbol()``), returned rather than raised so callers can cache it."""
     missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
     if missing:
         return NativeUnavailable(f"this CPU lacks {', '.join(missing)}")
     try:
-        lib = ctypes.CDLL(str(_build(_compiler())))
+        lib = ctypes.CDLL(str(_build(_compiler(), SOURCES / f"{name}.c")))
     except (NativeUnavailable, OSError) as exc:
-        return exc if isinstance(exc, NativeUnavailable) else NativeUnavailable(f"loading the kernel: {exc}")
-    if lib.dnce_block_abi() != ABI:
-        return NativeUnavailable(f"kernel ABI {lib.dnce_block_abi()} != {ABI}")
+        return exc if isinstance(exc, NativeUnavailable) else NativeUnavailable(f"loading {name}: {exc}")
+    got = getattr(lib, abi_symbol)()
+    if got != abi:
+        return NativeUnavailable(f"{name} ABI {got} != {abi}")
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | NativeUnavailable:
+    lib = build("block_lse", "dnce_block_abi", ABI)
+    if isinstance(lib, NativeUnavailable):
+        return lib
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.dnce_block_topk.restype = ctypes.c_int
     lib.dnce_block_topk.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_exp.h"
+
 #ifndef QV
 #define QV 2              /* zmm vectors of queries per tile */
 #endif
@@ -38,25 +40,6 @@
 int dnce_block_abi(void) { return 3; }
 int dnce_block_qt(void) { return QT; }
 int dnce_block_er(void) { return ER; }
-
-/* exp(x) for float32 lanes x <= 0 (scores minus their block maximum), ~1-2 ulp; x below -87.3
- * (also -inf, a masked row) gives ~1e-38 instead of 0: below 2^-120 of a block's sum, which
- * always holds a term exp(0) = 1. Cephes' expf polynomial on the Cody-Waite reduced argument. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* exp(m - i ln2) for float64 lanes with i = round(m / ln2), so |m - i ln2| <= ln2/2: the mantissa
  * of exp(m) = exp(m - i ln2) 2^i. Degree-12 Taylor, truncation < 1e-15 relative. */
