@@ -8,19 +8,24 @@ On 1,500 (by default) entities of a synthetic KILT knowledge source prepared wit
 2. + trim: the same batches, each cut to its own longest row (no sorting);
 3. + length sorting: ``dist_nce.index.encode.encode_rows`` (batches of similar length,
    longest first, each cut to its longest row), fp32;
-4. + bf16: the same with bf16 autocast (where the CPU runs bf16 fast: AVX512-BF16/AMX);
-5. + torch.compile: the same with the encoder compiled as ``service.encode_compile``
-   does (``index.encode.compile_encoder``; the compile itself is in the untimed warm-up);
-6. the service: ``NegativeService.refresh(new weights, version)`` on S shard actors of
+4. + bf16: the same with bf16 autocast (where the CPU runs bf16 fast: AVX512-BF16/AMX),
+   transformers' sdpa attention (torch's CPU flash attention);
+5. + native attention: the same with the attention kernel ``service.encode_attention: auto``
+   picks (``index/attention.py``), where the CPU has AVX512-BF16;
+6. + torch.compile: the same compiled as ``service.encode_compile`` does
+   (``index.encode.compile_encoder``; the compile itself is in the untimed warm-up), and the
+   compiled encoder with sdpa attention for comparison;
+7. the service: ``NegativeService.refresh(new weights, version)`` on S shard actors of
    one thread each, timed from the call until every shard serves the new version
-   (weights broadcast, encode, persist, index build, swap); and a second service with
-   ``encode_compile`` (its compile is in its first, untimed encode, reported apart).
+   (weights broadcast, encode, persist, index build, swap): with sdpa attention
+   (``encode_attention: model``), with the defaults, and with ``encode_compile`` (its
+   compile is in its first, untimed encode, reported apart).
 
-Rows 1-5 run in this process on ``--threads`` threads (default 1: on this shared 2-core
+Rows 1-6 run in this process on ``--threads`` threads (default 1: on this shared 2-core
 machine a 2-thread process is erratic, every parallel region waiting for a descheduled
 thread), so the per-thread rate compares rows; the service's S processes x 1 thread
 add the S-way split of a refresh (encode time / S). Timing is round-robin
-over ``--rounds`` blocks of rows: each round runs rows 1-5 on its block, then one refresh
+over ``--rounds`` blocks of rows: each round runs rows 1-6 on its block, then one refresh
 of the whole KB per service (new weights each time; the median refresh is reported), so load
 from other processes falls on every row alike. Reported: entities/s, speed-up over the
 naive loop, the share of computed token positions that are real tokens (padding
@@ -54,6 +59,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, gemm_peaks, load_guard, machine_info, print_table, save_results  # noqa: E402
+from dist_nce.index.attention import use_native_attention  # noqa: E402
 from dist_nce.index.encode import (autocast_dtype, compile_encoder, encode_rows, length_sorted_batches,  # noqa: E402
                                    state_fingerprint)
 from dist_nce.runtime import configure_process, init_ray  # noqa: E402
@@ -168,20 +174,39 @@ def main(argv: list[str] | None = None) -> None:
         "+ length-sorted batches (encode_rows), fp32": (
             lambda a, b: encode_rows(entity, store.slice(a, b), B, cpu, None, "float32").vecs, by_length, "fp32"),
     }
+    native_entity, why_not = None, "this CPU has no fast bf16"
     if bf16 is not None:
-        methods["+ bf16 autocast"] = (
+        methods["+ bf16 autocast (sdpa attention)"] = (
             lambda a, b: encode_rows(entity, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length, "bf16")
+        native_entity = copy.deepcopy(entity)
+        why_not = use_native_attention(native_entity)
+        if why_not is None:
+            methods["+ native attention (service.encode_attention: auto)"] = (
+                lambda a, b: encode_rows(native_entity, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length,
+                "bf16")
+        else:
+            native_entity = None
     else:
-        print("bf16 row skipped: this CPU has no fast bf16 (no AVX512-BF16/AMX)")
+        print("bf16 rows skipped: this CPU has no fast bf16 (no AVX512-BF16/AMX)")
+    if native_entity is None:
+        print(f"native attention rows skipped: {why_not}")
     compile_rows = not args.no_compile
+    dtype = "bf16" if bf16 else "fp32"
     if compile_rows:  # what service.encode_compile does in each shard, here in-process
         compiled = compile_encoder(copy.deepcopy(entity))
-        methods[f"+ torch.compile (service.encode_compile), {'bf16' if bf16 else 'fp32'}"] = (
-            lambda a, b: encode_rows(compiled, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length,
-            "bf16" if bf16 else "fp32")
-    service_names = {False: f"service: refresh() -> served, S={S} x 1 thread"}
+        methods[f"+ torch.compile (service.encode_compile), {dtype}, sdpa attention"] = (
+            lambda a, b: encode_rows(compiled, store.slice(a, b), B, cpu, bf16, "float32").vecs, by_length, dtype)
+        if native_entity is not None:
+            compiled_native = compile_encoder(copy.deepcopy(native_entity))
+            methods[f"+ torch.compile (service.encode_compile), {dtype}, native attention"] = (
+                lambda a, b: encode_rows(compiled_native, store.slice(a, b), B, cpu, bf16, "float32").vecs,
+                by_length, dtype)
+    # (encode_compile, encode_attention) of each service
+    service_names = {(False, "model"): f"service, sdpa attention: refresh() -> served, S={S} x 1 thread"}
+    if native_entity is not None:
+        service_names[(False, "auto")] = f"service, defaults: refresh() -> served, S={S} x 1 thread"
     if compile_rows:
-        service_names[True] = f"service, encode_compile: refresh() -> served, S={S} x 1 thread"
+        service_names[(True, "auto")] = f"service, encode_compile: refresh() -> served, S={S} x 1 thread"
 
     # ---- the services: S shards x 1 thread each (eager, and compiled); time from refresh() to the new
     # version being served. Both are alive at once, so each shard holds half a CPU of Ray's accounting;
@@ -189,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     init_ray(num_cpus=os.cpu_count())
     services, run_dirs, first_encode = {}, {}, {}
     state = entity.state()
-    for compile_flag, name in service_names.items():
+    for (compile_flag, attention), name in service_names.items():
         run_dirs[name] = tempfile.mkdtemp(prefix="dist-nce-refresh-")
         service_cfg = ServiceConfig(num_shards=S, num_cpus=os.cpu_count() / S / len(service_names), threads=1,
                                     encode_batch_size=B, encode_dtype="auto", encode_compile=compile_flag,
-                                    keep_versions=1, index=IndexConfig(backend="flat"))
+                                    encode_attention=attention, keep_versions=1, index=IndexConfig(backend="flat"))
         services[name] = NegativeService.create(
             str(store_dir), config, service_cfg, run_dirs[name],
             tokenizer_sha256=tokenizer_fingerprint(load_tokenizer(model_dir))["sha256"])
@@ -210,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parts: dict[str, list] = {name: [] for name in methods}
     refreshes = {name: [] for name in services}
     encodes = {name: [] for name in services}
+    attentions = {name: set() for name in services}
     serves_new = {name: True for name in services}
     blocks = [(r * n // args.rounds, (r + 1) * n // args.rounds) for r in range(args.rounds)]
     for r, (a, b) in enumerate(blocks):
@@ -227,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
             refreshes[name].append(time.perf_counter() - t0)
             # each shard records its own encode time in the version's manifest: the rest of the refresh is
             # weights broadcast, persist, index build and swap
-            encodes[name].append(max(json.loads(m.read_text())["encode_seconds"] for m in Path(
-                run_dirs[name], "shards").glob(f"shard-*/{version_dir_name(r + 1)}/manifest.json")))
+            manifests = [json.loads(m.read_text()) for m in Path(run_dirs[name], "shards").glob(
+                f"shard-*/{version_dir_name(r + 1)}/manifest.json")]
+            encodes[name].append(max(m["encode_seconds"] for m in manifests))
+            attentions[name] |= {m["encode_attention"] for m in manifests}
             fingerprints = {st["encoder_fingerprint"] for st in service.status()}
             serves_new[name] &= served == r + 1 and service.version() == r + 1 and \
                 fingerprints == {state_fingerprint(new_state)}
@@ -261,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             encode_share_of_refresh=statistics.median(e / t for e, t in zip(encodes[name], refreshes[name])),
             first_encode_s=first_encode[name], serves_new_weights=serves_new[name],
             encode_dtype=str(bf16 or torch.float32).removeprefix("torch."),
-            encode_compile=name == service_names.get(True))
+            encode_compile=name == service_names.get((True, "auto")), encode_attention=sorted(attentions[name]))
 
     base = results[0]
     for r in results:
@@ -272,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             r["max_rel_diff_vs_naive"] = float(diff.norm(dim=1).max() / embeddings[base["method"]].norm(dim=1).min())
     print(f"\nMiniLM (6 layers, hidden 384) on {n:,} entities, batch {B}, {T} thread(s) in-process vs {S} shards x 1 "
           f"thread; load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    print_table(results, [("method", "method", "<46s"), ("seconds", "s", ">7.1f"),
+    print_table(results, [("method", "method", "<66s"), ("seconds", "s", ">7.1f"),
                           ("entities_per_s", "ent/s", ">7.1f"), ("x_naive", "x naive", ">7.2f"),
                           ("threads", "thr", ">3d"), ("entities_per_s_per_thread", "ent/s/thr", ">9.1f"),
                           ("real_token_fraction", "real tok", ">8.2f"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, Callable
 
 import numpy as np
@@ -25,6 +26,8 @@ from dist_nce.modeling.retriever import EntityEncoder, to_storage
 from dist_nce.modeling.scoring import Reps
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
+_TOLD: set[str] = set()
 
 
 def _cpu_has_fast_bf16() -> bool:
@@ -86,6 +89,30 @@ def compile_encoder(encoder: EntityEncoder) -> EntityEncoder:
     """
     encoder.encoder.model.compile(dynamic=True)
     return encoder
+
+
+def choose_attention(encoder: EntityEncoder, mode: str, device: torch.device, autocast: torch.dtype | None) -> str:
+    """Apply ``ServiceConfig.encode_attention`` (auto | native | model) to an encoder built for
+    encoding; returns the attention implementation its forward now uses (for manifests).
+
+    The native kernel (index/attention.py) only pays where encodes run in bf16 on a CPU; auto
+    keeps the model's own attention elsewhere and logs why once per process.
+    """
+    if mode not in ("auto", "native", "model"):
+        raise ValueError(f"service.encode_attention must be auto, native or model; got {mode!r}")
+    if mode != "model":
+        from dist_nce.index.attention import NAME, use_native_attention
+
+        why = ("the encode does not run in bf16 on a CPU" if device.type != "cpu" or autocast is not torch.bfloat16
+               else use_native_attention(encoder))
+        if why is None:
+            return NAME
+        if mode == "native":
+            raise ValueError(f"service.encode_attention: native: {why}")
+        if why not in _TOLD:
+            _TOLD.add(why)
+            log.info("service.encode_attention auto: the model's own attention (%s)", why)
+    return str(encoder.encoder.model.config._attn_implementation)
 
 
 @torch.inference_mode()

@@ -45,6 +45,10 @@ class ServiceConfig:
         "torch.compile each shard's entity encoder (index/encode.py compile_encoder): faster re-encoding "
         "after a one-time compile on the shard's first encode; weights of later refreshes are swapped in "
         "without recompiling. Needs a C++ compiler on CPUs.", default=False)
+    encode_attention: Literal["auto", "native", "model"] = _help(
+        "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
+        "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "
+        "why not; model = the model's own (sdpa). Answers agree within bf16 rounding.", default="auto")
     shard_dir: Optional[str] = _help(
         "Directory where shards persist embedding versions (one sub-directory per shard and version).",
         default=None)

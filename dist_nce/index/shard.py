@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from dist_nce.artifacts import ArtifactMismatch
-from dist_nce.index.encode import autocast_dtype, compile_encoder, encode_rows, state_fingerprint, store_fingerprint
+from dist_nce.index.encode import (autocast_dtype, choose_attention, compile_encoder, encode_rows, state_fingerprint,
+                                   store_fingerprint)
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
@@ -122,6 +123,7 @@ class EntityShard:
             "rows": list(self.rows), "store_fingerprint": store_fingerprint(store_dir),
             "spec": dataclasses.asdict(self.spec), "storage_dtype": self.storage_dtype, "dim": self.dim})
         self._encoder: EntityEncoder | None = None
+        self._attention: str | None = None  # the attention implementation self._encoder runs
         self._encoder_fp: str | None = None  # fingerprint of the weights self._encoder holds
         self._refresh_lock = threading.Lock()  # one refresh at a time, even outside Ray's groups
         self._cond = threading.Condition()  # guards everything below; notified on every swap
@@ -218,6 +220,8 @@ class EntityShard:
         fingerprint = fingerprint or state_fingerprint(state)
         if self._encoder is None:
             self._encoder = EntityEncoder.from_state(state).to(self.device)
+            self._attention = choose_attention(self._encoder, self.config.encode_attention, self.device,
+                                               autocast_dtype(self.config.encode_dtype, self.device))
             if self.config.encode_compile:
                 compile_encoder(self._encoder)
         elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place, no rebuild
@@ -330,6 +334,7 @@ class EntityShard:
         self.versions.save(version, reps, pieces, encoder_fingerprint=fingerprint, origin_fingerprint=origin,
                            encode_seconds=round(seconds, 3), kb_version=kb_version,
                            encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
+                           encode_attention=self._attention,
                            device=str(self.device))
         self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
         del reps  # built from the file just written: one copy of the vectors at the peak (index/load.py)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dist_nce.index.attention import unavailable_reason as attention_unavailable
 from dist_nce.index.encode import autocast_dtype, encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
 from dist_nce.index.search import IndexConfig
 from dist_nce.index.service_config import ServiceConfig
@@ -68,7 +69,7 @@ def states(tiny_model_dir):
 
 
 def make_shard(store_dir, root, rows=(30, 75), shard=1, preset="dual", m=None, **cfg) -> EntityShard:
-    config = ServiceConfig(encode_dtype="fp32", **{"encode_batch_size": 8, **cfg})
+    config = ServiceConfig(**{"encode_dtype": "fp32", "encode_batch_size": 8, **cfg})
     config.index = IndexConfig(backend="torch", chunk_rows=16)
     retriever = RetrieverConfig(preset=preset, m=m, storage_dtype="float32")
     return EntityShard(store_dir, rows, shard, 3, retriever, config, str(root), D)
@@ -146,6 +147,22 @@ def test_a_compiled_encoder_encodes_like_eager_and_sees_swapped_weights(store_di
     first = EntityEncoder.from_state(states[0])
     assert not torch.allclose(first.encoder.model.embeddings.word_embeddings.weight,
                               compiled._encoder.encoder.model.embeddings.word_embeddings.weight)
+
+
+@pytest.mark.skipif(attention_unavailable() is not None, reason="native attention unavailable")
+def test_a_bf16_shard_encodes_with_the_native_attention_like_sdpa(store_dir, states, tmp_path):
+    # service.encode_attention auto: bf16 encodes on this CPU run the native kernel; the version's
+    # manifest says which attention encoded it; the reps agree with sdpa's within bf16 rounding
+    native = make_shard(store_dir, tmp_path / "native", encode_dtype="bf16")
+    model = make_shard(store_dir, tmp_path / "model", encode_dtype="bf16", encode_attention="model")
+    assert native.refresh(states[1], 0) == model.refresh(states[1], 0) == 0
+    used = {name: json.loads((tmp_path / name / shard_dir_name(1, 3) / version_dir_name(0) / "manifest.json")
+                             .read_text())["encode_attention"] for name in ("native", "model")}
+    assert used == {"native": "dist_nce_bf16", "model": "sdpa"}
+    rows = torch.arange(30, 75).expand(5, -1)
+    a = model.score_rows(QUERIES, rows, version=0)
+    b = native.score_rows(QUERIES, rows, version=0)
+    torch.testing.assert_close(b, a, rtol=0.03, atol=0.03)
 
 
 def test_length_sorted_batches_cover_every_row_once_longest_first():
