@@ -121,7 +121,8 @@ def refresh(data: dict) -> str:
                       f"{row['gflops'] / row['threads']:.0f} ({row['compute']})", f"{row['fraction_of_gemm']:.2f}",
                       "-" if row.get("max_rel_diff_vs_naive") is None else f"{row['max_rel_diff_vs_naive']:.1e}"]
                      for row in data["rows"]])
-    lines += ["", f"GEMM peaks in the same run (1 thread): fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s "
+    lines += ["", f"GEMM peaks in the same run (1 thread{', ' + peak['method'] if peak.get('method') else ''}): "
+              f"fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s "
               f"({'native' if peak['bf16_native'] else 'emulated'})."]
     for svc in (r for r in data["rows"] if r["method"].startswith("service")):
         lines[-1] += (f" {svc['method'].split(':')[0].capitalize()}: a refresh, from `refresh()` to the new version "
