@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     if compile_rows:
         service_names[(True, "auto")] = f"service, encode_compile: refresh() -> served, S={S} x 1 thread"
 
-    # ---- the services: S shards x 1 thread each (eager, and compiled); time from refresh() to the new
-    # version being served. Both are alive at once, so each shard holds half a CPU of Ray's accounting;
+    # ---- the services (sdpa, native attention, compiled): S shards x 1 thread each; time from refresh() to
+    # the new version being served. All are alive at once, each shard holding a share of Ray's CPUs;
     # they refresh one after the other, never together.
     init_ray(num_cpus=os.cpu_count())
     services, run_dirs, first_encode = {}, {}, {}
