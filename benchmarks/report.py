@@ -288,10 +288,30 @@ def update(data: dict) -> str:
     return "\n".join([*lines, "", *notes, "", _run_line(data)]) + "\n"
 
 
+def attention(data: dict) -> str:
+    lines = [f"One thread, {data['width']} positions, bf16; q, k, v as views of one projection and a padding mask. "
+             f"Median of {data['repeats']} interleaved repeats (min-max in brackets); GFLOP/s = 4 B H W^2 D over the "
+             "median; the last column is the largest difference from fp32 attention of the same bf16 inputs.", ""]
+    lines += _table(["shape", "method", "ms", "GFLOP/s", "speed vs sdpa", "max abs diff vs fp32"],
+                    [[r["shape"], r["method"], f"{1e3 * r['median']:.2f} [{1e3 * r['min']:.2f}-{1e3 * r['max']:.2f}]",
+                      f"{r['gflops']:.0f}", f"{r['x_sdpa_speed']:.2f}x", f"{r['max_abs_diff_vs_fp32']:.4f}"]
+                     for r in data["alone"]])
+    share = {r["attention"]: r for r in data["share"]}
+    lines += ["", "Share of a MiniLM bf16 encode's CPU time spent in attention (torch.profiler, batch 16): "
+              + ", ".join(f"{name} {100 * r['attention_share']:.0f}%" for name, r in share.items()) + ".", ""]
+    lines += _table(["encode batch", "entities/s", "median s [min-max]"],
+                    [[str(r["batch"]), f"{r['entities_per_s']:.1f}", f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"]
+                     for r in data["batch_sweep"]])
+    peak = data["gemm_gflops"]
+    lines += ["", f"MiniLM bf16 encode with the kernel, 256 sequences, by batch size. The same run's one-thread bf16 "
+              f"GEMM peak: {peak['bf16']:.0f} GFLOP/s.", _run_line(data)]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
-                                                "update": update}
+                                                "update": update, "attention": attention}
 
 
 def sources(name: str) -> tuple[str, ...]:
