@@ -133,7 +133,7 @@ def _fallback_reason(module: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, m
         return "shapes (grouped heads, cross-attention of other lengths, head width not a multiple of 16)"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "strided head dimension"
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)  # as sdpa reads it
     if causal and mask is None and q.shape[2] > 1:
         return "causal without a mask"
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
