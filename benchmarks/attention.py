@@ -60,14 +60,13 @@ def attention_alone(shapes, repeats: int) -> list[dict]:
     for label, (B, H, W, D) in shapes.items():
         q, k, v, mask = qkv(B, H, W, D)
         flops = 4.0 * B * H * W * W * D
-        methods = {"native kernel": lambda: attention(q, k, v, mask),
-                   "torch sdpa (CPU flash)": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                   "eager bf16 (matmul, softmax, matmul)": lambda: eager_attention(q, k, v, mask)}
+        # name -> (call, whether its output is [B, H, W, D] rather than the kernel's [B, W, H, D])
+        methods = {"native kernel": (lambda: attention(q, k, v, mask), False),
+                   "torch sdpa (CPU flash)": (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), True),
+                   "eager bf16 (matmul, softmax, matmul)": (lambda: eager_attention(q, k, v, mask), True)}
         want = eager_attention(q.float(), k.float(), v.float(), mask).transpose(1, 2)
-        got = {"native kernel": attention(q, k, v, mask).float(),
-               "torch sdpa (CPU flash)": F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).float(),
-               "eager bf16 (matmul, softmax, matmul)": eager_attention(q, k, v, mask).transpose(1, 2).float()}
-        times = interleaved(methods, repeats)
+        got = {name: (fn().transpose(1, 2) if by_head else fn()).float() for name, (fn, by_head) in methods.items()}
+        times = interleaved({name: fn for name, (fn, _) in methods.items()}, repeats)
         base = times["torch sdpa (CPU flash)"]["median"]
         for name, t in times.items():
             rows.append({"shape": label, "B": B, "H": H, "W": W, "D": D, "method": name, **t,

@@ -129,15 +129,15 @@ def _fallback_reason(module: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, m
         return "autograd is recording"
     if dropout and module.training:
         return "dropout in training"
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] % 16:
-        return "shapes (grouped heads, cross-attention of other lengths, head width not a multiple of 16)"
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return "strided head dimension"
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)  # as sdpa reads it
     if causal and mask is None and q.shape[2] > 1:
         return "causal without a mask"
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
         return "a float or per-head mask"
+    try:  # shapes and strides: what the op itself accepts (grouped heads, cross-attention, head width)
+        _check(q, k, v, None)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

@@ -169,7 +169,7 @@ int dnce_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint
     const int64_t nc = (W + 15) / 16, W16 = nc * 16, W2 = (W + 1) / 2 * 2;
     const size_t kb = (size_t)W16 * D * 2, vb = (size_t)W2 * D * 2, sb = (size_t)QR * W16 * 4,
                  pb = (size_t)QR * W16 * 2;
-    char *scratch = aligned_alloc(64, (kb + vb + sb + pb + 255) / 64 * 64);
+    char *scratch = aligned_alloc(64, (kb + vb + sb + pb + 63) / 64 * 64)  /* a multiple of the alignment */;
     if (scratch == NULL) return -2;
     uint32_t *kp = (uint32_t *)scratch, *vp = (uint32_t *)(scratch + kb);
     float *s = (float *)(scratch + kb + vb);
