@@ -12,7 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dist_nce", "dist_nce.*", "kb", "kb.*"]),
-    # the native kernels' sources, compiled on first use (dist_nce/index/native.py)
+    # the native kernels' sources, compiled on first use (dist_nce/kernels/build.py)
     package_data={"dist_nce.index": ["native/*.c", "native/*.h"]},
     install_requires=[
         # torch is pinned by the Makefile on CPU machines (see TORCH_SPEC there);
@@ -33,7 +33,7 @@ setup(
         # FAISS comes from exactly one of these two extras. faiss-cpu and faiss-gpu both own
         # the files of the `faiss` module, so installing both and uninstalling one deletes
         # files the other needs. scripts/install.sh picks one (a GPU if nvidia-smi sees one);
-        # a bare `pip install -e .` has no faiss, and dist_nce.runtime.require_faiss says so.
+        # a bare `pip install -e .` has no faiss, and dist_nce.cluster.runtime.require_faiss says so.
         "cpu": ["faiss-cpu>=1.8"],
         "gpu": ["faiss-gpu>=1.8"],
         # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import (add_hygiene_args, gemm_peaks, interleaved, load_guard, machine_info,  # noqa: E402
                                print_table, save_results)
-from dist_nce.runtime import configure_process  # noqa: E402
+from dist_nce.cluster.runtime import configure_process  # noqa: E402
 
 
 def qkv(B: int, H: int, W: int, D: int, seed: int = 0):
@@ -54,7 +54,7 @@ def eager_attention(q, k, v, mask):
 
 
 def attention_alone(shapes, repeats: int) -> list[dict]:
-    from dist_nce.index.attention import attention
+    from dist_nce.kernels.attention import attention
 
     rows = []
     for label, (B, H, W, D) in shapes.items():
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     configure_process(threads=1)
     guard = load_guard(args.force)
-    from dist_nce.index.attention import unavailable_reason, use_native_attention
-    from dist_nce.testing import default_model_dir
+    from dist_nce.kernels.attention import unavailable_reason, use_native_attention
+    from dist_nce.core.models import default_model_dir
 
     why = unavailable_reason()
     if why is not None:

@@ -178,7 +178,7 @@ def machine_info(**extra: Any) -> dict:
 
 def save_results(name: str, payload: dict, path: str | os.PathLike | None = None) -> Path:
     """Write ``payload`` atomically to ``path`` or benchmarks/results/<name>.json; return the path."""
-    from dist_nce.artifacts import atomic_write_json
+    from dist_nce.core.artifacts import atomic_write_json
 
     out = Path(path) if path else RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,7 @@ def write_vector_store(directory: str | os.PathLike, n: int, rows_per_part: int 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from dist_nce.artifacts import write_manifest
+    from dist_nce.core.artifacts import write_manifest
     from kb.store import ENTITIES_DIR, KIND, SCHEMA_VERSION, entity_schema, part_file, token_array, write_arrow
 
     directory = Path(directory)
@@ -272,8 +272,8 @@ def vector_service(root: str | os.PathLike, n: int, d: int, shard_vectors: Calla
     """
     import dataclasses
 
-    from dist_nce.index.service import NegativeService, even_ranges
-    from dist_nce.index.shard import EntityShard
+    from dist_nce.actors.service import NegativeService, even_ranges
+    from dist_nce.actors.shard import EntityShard
     from dist_nce.modeling.retriever import RetrieverConfig
     from dist_nce.modeling.scoring import Reps
 

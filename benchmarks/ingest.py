@@ -106,7 +106,7 @@ def naive_ingest(kb: Path, limit: int, out: Path, max_len: int, model_dir: str |
     """The baseline: one line, one tokenizer call at a time; everything in lists."""
     import pyarrow as pa
 
-    from dist_nce.text import TITLE_SEP, load_tokenizer
+    from dist_nce.core.text import TITLE_SEP, load_tokenizer
 
     tok = load_tokenizer(model_dir)
     source_ids, titles, ids = [], [], []

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mentions, args.repeats, args.k = min(args.mentions, 24), min(args.repeats, 2), min(args.k, 5)
     from dist_nce.link import Linker
-    from dist_nce.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process
 
     configure_process(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="bench_link_")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         dev = Path(args.dev) if args.dev else dev_file(run)
     else:
         from dist_nce.link.tiny_run import make_tiny_run
-        from dist_nce.testing import make_tiny_bert
+        from dist_nce.core.models import make_tiny_bert
 
         run = make_tiny_run(Path(tmp.name) / "tiny", make_tiny_bert(Path(tmp.name) / "bert"))
         dev = Path(args.dev) if args.dev else run.parent / "data" / "synthetic" / "aidayago2-dev-kilt.jsonl"
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         from ray import serve
 
         from dist_nce.link.serve import build_app, start_local
-        from dist_nce.runtime import free_port, init_ray
+        from dist_nce.cluster.runtime import free_port, init_ray
 
         init_ray(num_cpus=2)
         port = free_port()

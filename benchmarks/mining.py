@@ -67,14 +67,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import (add_hygiene_args, clustered, compare, gemm_peaks, load_guard,  # noqa: E402
                                machine_info, median_time, print_table, save_results, spread, unit_centres,
                                vector_service)
-from dist_nce.index import block_native  # noqa: E402
+from dist_nce.sampling import block_native  # noqa: E402
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
-from dist_nce.index.service import even_ranges  # noqa: E402
-from dist_nce.index.service_config import ServiceConfig  # noqa: E402
-from dist_nce.index.topk import merge_results  # noqa: E402
+from dist_nce.actors.service import even_ranges  # noqa: E402
+from dist_nce.actors.config import ServiceConfig  # noqa: E402
+from dist_nce.sampling.topk import merge_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
-from dist_nce.negatives import hard_negatives  # noqa: E402
-from dist_nce.runtime import configure_process, init_ray  # noqa: E402
+from dist_nce.sampling.negatives import hard_negatives  # noqa: E402
+from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
 
 DUAL = ScoreSpec.preset("dual")
 

@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.common import (add_hygiene_args, clustered, load_guard, machine_info, print_table, process_memory, save_results,  # noqa: E402
                                unit_centres, vector_service)
 from dist_nce.index.search import IndexConfig  # noqa: E402
-from dist_nce.index.service_config import ServiceConfig  # noqa: E402
-from dist_nce.runtime import configure_process, init_ray  # noqa: E402
+from dist_nce.actors.config import ServiceConfig  # noqa: E402
+from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
 
 KILT_ENTITIES = 5_903_530
 AIDA_TRAIN = 18_395
@@ -65,7 +65,7 @@ def empty_shard_memory(store: str, config: ServiceConfig, d: int, storage_dtype:
     """Memory of a shard process holding no vectors: the per-process floor to subtract."""
     import ray
 
-    from dist_nce.index.shard import start_shard
+    from dist_nce.actors.shard import start_shard
     from dist_nce.modeling.retriever import RetrieverConfig
 
     with tempfile.TemporaryDirectory(prefix="dist-nce-empty-shard-") as root:

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import add_hygiene_args, load_guard, machine_info, median_time, save_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec, entity_reps, mention_reps, score_all  # noqa: E402
-from dist_nce.runtime import configure_threads  # noqa: E402
+from dist_nce.cluster.runtime import configure_threads  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scoring.json")
 

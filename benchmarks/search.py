@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.common import add_hygiene_args, clustered, load_guard, machine_info, median_time, save_results  # noqa: E402
 from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
-from dist_nce.index.topk import ShardResult, merge_results  # noqa: E402
+from dist_nce.sampling.topk import ShardResult, merge_results  # noqa: E402
 from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
-from dist_nce.runtime import configure_process  # noqa: E402
+from dist_nce.cluster.runtime import configure_process  # noqa: E402
 
 DUAL = ScoreSpec.preset("dual")
 

@@ -93,7 +93,7 @@ def deepspeed_steps(worker, prefetcher, start: int, n: int, record: list | None 
 
 def plain_steps(cfg, batches: list, loss_fn) -> list[dict]:
     """The same batches through a plain PyTorch loop from the same initial weights."""
-    from dist_nce.train.engine import linear_warmup_decay
+    from dist_nce.worker.engine import linear_warmup_decay
     from dist_nce.train.model import build_retriever
 
     model = build_retriever(cfg.model, cfg.optim.seed).train()
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from dist_nce.config import load_config
-    from dist_nce.index.service import NegativeService
-    from dist_nce.runtime import configure_process, init_ray, single_process_dist_env
+    from dist_nce.core.config import load_config
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.cluster.runtime import configure_process, init_ray, single_process_dist_env
     from dist_nce.train.config import TrainJobConfig, with_absolute_paths
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.loop import Worker

@@ -52,10 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def model_dir(kind: str, data_dir: Path) -> str:
     if kind == "minilm":
-        from dist_nce.testing import default_model_dir
+        from dist_nce.core.models import default_model_dir
 
         return default_model_dir()
-    from dist_nce.testing import make_tiny_bert
+    from dist_nce.core.models import make_tiny_bert
 
     out = data_dir / "tiny_bert"
     return str(out) if (out / "config.json").exists() else make_tiny_bert(out)
@@ -139,7 +139,7 @@ class Bench:
 
     def __init__(self, args, sources: dict, model: str, work: Path, state: dict):
         from dist_nce.index.search import IndexConfig
-        from dist_nce.index.service_config import ServiceConfig
+        from dist_nce.actors.config import ServiceConfig
         from dist_nce.modeling.retriever import RetrieverConfig
 
         self.args, self.sources, self.model, self.work, self.state = args, sources, model, work, state
@@ -152,7 +152,7 @@ class Bench:
 
     def build_base(self) -> float:
         """Version 0, once: the base store and every shard's persisted version 0 (untimed)."""
-        from dist_nce.index.service import NegativeService
+        from dist_nce.actors.service import NegativeService
 
         if not (self.base_store / "manifest.json").exists():
             run_child(prepare_args(self.sources["base"], self.base_store, self.model, self.args.workers))
@@ -168,7 +168,7 @@ class Bench:
             self.service = None
 
     def setup_delta(self) -> None:
-        from dist_nce.index.service import NegativeService
+        from dist_nce.actors.service import NegativeService
 
         self._stop()
         store, run = self.work / "delta_store", self.work / "delta_run"
@@ -213,7 +213,7 @@ class Bench:
         shutil.rmtree(self.work / "rebuild_run", ignore_errors=True)
 
     def rebuild(self) -> None:
-        from dist_nce.index.service import NegativeService
+        from dist_nce.actors.service import NegativeService
 
         store = self.work / "rebuild_store"
         seconds, peak = run_child(prepare_args(self.sources["final"], store, self.model, self.args.workers))
@@ -275,7 +275,7 @@ def main() -> None:
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder
     from dist_nce.modeling.scoring import ScoreSpec
-    from dist_nce.runtime import configure_process, init_ray
+    from dist_nce.cluster.runtime import configure_process, init_ray
 
     configure_process(1)
     model = model_dir(args.model, Path(args.data_dir))

@@ -40,8 +40,8 @@ from pathlib import Path
 # Run from a checkout (also under `ray job submit --working-dir .`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dist_nce.config import ConfigError, describe, load_config, to_dict  # noqa: E402
-from dist_nce.testing import ensure_tiny_models  # noqa: E402
+from dist_nce.core.config import ConfigError, describe, load_config, to_dict  # noqa: E402
+from dist_nce.core.models import ensure_tiny_models  # noqa: E402
 from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths  # noqa: E402
 
 
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from dist_nce.artifacts import ArtifactMismatch, atomic_write_json
-    from dist_nce.cluster_fit import DoesNotFit, check_fits, service_request, workers_request
-    from dist_nce.index.service import NegativeService
-    from dist_nce.runtime import configure_process, init_ray
+    from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json
+    from dist_nce.cluster.fit import DoesNotFit, check_fits, service_request, workers_request
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.cluster.runtime import configure_process, init_ray
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.model import build_retriever
     from dist_nce.train.trainer import describe_plan, dev_table, fit, kb_snapshot, plan_for, unflatten, use_gpu

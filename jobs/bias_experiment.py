@@ -4,7 +4,7 @@ A population over 1000 labels with small entropy; a feed-forward network with on
 layer trained on cross-entropy with 128 iid labels per update. Before the first and after
 every update it measures the exact CE and, by Monte Carlo over 10 draws of 4 negatives
 (K=5), the NCE losses and the bias b(θ) = ∇J_CE - E[∇J_NCE] of Theorem 1 for hard,
-random and mixed-50 negatives (dist_nce/bias.py). Writes to --out:
+random and mixed-50 negatives (dist_nce/bias/estimator.py). Writes to --out:
 
     bias.json      config, population entropy, one record per update (losses, ||b̂||,
                    Monte Carlo standard error, debiased ||b||, TV(p_θ, γ̂) per scheme)
@@ -20,7 +20,7 @@ defaults (the authors' settings) on an idle core:
     .venv/bin/python jobs/bias_experiment.py --out runs/bias --config configs/bias/synthetic.yaml \\
         --set schemes='[hard, random, iid_model]' --set adjusted=true
 
-Every field of ``dist_nce.bias.SyntheticConfig`` can be set with --set key=value.
+Every field of ``dist_nce.bias.estimator.SyntheticConfig`` can be set with --set key=value.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from dist_nce.artifacts import atomic_write_bytes, atomic_write_json, file_sha256, write_manifest
-from dist_nce.bias import SyntheticConfig, run_synthetic
-from dist_nce.config import ConfigError, describe, from_dict, load_config, parse_overrides, to_dict
-from dist_nce.runtime import configure_threads
+from dist_nce.core.artifacts import atomic_write_bytes, atomic_write_json, file_sha256, write_manifest
+from dist_nce.bias.estimator import SyntheticConfig, run_synthetic
+from dist_nce.core.config import ConfigError, describe, from_dict, load_config, parse_overrides, to_dict
+from dist_nce.cluster.runtime import configure_threads
 
 SCHEMA_VERSION = 1
 COLORS = {"hard": "tab:red", "random": "tab:blue", "mixed": "tab:purple", "iid_model": "tab:orange"}

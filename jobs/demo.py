@@ -5,7 +5,7 @@
 
 1. ``ray start --head`` on loopback (dashboard 127.0.0.1) with token authentication on: a
    machine that has never run Ray gets a token in ``~/.ray/auth_token`` first
-   (:class:`dist_nce.ray_head.LocalHead`);
+   (:class:`dist_nce.cluster.head.LocalHead`);
 2. ``ray job submit --working-dir . -- python jobs/aida_finetune.py --config <config>``:
    synthetic KILT KB + AIDA files -> prepared store -> sharded NegativeService -> Ray Train
    + DeepSpeed finetuning with hard negatives -> dev evaluation before and after -> export;
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dist_nce.ray_head import LocalHead  # noqa: E402
+from dist_nce.cluster.head import LocalHead  # noqa: E402
 
 
 def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:

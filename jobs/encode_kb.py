@@ -69,10 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_entity_side(args):
     """(RetrieverConfig, entity-encoder state, tokenizer sha256, d) for --model."""
-    from dist_nce.artifacts import MANIFEST
+    from dist_nce.core.artifacts import MANIFEST
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder, Retriever, RetrieverConfig
-    from dist_nce.text import load_tokenizer, tokenizer_fingerprint
+    from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
 
     model = Path(args.model)
     if (model / MANIFEST).is_file():  # a dist-nce retriever directory
@@ -111,14 +111,14 @@ def check_out_dir(out: Path, spec: dict, overwrite: bool) -> None:
 def run(args) -> dict:
     from tqdm.auto import tqdm
 
-    from dist_nce.artifacts import atomic_write_json
+    from dist_nce.core.artifacts import atomic_write_json
     from dist_nce.index.encode import state_fingerprint, store_fingerprint
     from dist_nce.index.export import export_snapshot
     from dist_nce.index.search import IndexConfig
-    from dist_nce.index.service import NegativeService
-    from dist_nce.index.service_config import ServiceConfig
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.actors.config import ServiceConfig
     from dist_nce.index.versions import shard_dir_name, version_dir_name
-    from dist_nce.runtime import configure_process, init_ray
+    from dist_nce.cluster.runtime import configure_process, init_ray
     from kb.store import EntityStore
 
     configure_process(args.threads)
@@ -181,7 +181,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dist_nce.artifacts import ArtifactMismatch
+    from dist_nce.core.artifacts import ArtifactMismatch
 
     try:
         run(args)

@@ -41,17 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dist_nce.artifacts import ArtifactMismatch, atomic_write_json, write_manifest  # noqa: E402
-from dist_nce.config import ConfigError, from_dict, load_config, parse_overrides, to_dict  # noqa: E402
+from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json, write_manifest  # noqa: E402
+from dist_nce.core.config import ConfigError, from_dict, load_config, parse_overrides, to_dict  # noqa: E402
 from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, kilt_scores, read_jsonl, write_guess_file  # noqa: E402
 from dist_nce.eval.metrics import recall_at_k  # noqa: E402
-from dist_nce.eval.retrieve import build_local_index, ranked_source_ids, retrieve, serve_model  # noqa: E402
+from dist_nce.retrieval import build_local_index, ranked_source_ids, retrieve, serve_model  # noqa: E402
 from dist_nce.index.encode import state_fingerprint, store_fingerprint  # noqa: E402
-from dist_nce.index.service_config import ServiceConfig  # noqa: E402
+from dist_nce.actors.config import ServiceConfig  # noqa: E402
 from dist_nce.modeling.retriever import Retriever  # noqa: E402
 from dist_nce.modeling.scoring import is_inner_product  # noqa: E402
-from dist_nce.runtime import configure_process  # noqa: E402
-from dist_nce.text import tokenizer_fingerprint  # noqa: E402
+from dist_nce.cluster.runtime import configure_process  # noqa: E402
+from dist_nce.core.text import tokenizer_fingerprint  # noqa: E402
 from kb.prepare import AIDA_FILES  # noqa: E402
 from kb.store import EntityStore, MentionTable  # noqa: E402
 
@@ -129,8 +129,8 @@ def open_searcher(args: argparse.Namespace, retriever: Retriever, store: EntityS
     """(searcher, snapshot info): NegativeService shards serving this model, or a local index."""
     if args.searcher == "local":
         return build_local_index(retriever, store, cfg.index, progress=args.progress), None
-    from dist_nce.index.service import NegativeService
-    from dist_nce.runtime import init_ray
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.cluster.runtime import init_ray
 
     init_ray()
     # d and the tokenizer from the retriever directory itself, not the model dirs it was built from.

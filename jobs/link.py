@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, as the other jobs
 
-from dist_nce.config import ConfigError, describe, from_dict, load_config, parse_overrides  # noqa: E402
+from dist_nce.core.config import ConfigError, describe, from_dict, load_config, parse_overrides  # noqa: E402
 from dist_nce.link.config import LinkConfig  # noqa: E402
 
 CHUNK = 256  # documents linked per call in batch mode (encoder batches are LinkConfig.batch_size)
@@ -173,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from dist_nce.artifacts import ArtifactMismatch
+    from dist_nce.core.artifacts import ArtifactMismatch
     from dist_nce.link.linker import Linker
-    from dist_nce.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process
 
     configure_process(args.threads)
     try:

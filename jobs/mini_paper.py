@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from dist_nce.config import ConfigError, load_config  # noqa: E402
+from dist_nce.core.config import ConfigError, load_config  # noqa: E402
 from dist_nce.minipaper.config import MiniPaperConfig  # noqa: E402
 
 PARTS = ("zeshel", "reranker", "aida")
@@ -206,11 +206,11 @@ def gates_for(cells: dict) -> dict[str, tuple[str, ...]]:
 
 
 def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, config_path: str) -> int:
-    from dist_nce.artifacts import atomic_write_json, write_manifest
+    from dist_nce.core.artifacts import atomic_write_json, write_manifest
     from dist_nce.minipaper.cells import reranker_cells
     from dist_nce.minipaper.report import best_retriever, collect, write_outputs
-    from dist_nce.ray_head import LocalHead
-    from dist_nce.runtime import ray_env
+    from dist_nce.cluster.head import LocalHead
+    from dist_nce.cluster.runtime import ray_env
 
     log = lambda s: print(s, flush=True)  # noqa: E731
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
 
-from dist_nce.config import ConfigError  # noqa: E402
+from dist_nce.core.config import ConfigError  # noqa: E402
 from dist_nce.zeshel.grid import load_rows, row_config  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [(r, row_config(args.config, r, out, args.set)) for r in rows]
         from dist_nce.zeshel.config import check_zeshel_inputs
 
-        from dist_nce.testing import ensure_tiny_models
+        from dist_nce.core.models import ensure_tiny_models
 
         for _, cfg in configs:
             # The project's tiny-model path (data/models/tiny_bert) is built on first use.
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.rows}: config and inputs OK (dry run: nothing generated, no Ray started)")
         return 0
 
-    from dist_nce.artifacts import atomic_write_json, atomic_write_text
-    from dist_nce.runtime import configure_process
-    from dist_nce.train.tb import read_metrics
+    from dist_nce.core.artifacts import atomic_write_json, atomic_write_text
+    from dist_nce.cluster.runtime import configure_process
+    from dist_nce.worker.tb import read_metrics
     from dist_nce.index.encode import store_fingerprint
     from dist_nce.zeshel.grid import (
         cell, comparison_text, comparisons, keyed, labels, markdown_table, model_fingerprints, noise_note, plot,
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from dist_nce.zeshel.run import SUMMARY, run_retriever
 
-    from dist_nce.artifacts import ArtifactMismatch
+    from dist_nce.core.artifacts import ArtifactMismatch
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from kb.prepare import PrepareError
 
@@ -141,7 +141,7 @@ def untrained_cells(configs, fingerprints, out: Path, log) -> list[dict]:
     """The initial model of each architecture (same seed as its runs), evaluated on val/test."""
     import dataclasses
 
-    from dist_nce.artifacts import atomic_write_json
+    from dist_nce.core.artifacts import atomic_write_json
     from dist_nce.train.model import build_retriever
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.evaluate import evaluate_retriever

@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
 
-from dist_nce.config import ConfigError, describe, load_config, to_dict  # noqa: E402
-from dist_nce.testing import ensure_tiny_models  # noqa: E402
+from dist_nce.core.config import ConfigError, describe, load_config, to_dict  # noqa: E402
+from dist_nce.core.models import ensure_tiny_models  # noqa: E402
 from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths  # noqa: E402
 
 
@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from dist_nce.artifacts import atomic_write_json
-    from dist_nce.cluster_fit import DoesNotFit, check_fits, workers_request
+    from dist_nce.core.artifacts import atomic_write_json
+    from dist_nce.cluster.fit import DoesNotFit, check_fits, workers_request
     from dist_nce.rerank.data import load_training_set, make_plan
     from dist_nce.rerank.loop import RESULT_FILE
     from dist_nce.rerank.trainer import accuracy_table, describe_plan, fit, use_gpu
-    from dist_nce.runtime import configure_process, init_ray
+    from dist_nce.cluster.runtime import configure_process, init_ray
 
     configure_process(threads=None)
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)

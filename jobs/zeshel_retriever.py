@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
 
-from dist_nce.config import ConfigError, describe, load_config  # noqa: E402
-from dist_nce.testing import ensure_tiny_models  # noqa: E402
+from dist_nce.core.config import ConfigError, describe, load_config  # noqa: E402
+from dist_nce.core.models import ensure_tiny_models  # noqa: E402
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs  # noqa: E402
 
 
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: config and inputs OK (dry run: nothing generated, no Ray started)")
         return 0
 
-    from dist_nce.artifacts import ArtifactMismatch
-    from dist_nce.runtime import configure_process
+    from dist_nce.core.artifacts import ArtifactMismatch
+    from dist_nce.cluster.runtime import configure_process
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.run import SUMMARY, run_retriever
     from kb.prepare import PrepareError

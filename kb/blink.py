@@ -10,7 +10,7 @@ from typing import Iterator
 from urllib.parse import parse_qs, urlsplit
 
 from kb.jsonl import is_digits, load_object, read_records, require
-from kb.records import BadRecord, BadRecordLog, EntityRecord
+from dist_nce.core.records import BadRecord, BadRecordLog, EntityRecord
 
 
 def curid_from_url(url: str, path: str, lineno: int) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from kb.ingest import ChunkTask, RangeRecords, output_path, write_marker
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.store import token_array, write_arrow
 
 # Records tokenized per call inside a chunk: bounds a worker's memory, not its speed.
@@ -44,9 +44,9 @@ _TOKENIZERS: dict[str | None, Any] = {}
 
 def tokenizer(model_dir: str | None):
     """One tokenizer per process and model directory (workers load it on first use), without
-    transformers where the directory allows: a worker only tokenizes (dist_nce.rust_tokenizer)."""
+    transformers where the directory allows: a worker only tokenizes (dist_nce.core.rust_tokenizer)."""
     if model_dir not in _TOKENIZERS:
-        from dist_nce.text import load_ingest_tokenizer
+        from dist_nce.core.text import load_ingest_tokenizer
 
         _TOKENIZERS[model_dir] = load_ingest_tokenizer(model_dir)
     return _TOKENIZERS[model_dir]
@@ -122,7 +122,7 @@ def _mention_table(records: list, tokens: np.ndarray, pad_id: int) -> pa.Table:
 def process_chunk(task: ChunkTask, work_dir: str, settings: EncodeSettings, run_id: str) -> dict:
     """Parse and tokenize one chunk, write ``<name>.arrow`` then its marker; return the
     marker, or ``{"bad": ...}`` when the error policy meets a malformed line."""
-    from dist_nce.text import encode_entities, encode_mentions
+    from dist_nce.core.text import encode_entities, encode_mentions
 
     delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
     tok = tokenizer(settings.model_dir)

@@ -20,7 +20,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kb.store import GOLD_BY_ID, GOLD_MISSING, GOLD_REMOVED
+# How each mention's gold was resolved (the mention table's gold_status column).
+GOLD_BY_ID = "id"  # gold source id found in the KB
+GOLD_BY_TITLE = "title"  # id absent, gold title found (AIDA titles that KILT renamed keep their id)
+GOLD_MISSING = "missing"  # labelled, but the gold entity is not in the KB: gold_row == -1
+GOLD_UNLABELLED = "unlabelled"  # the source has no gold (aidayago2-test_without_answers): gold_row == -1
+GOLD_REMOVED = "removed"  # resolved when prepared, but the entity is removed at the KB version read: -1
 
 
 def gold_at_version(store: Any, gold_rows: np.ndarray, status: Sequence[str],

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from dist_nce.artifacts import atomic_write_json
+from dist_nce.core.artifacts import atomic_write_json
 from kb.parent_watch import exit_with_parent
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """JSON-lines plumbing shared by the format readers.
 
 Every reader is a pure ``parse_*(line, path, lineno)`` that raises
-:class:`kb.records.BadRecord`, driven by :func:`read_records`, which streams the file
+:class:`dist_nce.core.records.BadRecord`, driven by :func:`read_records`, which streams the file
 one line at a time (files such as the 35 GB KILT knowledge source are never loaded
 whole) and routes each malformed line to the caller's :class:`BadRecordLog`.
 """
@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any, Callable, Iterator, TypeVar
 
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 
 T = TypeVar("T")
 

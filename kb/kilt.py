@@ -17,7 +17,7 @@ import os
 from typing import Iterator
 
 from kb.jsonl import load_object, read_records, require, require_digits
-from kb.records import BadRecord, BadRecordLog, EntityRecord, MentionRecord
+from dist_nce.core.records import BadRecord, BadRecordLog, EntityRecord, MentionRecord
 
 START_ENT = "[START_ENT]"
 END_ENT = "[END_ENT]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dist_nce.config import AT_LEAST_1, FRACTION, Range, check_fields
+from dist_nce.core.config import AT_LEAST_1, FRACTION, Range, check_fields
 
 
 class PrepareError(ValueError):

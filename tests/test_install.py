@@ -139,14 +139,14 @@ def test_every_install_path_runs_the_install_script():
 
 
 def test_require_faiss_returns_the_library():
-    from dist_nce.runtime import require_faiss
+    from dist_nce.cluster.runtime import require_faiss
 
     assert hasattr(require_faiss(), "IndexFlatIP")
 
 
 def test_jobs_fail_with_install_advice_when_faiss_is_missing(monkeypatch):
     """Every job, trainer and shard calls configure_process, which calls require_faiss."""
-    from dist_nce.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process
 
     monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` raises ImportError
     with pytest.raises(ImportError, match=r"pip install -e '\.\[cpu\]' \(faiss-cpu\) or pip install -e '\.\[gpu\]'"):
@@ -156,7 +156,7 @@ def test_jobs_fail_with_install_advice_when_faiss_is_missing(monkeypatch):
 def test_jobs_fail_clearly_on_a_faiss_left_behind_by_uninstalling_its_twin(monkeypatch):
     """What `pip uninstall faiss-cpu` leaves of faiss-gpu: a faiss/ folder that imports as an
     empty namespace package (seen here: only faiss/_gpu_build.py remained)."""
-    from dist_nce.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process
 
     remnant = types.ModuleType("faiss")
     remnant.__path__ = ["/venv/site-packages/faiss"]

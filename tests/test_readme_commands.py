@@ -18,7 +18,7 @@ models or .venv; git's working-tree content, so uncommitted edits are what is te
 * ``make``: ``make -n`` of the target (a fresh clone would create .venv first), and the job
   lines of its recipe are dry-run in turn;
 * ``ray``: cluster commands are not started here (a head on the default port would collide
-  with other clusters on the machine; tests/test_ray_head.py starts one on free ports): every
+  with other clusters on the machine; tests/cluster/test_head.py starts one on free ports): every
   flag must be one the installed ``ray`` CLI accepts, JSON resources must parse, and the job a
   ``ray job submit`` runs is dry-run;
 * ``shell``: runs in bash (with HOME in a scratch directory when it writes to ~).
@@ -216,7 +216,7 @@ def problems_of(stderr: str) -> list[str]:
 
 def retriever_outputs(root: Path) -> list[str]:
     """What the README's Zeshel retriever command writes: its stores and candidates directory."""
-    from dist_nce.config import load_config
+    from dist_nce.core.config import load_config
     from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, candidates_dir
 
     cmds = [c for c in COMMANDS if re.fullmatch(r"python jobs/zeshel_retriever\.py .*", c.joined)]
@@ -398,7 +398,7 @@ def trained_model(root: Path) -> None:
         cmd = readme_command(r"python jobs/prepare_kb\.py --kilt-ks .* --out data/kilt( .*)?")
         ok(sh(root, cmd.text), cmd)
     if not (root / "runs" / "x" / "model").exists():
-        ok(sh(root, "python -c 'import torch; from dist_nce.testing import ensure_tiny_bert; "
+        ok(sh(root, "python -c 'import torch; from dist_nce.core.models import ensure_tiny_bert; "
                     "from dist_nce.modeling.retriever import Retriever, RetrieverConfig; "
                     "ensure_tiny_bert(\"data/models/tiny_bert\"); torch.manual_seed(0); "
                     "Retriever.build(RetrieverConfig(mention_model=\"data/models/tiny_bert\", "

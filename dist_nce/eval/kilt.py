@@ -47,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from dist_nce.artifacts import atomic_path, atomic_write_json
+from dist_nce.core.artifacts import atomic_path, atomic_write_json
 
 DEFAULT_KS = (1, 5, 10, 20, 64, 100)
 RANK_KEYS = ("wikipedia_id",)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dist_nce.artifacts import MANIFEST, file_sha256
+from dist_nce.core.artifacts import MANIFEST, file_sha256
 from dist_nce.modeling.retriever import EntityEncoder, to_storage
 from dist_nce.modeling.scoring import Reps
 
@@ -101,7 +101,7 @@ def choose_attention(encoder: EntityEncoder, mode: str, device: torch.device, au
     if mode not in ("auto", "native", "model"):
         raise ValueError(f"service.encode_attention must be auto, native or model; got {mode!r}")
     if mode != "model":
-        from dist_nce.index.attention import NAME, use_native_attention
+        from dist_nce.kernels.attention import NAME, use_native_attention
 
         why = ("the encode does not run in bf16 on a CPU" if device.type != "cpu" or autocast is not torch.bfloat16
                else use_native_attention(encoder))

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dist_nce.artifacts import atomic_path, write_manifest
+from dist_nce.core.artifacts import atomic_path, write_manifest
 from dist_nce.index.versions import EMBEDDINGS_FILE
 
 KIND = "embedding_snapshot"

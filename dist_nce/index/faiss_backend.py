@@ -13,7 +13,7 @@ benchmarks/search.py). On CPU SQfp16 halves memory but costs speed (no BLAS: ~0.
 of flat fp32 there). On GPU, flat fp16 is a GpuIndexFlat with fp16 storage (faiss has
 no GPU flat SQ); HNSW has no faiss GPU implementation and stays on the CPU.
 
-Callers search from processes that applied ``dist_nce.runtime.configure_faiss()``
+Callers search from processes that applied ``dist_nce.cluster.runtime.configure_faiss()``
 (faiss otherwise skips BLAS for batches under 128000 queries).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dist_nce.index.topk import first_occurrence, isin_rows
+from dist_nce.sampling.topk import first_occurrence, isin_rows
 
 FAISS_GPU_MAX_K = 2048  # faiss GPU k-selection limit
 

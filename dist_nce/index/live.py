@@ -1,7 +1,7 @@
 """One served version of a shard after KB deltas: index pieces, removed rows, KB version.
 
 A shard owns its base contiguous range plus the row segments KB deltas placed on it
-(``dist_nce.index.placement``). Each contiguous range is an immutable ``ShardIndex``
+(``dist_nce.actors.placement``). Each contiguous range is an immutable ``ShardIndex``
 (a *piece*); a version is the pieces it serves, the rows removed at its KB version
 (``dead``, sorted global int64) and that KB version. A delta builds a new
 :class:`LiveIndex` from the old pieces (shared, not copied) plus pieces for the new rows
@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from dist_nce.gradbias import LseGrad, lse_grad_all, lse_grad_rows, merge as merge_lse
+from dist_nce.bias.gradbias import LseGrad, lse_grad_all, lse_grad_rows, merge as merge_lse
 from dist_nce.index.search import Piece, ShardIndex, _check_batch, exact_search_pieces
-from dist_nce.index.topk import ShardResult, merge_results
+from dist_nce.sampling.topk import ShardResult, merge_results
 from dist_nce.modeling.scoring import Reps
 
 
@@ -113,7 +113,7 @@ class LiveIndex:
 
     def lse_grad(self, queries: Reps | Tensor, rows: Tensor | None = None) -> LseGrad:
         """This shard's (lse, grad) of log-sum-exp s(x, .) over its live rows (``rows`` None) or
-        over the rows it owns of global ``rows`` [B, S, K] (``dist_nce.gradbias``)."""
+        over the rows it owns of global ``rows`` [B, S, K] (``dist_nce.bias.gradbias``)."""
         q = Reps(queries) if isinstance(queries, Tensor) else queries
         dtype = torch.promote_types(self.compute, torch.float32)  # gradients of half scores are too coarse
         parts = []

@@ -2,7 +2,7 @@
 
 A shard owns the entity rows [row_start, row_start + n). Its answers use GLOBAL row
 ids, exclude the gold (a gold outside the shard is simply absent) and merge across
-shards with :func:`dist_nce.index.topk.merge_results` into the global answer.
+shards with :func:`dist_nce.sampling.topk.merge_results` into the global answer.
 
 Backends (``IndexConfig.backend``):
 
@@ -56,13 +56,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dist_nce.config import AT_LEAST_0, AT_LEAST_1, Range, check_fields
-from dist_nce.index import block_native, faiss_backend
-from dist_nce.index.topk import ShardResult, isin_rows, merge_results
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, Range, check_fields
+from dist_nce.index import faiss_backend
+from dist_nce.sampling import block_native
+from dist_nce.sampling.topk import ShardResult, isin_rows, merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, flatten_for_mips, is_inner_product, score_all, \
     score_candidates
-from dist_nce.index.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
-from dist_nce.negatives import gumbel_noise, gumbel_topk_dense, mask_gold_
+from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
+from dist_nce.sampling.negatives import gumbel_topk_dense
+from dist_nce.sampling.noise import gumbel_noise
+from dist_nce.sampling.topk import mask_gold_
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _TAIL_SALT = 0x7A11_5A3D
@@ -71,7 +74,7 @@ _TOLD: set[str] = set()
 
 
 def _help(text: str, default, bounds: Range | None = None):
-    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
     return dataclasses.field(default=default, metadata={"help": text, **({"range": bounds} if bounds else {})})
 
 
@@ -97,7 +100,7 @@ class IndexConfig:
     sampler: Literal["dense", "block"] = _help(
         "exact Gumbel-top-k sampler: dense draws one Gumbel per (query, row) (the reference); block draws "
         "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
-        "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/index/block_gumbel.py)", "dense")
+        "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/sampling/block_gumbel.py)", "dense")
     kernel: Literal["auto", "native", "torch"] = _help(
         "block sampler over bf16 dual reps (score_dtype bf16): native = the fused AVX512-BF16 kernel "
         "(dist_nce/index/native), scores never leave the core; torch = chunked GEMM then reductions; auto = "
@@ -500,7 +503,7 @@ class ShardIndex:
         if not is_inner_product(self.spec):
             raise ValueError(f"ShardIndex: backend {cfg.backend!r} needs an inner-product score, {self.spec} "
                              f"is not one; use backend 'torch'")
-        from dist_nce.runtime import faiss_has_gpu
+        from dist_nce.cluster.runtime import faiss_has_gpu
 
         want_gpu = cfg.faiss_gpu == "on" or (cfg.faiss_gpu == "auto" and self.device.type == "cuda")
         if want_gpu and not faiss_has_gpu():

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dist_nce.artifacts import ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.core.artifacts import ArtifactMismatch, atomic_path, read_manifest, write_manifest
 from dist_nce.modeling.scoring import Reps
 
 KIND = "shard_embeddings"

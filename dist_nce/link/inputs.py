@@ -1,7 +1,7 @@
 """What a user gives the linker, checked and cut into (left, mention, right) records.
 
-Three input forms, all turned into :class:`kb.records.MentionRecord` so tokenization is
-the training path's own (``dist_nce.text.encode_mentions``):
+Three input forms, all turned into :class:`dist_nce.core.records.MentionRecord` so tokenization is
+the training path's own (``dist_nce.core.text.encode_mentions``):
 
 * character spans: ``{"text": "Paris is in France .", "mentions": [[12, 18]]}``;
 * KILT entity-linking inputs: ``{"id": ..., "input": "left [START_ENT] m [END_ENT] right"}``,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from kb.kilt import END_ENT, START_ENT, split_marked_input
-from kb.records import BadRecord, MentionRecord
+from dist_nce.core.records import BadRecord, MentionRecord
 
 
 @dataclass(frozen=True)

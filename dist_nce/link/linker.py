@@ -8,9 +8,9 @@
 The steps are the training pipeline's own, in order:
 
 1. :mod:`dist_nce.link.inputs` cuts each mention into (left, mention, right);
-2. ``dist_nce.text.encode_mentions`` tokenizes them with the store's ``mention_max_len``,
+2. ``dist_nce.core.text.encode_mentions`` tokenizes them with the store's ``mention_max_len``,
    exactly as ``kb.prepare`` tokenized the training and dev mentions;
-3. the run's mention encoder encodes them (``dist_nce.eval.retrieve``, longest first);
+3. the run's mention encoder encodes them (``dist_nce.retrieval``, longest first);
 4. the KB is searched: in process (the run's exported snapshot, or the store encoded here)
    or through the trainer's sharded ``NegativeService`` (``LinkConfig.searcher``);
 5. an optional trained reranker rescores the k candidates from the store's entity token
@@ -30,17 +30,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from dist_nce.artifacts import ArtifactMismatch
-from dist_nce.config import from_dict, to_dict
-from dist_nce.eval.retrieve import default_index_config, iter_mention_reps, local_search, retrieve
+from dist_nce.core.artifacts import ArtifactMismatch
+from dist_nce.core.config import from_dict, to_dict
+from dist_nce.retrieval import default_index_config, iter_mention_reps, local_search, retrieve
 from dist_nce.index.search import ShardIndex
-from dist_nce.index.topk import ShardResult
+from dist_nce.sampling.topk import ShardResult
 from dist_nce.link.config import LinkConfig
 from dist_nce.link.inputs import Mention, parse_docs
 from dist_nce.link.run_dir import RunArtifacts, locate, snapshot_index
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps
-from dist_nce.text import encode_mentions, tokenizer_fingerprint
+from dist_nce.core.text import encode_mentions, tokenizer_fingerprint
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Prepared:
 
 
 class _TokenRows:
-    """Token rows in the shape ``dist_nce.eval.retrieve`` reads a mention table."""
+    """Token rows in the shape ``dist_nce.retrieval`` reads a mention table."""
 
     def __init__(self, ids: np.ndarray, lengths: np.ndarray):
         self._ids, self.lengths = ids, lengths
@@ -65,7 +65,7 @@ class _TokenRows:
 def encode_token_rows(retriever: Retriever, ids: np.ndarray, lengths: np.ndarray) -> Reps:
     """Token rows int32 [B, L] + lengths [B] -> mention Reps [B, ...] float32 on the CPU, in input order.
 
-    One batch of ``dist_nce.eval.retrieve.iter_mention_reps`` (the evaluation's encoder loop)."""
+    One batch of ``dist_nce.retrieval.iter_mention_reps`` (the evaluation's encoder loop)."""
     rows = _TokenRows(np.asarray(ids), np.asarray(lengths, dtype=np.int64))
     ((order, reps),) = iter_mention_reps(retriever, rows, None, max(len(rows.lengths), 1), progress=False)
     back = torch.from_numpy(np.argsort(order))
@@ -139,7 +139,7 @@ class Linker:
 
     @staticmethod
     def _open_searcher(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, store: Any, tok_sha: str):
-        from dist_nce.eval.retrieve import build_local_index
+        from dist_nce.retrieval import build_local_index
         from dist_nce.index.encode import state_fingerprint
 
         if cfg.searcher == "local":
@@ -244,10 +244,10 @@ def _open_service(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, tok_
     (the run's persisted final index when it is this model's, else encoded now)."""
     import dataclasses
 
-    from dist_nce.eval.retrieve import serve_model
-    from dist_nce.index.service import NegativeService
-    from dist_nce.index.service_config import ServiceConfig
-    from dist_nce.runtime import init_ray
+    from dist_nce.retrieval import serve_model
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.actors.config import ServiceConfig
+    from dist_nce.cluster.runtime import init_ray
 
     svc = cfg.service or from_dict(ServiceConfig, art.service or {}, f"{art.run_dir}/summary.json: service")
     svc = dataclasses.replace(svc, shard_dir=svc.shard_dir or str(Path(art.run_dir) / "shards"))

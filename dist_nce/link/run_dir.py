@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dist_nce.artifacts import MANIFEST, ArtifactMismatch, read_manifest
+from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, read_manifest
 from dist_nce.index.export import KIND as SNAPSHOT_KIND
 from dist_nce.index.export import SCHEMA_VERSION as SNAPSHOT_SCHEMA
 from dist_nce.index.search import IndexConfig, ShardIndex

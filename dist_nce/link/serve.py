@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from ray import serve
 
-from dist_nce.config import ConfigError, from_dict, to_dict
+from dist_nce.core.config import ConfigError, from_dict, to_dict
 from dist_nce.link.config import ServeConfig
 from dist_nce.modeling.scoring import Reps
 
@@ -102,7 +102,7 @@ class MentionEncoder:
     def __init__(self, model_dir: str, device: str, max_batch_size: int, batch_wait_timeout_s: float):
         keep_replica_grpc_on_loopback()
         from dist_nce.modeling.retriever import Retriever
-        from dist_nce.runtime import configure_process
+        from dist_nce.cluster.runtime import configure_process
 
         configure_process(1)
         self.retriever = Retriever.from_pretrained(model_dir).eval().to(device)
@@ -133,11 +133,11 @@ class RerankerScorer:
         from kb.store import EntityStore
 
         from dist_nce.modeling.reranker import Reranker
-        from dist_nce.runtime import configure_process
+        from dist_nce.cluster.runtime import configure_process
 
         configure_process(1)
         self.reranker = Reranker.from_pretrained(reranker_dir).eval().to(device)
-        from dist_nce.text import tokenizer_fingerprint
+        from dist_nce.core.text import tokenizer_fingerprint
 
         # It reads the store's entity token ids: they must be in its own vocabulary.
         self.store = EntityStore(store_dir, tokenizer_sha256=tokenizer_fingerprint(self.reranker.tokenizer)["sha256"])
@@ -189,7 +189,7 @@ class LinkIngress:
     def __init__(self, encoder: Any, reranker: Any, config: dict):
         keep_replica_grpc_on_loopback()
         from dist_nce.link.linker import Linker
-        from dist_nce.runtime import configure_process
+        from dist_nce.cluster.runtime import configure_process
 
         configure_process(1)
         self.cfg = from_dict(ServeConfig, config)

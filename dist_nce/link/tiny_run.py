@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dist_nce.artifacts import atomic_write_json
-from dist_nce.config import to_dict
+from dist_nce.core.artifacts import atomic_write_json
+from dist_nce.core.config import to_dict
 from dist_nce.index.encode import encode_rows, state_fingerprint, store_fingerprint
 from dist_nce.index.export import export_snapshot
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
@@ -79,7 +79,7 @@ def make_tiny_reranker(out: str | os.PathLike, model_dir: str, max_len: int = 64
     """A reranker (random tiny BERT + noise, so its scores are spread) saved to ``out``."""
     from dist_nce.modeling.encoder import load_transformer
     from dist_nce.modeling.reranker import Reranker, RerankerConfig
-    from dist_nce.text import load_tokenizer
+    from dist_nce.core.text import load_tokenizer
 
     torch.manual_seed(seed)
     reranker = Reranker(RerankerConfig(model=model_dir, max_len=max_len), load_transformer(model_dir),

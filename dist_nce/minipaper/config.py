@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dist_nce.config import AT_LEAST_1, ConfigError, Range
+from dist_nce.core.config import AT_LEAST_1, ConfigError, Range
 
 
 def _help(text: str, bounds: Range | None = None, **kw):

@@ -30,7 +30,7 @@ def _metric_names(rows: Sequence[Mapping[str, Any]], skip: Sequence[str] = ("/n"
 def collect(cfg, cells: Mapping[str, Any], done: Mapping[str, dict], failed: Mapping[str, str],
             seconds: Mapping[str, float], out: Path, root: Path) -> dict[str, Any]:
     """Everything the tables and plots need, from the cells' directories."""
-    from dist_nce.config import to_dict
+    from dist_nce.core.config import to_dict
 
     rows = []
     for name, c in cells.items():
@@ -251,7 +251,7 @@ def plot_curves(result: Mapping[str, Any], part: str, metric: str, path: Path, y
 
 def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
     """``mini_paper.md`` and the PNGs that have data; returns the paths written."""
-    from dist_nce.artifacts import atomic_write_text
+    from dist_nce.core.artifacts import atomic_write_text
 
     atomic_write_text(out / "mini_paper.md", "# The paper in miniature\n\n" + tables(result))
     written = [out / "mini_paper.md"]

@@ -26,7 +26,7 @@ EVAL_SPLITS = ("val", "test")
 
 
 def _metrics(d: Path) -> dict[int, dict[str, float]]:
-    from dist_nce.train.tb import read_metrics
+    from dist_nce.worker.tb import read_metrics
 
     p = d / "metrics.jsonl"
     return read_metrics(p) if p.exists() else {}

@@ -9,7 +9,7 @@ Pairs are built from the token ids the prepared KB already stores, so the rerank
 never re-tokenizes text:
 
 * mention ids ``[CLS] left [unused0] m [unused1] right [SEP]`` -> the content between
-  CLS and SEP, re-cut to at most ``(L-3)//2`` tokens by ``dist_nce.text``'s own rule
+  CLS and SEP, re-cut to at most ``(L-3)//2`` tokens by ``dist_nce.core.text``'s own rule
   (markers kept, the mention centred, the left context offered the floor half of the
   remaining quota), so a pair holds the same mention window a fresh tokenization would;
 * entity ids ``[CLS] title [unused2] description [SEP]`` -> the content between CLS and
@@ -33,11 +33,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
-from dist_nce.config import Range, check_fields, from_dict, to_dict
+from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.core.config import Range, check_fields, from_dict, to_dict
 from dist_nce.modeling.encoder import load_transformer, trim_padding
-from dist_nce.testing import default_model_dir
-from dist_nce.text import SpecialIds, assemble_mention_ids, load_tokenizer, special_ids, tokenizer_fingerprint
+from dist_nce.core.models import default_model_dir
+from dist_nce.core.text import SpecialIds, assemble_mention_ids, load_tokenizer, special_ids, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
 MANIFEST_KIND = "reranker"
@@ -46,7 +46,7 @@ MANIFEST_KIND = "reranker"
 @dataclass
 class RerankerConfig:
     model: str | None = field(
-        default=None, metadata={"help": "Hugging Face model directory; None = dist_nce.testing.default_model_dir()"}
+        default=None, metadata={"help": "Hugging Face model directory; None = dist_nce.core.models.default_model_dir()"}
     )
     max_len: int = field(default=256, metadata={
         "help": "pair length L; the mention part gets at most (L-3)//2",
@@ -92,8 +92,8 @@ def mention_windows(ids: torch.Tensor, sp: SpecialIds, budget: int) -> tuple[tor
     """The mention part of each pair: at most ``budget`` tokens around the marked mention.
 
     ids: [B, T] ``[CLS] left [unused0] m [unused1] right [SEP] pad...`` -> (window [B, W]
-    right-padded, lengths [B]), W <= budget. The cut is ``dist_nce.text``'s own
-    (:func:`~dist_nce.text.assemble_mention_ids` with ``budget + 2`` ids, CLS/SEP then
+    right-padded, lengths [B]), W <= budget. The cut is ``dist_nce.core.text``'s own
+    (:func:`~dist_nce.core.text.assemble_mention_ids` with ``budget + 2`` ids, CLS/SEP then
     dropped): markers kept, mention truncated only if it alone does not fit, left
     context offered the floor half of the rest. One short Python step per mention,
     not per (mention, candidate) pair.
@@ -105,7 +105,7 @@ def mention_windows(ids: torch.Tensor, sp: SpecialIds, budget: int) -> tuple[tor
         if seq.count(sp.mention_start) != 1 or seq.count(sp.mention_end) != 1:
             raise ValueError(
                 f"mention row {row} needs exactly one [unused0] and one [unused1] (ids {sp.mention_start}/"
-                f"{sp.mention_end}); was it tokenized with dist_nce.text.encode_mention? {seq}"
+                f"{sp.mention_end}); was it tokenized with dist_nce.core.text.encode_mention? {seq}"
             )
         a, b = seq.index(sp.mention_start), seq.index(sp.mention_end)
         windows.append(assemble_mention_ids(seq[:a], seq[a + 1 : b], seq[b + 1 :], budget + 2, sp)[1:-1])

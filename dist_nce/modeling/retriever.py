@@ -30,12 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_nce.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
-from dist_nce.config import AT_LEAST_1, ConfigError, check_fields, from_dict, to_dict
+from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.core.config import AT_LEAST_1, ConfigError, check_fields, from_dict, to_dict
 from dist_nce.modeling.encoder import Encoder, trim_padding
 from dist_nce.modeling.scoring import PRESETS, Reps, ScoreSpec, entity_reps, mention_reps, score_all, score_candidates
-from dist_nce.testing import default_model_dir
-from dist_nce.text import load_tokenizer, tokenizer_fingerprint
+from dist_nce.core.models import default_model_dir
+from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
 MANIFEST_KIND = "retriever"

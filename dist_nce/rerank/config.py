@@ -12,14 +12,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, plain_name
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, plain_name
 from dist_nce.modeling.reranker import RerankerConfig
 from dist_nce.train.config import DeepSpeedConfig, OptimConfig, WorkerRunConfig
 from kb.zeshel import ZESHEL_SPLITS
 
 
 def _help(text: str, bounds: Range | None = None, check=None, **kw):
-    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
     meta = {"help": text, **({"range": bounds} if bounds else {}), **({"check": check} if check else {})}
     return field(metadata=meta, **kw)
 
@@ -111,7 +111,7 @@ def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> Rerank
 def check_inputs(cfg: RerankJobConfig) -> None:
     """Raise ConfigError listing every missing input by its config key (before any cluster work)."""
     from dist_nce.rerank.candidates import candidates_path
-    from dist_nce.train.engine import load_deepspeed_config
+    from dist_nce.worker.engine import load_deepspeed_config
 
     problems: list[str] = []
     d = cfg.data

@@ -101,7 +101,7 @@ def _data_fingerprint(store_dir: str, candidates_file: str) -> str:
     import hashlib
     import os
 
-    from dist_nce.artifacts import MANIFEST, file_sha256
+    from dist_nce.core.artifacts import MANIFEST, file_sha256
 
     parts = [file_sha256(os.path.join(store_dir, MANIFEST)), file_sha256(candidates_file)]
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()

@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from dist_nce.artifacts import atomic_write_json
+from dist_nce.core.artifacts import atomic_write_json
 from dist_nce.eval.metrics import PAD
 from dist_nce.eval.zeshel import rerank, reranker_report
-from dist_nce.losses import nce_loss
+from dist_nce.modeling.losses import nce_loss
 from dist_nce.modeling.reranker import Reranker, build_pairs
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
@@ -97,7 +97,7 @@ class RerankWorker(WorkerScaffold):
     mean_keys = ("train/loss", "train/accuracy", "train/gold_score")
 
     def setup(self) -> None:
-        from dist_nce.text import tokenizer_fingerprint
+        from dist_nce.core.text import tokenizer_fingerprint
 
         cfg = self.cfg
         reranker = build_reranker(cfg, cfg.optim.seed)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dist_nce.config import to_dict
+from dist_nce.core.config import to_dict
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import RerankPlan, TrainingSet
 from dist_nce.worker.launch import make_torch_trainer, use_gpu  # noqa: F401 (re-exported)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dist_nce.negatives import Negatives
+from dist_nce.sampling.negatives import Negatives
 
 
 class TokenSource(Protocol):

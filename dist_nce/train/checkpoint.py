@@ -1,55 +1,25 @@
-"""Save and restore the exact training state, without pickle.
+"""The retriever's part of a checkpoint, on top of the worker's (``dist_nce.worker.checkpoint``).
 
-A checkpoint directory (one per reported step; Ray Train merges the workers' files) holds::
+Beside the engine, RNG and step that every worker saves, the retriever keeps::
 
-    manifest.json                    kind "train_checkpoint": step, plan, DeepSpeed tag
-    train_state.json                 rank 0: step, index versions + refresh steps, dev metrics before training
-    rng_rank{r}.json                 each rank: python, numpy, torch (and CUDA) RNG states as JSON
+    train_state.json                 rank 0: + index versions and refresh steps, the KB version trained against
     epoch_negatives_rank{r}.safetensors   per_epoch mode: the epoch's mined negatives
     pending_negatives_rank{r}.safetensors pipelined mode: the negatives already mined for the
                                      next P steps (with weights the checkpoint does not hold)
-    deepspeed/                       engine.save_checkpoint: module, optimizer (ZeRO partitions), LR scheduler
 
 The data position needs no state of its own: it is the step (see :mod:`dist_nce.train.plan`).
-
-**No pickle on load.** Our own files are JSON and safetensors. DeepSpeed's files are
-``torch.save`` pickles that DeepSpeed itself loads with ``weights_only=False``
-(deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py, ``TorchCheckpointEngine.load``).
-They load with ``weights_only=True`` once three of DeepSpeed's plain data classes are
-allowed: ``LossScaler`` (ZeRO-1/2 optimizer states), ``ZeroStageEnum`` (ZeRO-3) and
-``fragment_address`` (bf16/ZeRO optimizer states); :class:`WeightsOnlyCheckpointEngine`
-swaps that loader in. Not covered: DeepSpeed's universal-checkpoint path
-(``load_hp_checkpoint_state*`` in deepspeed/runtime/zero/stage3.py calls ``torch.load(...,
-weights_only=False)`` directly); dist-nce never uses it.
 """
 from __future__ import annotations
 
-import base64
-import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
-
-from dist_nce.artifacts import atomic_path, atomic_write_json, read_manifest, write_manifest
 from dist_nce.train.pipeline import EpochNegatives, StepNegatives
 from dist_nce.train.refresh import RefreshBook
-
-KIND = "train_checkpoint"
-SCHEMA_VERSION = 1
-DS_DIR = "deepspeed"
-STATE_FILE = "train_state.json"
-# Plan fields that must match to resume: they fix the data order and the LR schedule.
-RESUME_KEYS = ("num_workers", "per_worker_batch", "global_batch", "steps_per_epoch", "total_steps",
-               "train_mentions", "num_candidates", "n_hard", "n_random", "seed", "data_fingerprint")
-
-
-def rng_file(rank: int) -> str:
-    return f"rng_rank{rank}.json"
+from dist_nce.worker import checkpoint as base
+from dist_nce.worker.checkpoint import (  # noqa: F401  (the checkpoint's face for the retriever's loop)
+    KIND, SCHEMA_VERSION, capture_rng, install_weights_only_loading, restore_rng, weights_only_load)
 
 
 def epoch_negatives_file(rank: int) -> str:
@@ -61,12 +31,10 @@ def pending_negatives_file(rank: int) -> str:
 
 
 @dataclass
-class TrainState:
-    """What the loop needs besides the engine to continue at ``step`` (the next step to train)."""
+class TrainState(base.WorkerState):
+    """The worker's state plus the retriever's index bookkeeping."""
 
-    step: int = 0
     book: RefreshBook = field(default_factory=RefreshBook)
-    dev_before: dict[str, Any] | None = None
     kb_version: int = 0  # the KB version the last step trained against (docs/design.md section 6)
 
     def to_json(self) -> dict[str, Any]:
@@ -75,121 +43,36 @@ class TrainState:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TrainState":
-        return cls(int(d["step"]), RefreshBook.from_json(d["book"]), d.get("dev_before"), int(d.get("kb_version", 0)))
+        return cls(step=int(d["step"]), book=RefreshBook.from_json(d["book"]), dev_before=d.get("dev_before"),
+                   kb_version=int(d.get("kb_version", 0)))
 
 
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every RNG this process draws from, as JSON-ready values."""
-    version, words, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    out = {
-        "python": {"version": version, "state": list(words), "gauss": gauss},
-        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
-    }
-    if torch.cuda.is_available():
-        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+def extra_tensors(rank: int, epoch_negatives: EpochNegatives | None = None,
+                  pending: StepNegatives | None = None) -> dict[str, dict]:
+    """The retriever's tensors for ``worker.checkpoint.save`` (file name -> named tensors)."""
+    out = {}
+    if epoch_negatives is not None:
+        out[epoch_negatives_file(rank)] = epoch_negatives.tensors()
+    if pending is not None:
+        out[pending_negatives_file(rank)] = pending.tensors()
     return out
-
-
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-    n = state["numpy"]
-    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(_bytes_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
-
-
-# --------------------------------------------------------------------------- DeepSpeed loading
-
-
-def _deepspeed_safe_globals() -> list[type]:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-def weights_only_load(path: str | Path, map_location: Any = None) -> Any:
-    """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file (see module docstring)."""
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def install_weights_only_loading(engine: Any) -> None:
-    """Make ``engine.load_checkpoint`` read every file with ``weights_only=True``."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location: Any = None) -> Any:
-            return weights_only_load(path, map_location)
-
-    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
-        raise RuntimeError(f"DeepSpeed uses {type(engine.checkpoint_engine).__name__}; dist-nce expects the "
-                           "default torch checkpoint engine (remove checkpoint writer/datastates settings)")
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
-
-
-# --------------------------------------------------------------------------- save / load
 
 
 def save(engine: Any, directory: str | Path, state: TrainState, rank: int, plan: dict[str, Any],
          epoch_negatives: EpochNegatives | None = None, pending: StepNegatives | None = None) -> None:
     """Write this rank's part of the checkpoint (a collective: every rank calls it)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    engine.save_checkpoint(str(directory / DS_DIR), tag=f"step{state.step}")
-    atomic_write_json(directory / rng_file(rank), capture_rng())
-    if epoch_negatives is not None:
-        with atomic_path(directory / epoch_negatives_file(rank)) as tmp:
-            save_file({k: v.contiguous() for k, v in epoch_negatives.tensors().items()}, str(tmp))
-    if pending is not None:
-        with atomic_path(directory / pending_negatives_file(rank)) as tmp:
-            save_file({k: v.contiguous() for k, v in pending.tensors().items()}, str(tmp))
-    if rank == 0:
-        atomic_write_json(directory / STATE_FILE, state.to_json())
-        write_manifest(directory, KIND, SCHEMA_VERSION, step=state.step, deepspeed_tag=f"step{state.step}",
-                       plan=plan)
-
-
-def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str) -> None:
-    saved = manifest.get("plan", {})
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {plan.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != plan.get(k)]
-    if diff:
-        raise ValueError(f"{where}: cannot resume this run with a different plan ({'; '.join(diff)}); "
-                         "use another run.name for a new run")
+    base.save(engine, directory, state, rank, plan, extra_tensors(rank, epoch_negatives, pending))
 
 
 def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any]
          ) -> tuple[TrainState, EpochNegatives | None]:
     """Restore engine (module, optimizer, scheduler), RNG and loop state from ``directory``."""
-    directory = Path(directory)
-    manifest = read_manifest(directory, KIND, SCHEMA_VERSION)
-    check_resumable(manifest, plan, str(directory))
-    path, _ = engine.load_checkpoint(str(directory / DS_DIR), tag=manifest["deepspeed_tag"],
-                                     load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise FileNotFoundError(f"{directory / DS_DIR}: DeepSpeed found no checkpoint {manifest['deepspeed_tag']}")
-    state = TrainState.from_json(json.loads((directory / STATE_FILE).read_text()))
-    restore_rng(json.loads((directory / rng_file(rank)).read_text()))
-    neg_path = directory / epoch_negatives_file(rank)
-    epoch_negatives = EpochNegatives.from_tensors(load_file(str(neg_path))) if neg_path.exists() else None
-    return state, epoch_negatives
+    state = base.load(engine, directory, rank, plan, TrainState)
+    tensors = base.load_tensors(directory, epoch_negatives_file(rank))
+    return state, EpochNegatives.from_tensors(tensors) if tensors is not None else None
 
 
 def load_pending(directory: str | Path, rank: int) -> StepNegatives | None:
     """This rank's prefetched negatives saved with the checkpoint (None if there were none)."""
-    path = Path(directory) / pending_negatives_file(rank)
-    return StepNegatives.from_tensors(load_file(str(path))) if path.exists() else None
+    tensors = base.load_tensors(directory, pending_negatives_file(rank))
+    return StepNegatives.from_tensors(tensors) if tensors is not None else None

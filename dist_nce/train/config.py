@@ -2,7 +2,7 @@
 
 ``load_config(TrainJobConfig, "configs/aida/tiny_cpu.yaml", overrides=["optim.lr=2e-5"])``
 builds it; unknown keys are an error naming the file and the dotted key. Every field
-has a help string: ``python -c "from dist_nce.config import describe; from
+has a help string: ``python -c "from dist_nce.core.config import describe; from
 dist_nce.train.config import TrainJobConfig; print(describe(TrainJobConfig))"``.
 """
 from __future__ import annotations
@@ -12,18 +12,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
-from dist_nce.index.service_config import ServiceConfig
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
+from dist_nce.actors.config import ServiceConfig
 from dist_nce.modeling.retriever import RetrieverConfig
 
 
 def _help(text: str, bounds: Range | None = None, check=None, **kw):
-    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
     meta = {"help": text, **({"range": bounds} if bounds else {}), **({"check": check} if check else {})}
     return field(metadata=meta, **kw)
 
 
-# The fixed tokens of each layout (dist_nce.text) plus one token of content.
+# The fixed tokens of each layout (dist_nce.core.text) plus one token of content.
 _MENTION_LEN = Range(ge=5, why="[CLS], [SEP] and the two mention markers take 4")
 _ENTITY_LEN = Range(ge=4, why="[CLS], [SEP] and the title marker take 3")
 
@@ -205,7 +205,7 @@ class TrainJobConfig:
 def check_inputs(cfg: TrainJobConfig) -> None:
     """Raise ConfigError listing every missing input (files, directories, DeepSpeed JSON)
     named by its config key, so a typo fails in a second, before any cluster work."""
-    from dist_nce.train.engine import load_deepspeed_config
+    from dist_nce.worker.engine import load_deepspeed_config
 
     problems: list[str] = []
 

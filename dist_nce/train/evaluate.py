@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dist_nce.eval.metrics import accuracy, recall_at_k
-from dist_nce.eval.retrieve import retrieve
+from dist_nce.retrieval import retrieve
 
 
 def dev_metrics(ranked: np.ndarray, gold: np.ndarray, ks: Sequence[int]) -> dict[str, Any]:

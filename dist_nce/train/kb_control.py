@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dist_nce.artifacts import atomic_write_json
+from dist_nce.core.artifacts import atomic_write_json
 
 CONTROL_FILE = "kb_update.json"
 DONE_FILE = "kb_update.done.json"

@@ -23,12 +23,12 @@ import torch
 from torch import Tensor
 
 from dist_nce.index.encode import store_fingerprint
-from dist_nce.losses import adjusted_nce_loss, nce_loss
-from dist_nce.negatives import Negatives
-from dist_nce.text import tokenizer_fingerprint
+from dist_nce.modeling.losses import adjusted_nce_loss, nce_loss
+from dist_nce.sampling.negatives import Negatives
+from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
-from dist_nce.train.bias_monitor import BiasMonitor
+from dist_nce.bias.monitor import BiasMonitor
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.evaluate import evaluate
 from dist_nce.train.kb_follow import KbFollower
@@ -48,6 +48,7 @@ def train_func(config: dict[str, Any]) -> None:
 
 class Worker(WorkerScaffold):
     mean_keys = ("train/loss", "train/gold_score", "train/negative_score", "time/negatives_wait_s")
+    state_cls = checkpoint.TrainState
 
     def __init__(self, cfg: TrainJobConfig, service: Any, rank: int, world: int, device: torch.device | str,
                  report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
@@ -279,10 +280,11 @@ class Worker(WorkerScaffold):
                 f"{k} {v:.4f}" for k, v in out.items() if k.startswith(("recall", "accuracy"))))
         return out
 
-    def checkpoint_extras(self) -> dict[str, Any]:
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         mid_epoch = self.state.step % self.plan.steps_per_epoch != 0
-        return {"epoch_negatives": self.epoch_neg if mid_epoch else None,  # a new epoch mines afresh
-                "pending": self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None}
+        return checkpoint.extra_tensors(
+            self.rank, self.epoch_neg if mid_epoch else None,  # a new epoch mines afresh
+            self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None)
 
     def finish(self) -> dict[str, Any]:
         cfg, state = self.cfg, self.state

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dist_nce.modeling.scoring import Reps
-from dist_nce.negatives import Negatives
+from dist_nce.sampling.negatives import Negatives
 from dist_nce.train.batches import trimmed
 from dist_nce.train.plan import Sampling
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dist_nce.negatives import num_hard
+from dist_nce.sampling.negatives import num_hard
 from dist_nce.train.config import TrainJobConfig
 
 

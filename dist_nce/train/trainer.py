@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from dist_nce.config import to_dict
+from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import TrainPlan
 from dist_nce.worker.launch import make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)

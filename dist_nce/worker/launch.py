@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from dist_nce.cluster.fit import worker_resources  # noqa: F401  (what one worker asks Ray for; re-exported)
+
 
 def use_gpu(cfg: Any) -> bool:
     """``run.use_gpu``, or auto-detect: GPUs in the Ray cluster."""
@@ -18,13 +20,6 @@ def use_gpu(cfg: Any) -> bool:
 def storage_uri(path: str) -> str:
     """Ray Train wants an absolute local path (or a URI such as s3://...)."""
     return path if "://" in path else os.path.abspath(path)
-
-
-def worker_resources(run: Any, gpu: bool) -> dict[str, float]:
-    """What one training worker asks Ray for (``run``: a WorkerRunConfig): CPUs, GPUs on a GPU
-    run, custom resources (``run.resources_per_worker``, e.g. {trainer: 1} for trainer nodes)."""
-    return {"CPU": run.cpus_per_worker, **({"GPU": run.gpus_per_worker} if gpu else {}),
-            **run.resources_per_worker}
 
 
 def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, loop_config: dict[str, Any]):

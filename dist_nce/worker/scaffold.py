@@ -10,8 +10,9 @@
 
 A fix to any of these lands in both trainers (they had drifted: only the retriever matched
 DeepSpeed's accelerator to its device). Subclasses fill in ``setup``, ``train_step`` and
-``finish``, and may override the ``restore`` / ``checkpoint_extras`` / ``during_training``
-hooks. The Ray calls are constructor arguments, so one process can run a worker too.
+``finish``, and may override the ``restore`` / ``checkpoint_tensors`` / ``during_training``
+hooks (``state_cls`` names the loop state a checkpoint keeps; ``checkpoint_tensors`` adds
+named tensors to it). The Ray calls are constructor arguments, so one process can run a worker too.
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ from typing import Any, Callable
 
 import torch
 
-from dist_nce.config import from_dict
-from dist_nce.train import checkpoint
-from dist_nce.train.engine import build_engine, load_deepspeed_config
-from dist_nce.train.tb import RunLogger
+from dist_nce.core.config import from_dict
+from dist_nce.worker import checkpoint
 from dist_nce.worker.collectives import Collectives
+from dist_nce.worker.engine import build_engine, load_deepspeed_config
+from dist_nce.worker.tb import RunLogger
 
 
 def accelerator_for(device: torch.device | str) -> str:
@@ -40,7 +41,7 @@ def worker_main(config_cls: type, config: dict[str, Any], make_worker: Callable[
     import ray.train
     import ray.train.torch
 
-    from dist_nce.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process
 
     cfg = from_dict(config_cls, config["job"], source="train_loop_config.job")
     configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
@@ -60,6 +61,7 @@ class WorkerScaffold:
     label = "worker"  # first word of the start line in the log
     ckpt_prefix = "dist_nce_ckpt_"
     mean_keys: tuple[str, ...] = ("train/loss",)  # scalars averaged over ranks before logging
+    state_cls: type[checkpoint.WorkerState] = checkpoint.WorkerState  # the loop state checkpoints keep
 
     def __init__(self, cfg: Any, rank: int, world: int, device: torch.device | str,
                  report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
@@ -129,13 +131,12 @@ class WorkerScaffold:
 
     # ------------------------------------------------------------------ resume
 
-    def restore(self, directory: str) -> checkpoint.TrainState:
+    def restore(self, directory: str) -> checkpoint.WorkerState:
         """Engine, RNG and loop state from a checkpoint directory (subclasses add their extras)."""
-        state, _ = checkpoint.load(self.engine, directory, self.rank, self.plan.as_dict())
-        return state
+        return checkpoint.load(self.engine, directory, self.rank, self.plan.as_dict(), self.state_cls)
 
     def resume(self) -> None:
-        self.state, resumed = checkpoint.TrainState(), self.get_checkpoint()
+        self.state, resumed = self.state_cls(), self.get_checkpoint()
         if resumed is not None:
             with resumed.as_directory() as d:
                 self.state = self.restore(d)
@@ -165,8 +166,8 @@ class WorkerScaffold:
         every = self.cfg.run.checkpoint_every_steps
         return bool(every and done % every == 0) or done % self.plan.steps_per_epoch == 0
 
-    def checkpoint_extras(self) -> dict[str, Any]:
-        """Keyword arguments of ``checkpoint.save`` beyond the engine and state (subclasses)."""
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Named tensors saved with this rank's checkpoint, by file name (subclasses)."""
         return {}
 
     def save_checkpoint(self, metrics: dict[str, Any], suffix: str = "") -> None:
@@ -175,7 +176,7 @@ class WorkerScaffold:
         from ray.train import Checkpoint
 
         with tempfile.TemporaryDirectory(prefix=self.ckpt_prefix) as tmp:
-            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), **self.checkpoint_extras())
+            checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), self.checkpoint_tensors())
             self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
                         checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")
 

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
-from dist_nce.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range
 from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths
 from kb.zeshel import ZESHEL_SPLITS, ZESHEL_WORLDS
 
@@ -29,7 +29,7 @@ EVAL_STORE_SPLITS = ("val", "test")
 
 
 def _help(text: str, bounds: Range | None = None, **kw):
-    """A field with its help string and, for numbers, its admissible range (dist_nce.config)."""
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
     return field(metadata={"help": text, **({"range": bounds} if bounds else {})}, **kw)
 
 

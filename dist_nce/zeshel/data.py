@@ -36,7 +36,7 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
 
     present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
     if not present:
-        from dist_nce.config import ConfigError
+        from dist_nce.core.config import ConfigError
 
         raise ConfigError(f"{root}: no mentions/{{{','.join(splits)}}}.json: the {worlds} worlds' store needs at "
                           f"least one of these mention splits")

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dist_nce.artifacts import write_manifest
+from dist_nce.core.artifacts import write_manifest
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.eval.retrieve import build_local_index, default_index_config, ranked_source_ids, retrieve
+from dist_nce.retrieval import build_local_index, default_index_config, ranked_source_ids, retrieve
 from dist_nce.eval.zeshel import RECALL_KS, evaluate_retriever_split, split_world_ranges, write_candidates
 from dist_nce.index.search import IndexConfig
 from dist_nce.modeling.retriever import Retriever
@@ -88,7 +88,7 @@ def evaluate_retriever(retriever: Retriever, train_store: str, eval_store: str, 
     """
     from kb.store import EntityStore, MentionTable
 
-    from dist_nce.text import tokenizer_fingerprint
+    from dist_nce.core.text import tokenizer_fingerprint
 
     sha = tokenizer_fingerprint(retriever.tokenizer)["sha256"] if retriever.tokenizer is not None else None
     config = index_config(retriever, z.eval_backend)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dist_nce.config import ConfigError, load_config
+from dist_nce.core.config import ConfigError, load_config
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
 
 EVAL_SPLITS = ("val", "test")
@@ -74,7 +74,7 @@ def result_key(cfg: ZeshelRetrieverConfig, store_fingerprints: Sequence[str], se
     import hashlib
     import json
 
-    from dist_nce.config import to_dict
+    from dist_nce.core.config import to_dict
 
     d = to_dict(cfg)
     d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
@@ -90,7 +90,7 @@ def model_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
     import hashlib
     import json
 
-    from dist_nce.testing import default_model_dir
+    from dist_nce.core.models import default_model_dir
     from kb.ingest import file_fingerprint
 
     out = []

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dist_nce.config import to_dict
+from dist_nce.core.config import to_dict
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, candidates_dir, training_config
 
 SUMMARY = "summary.json"
@@ -33,11 +33,11 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     """
     import ray
 
-    from dist_nce.artifacts import atomic_write_json
-    from dist_nce.cluster_fit import check_fits, service_request, workers_request
-    from dist_nce.index.service import NegativeService
+    from dist_nce.core.artifacts import atomic_write_json
+    from dist_nce.cluster.fit import check_fits, service_request, workers_request
+    from dist_nce.actors.service import NegativeService
     from dist_nce.modeling.retriever import Retriever
-    from dist_nce.runtime import init_ray
+    from dist_nce.cluster.runtime import init_ray
     from dist_nce.train.config import check_against_store, check_inputs
     from dist_nce.train.model import MODEL_DIR, build_retriever
     from dist_nce.train.trainer import describe_plan, fit, kb_snapshot, plan_for, unflatten, use_gpu

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from dist_nce.artifacts import MANIFEST, atomic_write_json
+from dist_nce.core.artifacts import MANIFEST, atomic_write_json
 from kb.synthetic import kilt as _kilt
 from kb.synthetic import zeshel as _zeshel
 from kb.synthetic.lexicon import load_lexicon

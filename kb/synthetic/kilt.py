@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 from tqdm import tqdm
 
-from dist_nce.artifacts import write_manifest
+from dist_nce.core.artifacts import write_manifest
 from kb.synthetic.lexicon import KILT_DOMAINS, load_lexicon
 from kb.synthetic.sink import JsonlSink
 from kb.synthetic.universe import (

@@ -52,7 +52,7 @@ class Lexicon:
 def load_lexicon(vocab_path: str | os.PathLike | None = None) -> Lexicon:
     """Content words from a BERT ``vocab.txt`` (default: the default model's)."""
     if vocab_path is None:
-        from dist_nce.testing import default_model_dir
+        from dist_nce.core.models import default_model_dir
 
         vocab_path = Path(default_model_dir()) / "vocab.txt"
     data = Path(vocab_path).read_bytes()

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dist_nce.artifacts import atomic_path
+from dist_nce.core.artifacts import atomic_path
 
 
 class JsonlSink:

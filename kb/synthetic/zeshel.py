@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from tqdm import tqdm
 
-from dist_nce.artifacts import write_manifest
+from dist_nce.core.artifacts import write_manifest
 from kb.synthetic.lexicon import ZESHEL_WORLD_TABLE, Domain, Lexicon, load_lexicon
 from kb.synthetic.sink import JsonlSink
 from kb.synthetic.universe import (

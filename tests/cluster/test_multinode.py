@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.train.tb import read_metrics
+from dist_nce.worker.tb import read_metrics
 from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multinode]
@@ -52,7 +52,7 @@ class Nodes:
         cluster.wait_for_nodes()
 
     def add(self, kind: str):
-        from dist_nce.runtime import free_port
+        from dist_nce.cluster.runtime import free_port
 
         # Each node unpacks a job's working_dir into a directory of its own, as on separate
         # machines: sharing one, a node re-extracting the package pulls the files (and the
@@ -78,7 +78,7 @@ def cluster(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
-    from dist_nce.runtime import enable_token_auth, free_port, init_ray
+    from dist_nce.cluster.runtime import enable_token_auth, free_port, init_ray
 
     if ray.is_initialized():  # the session's one-node Ray (tests/conftest.py); it restarts for later modules
         ray.shutdown()
@@ -179,7 +179,7 @@ def test_sharded_answers_equal_one_node_answers(cluster, kb, tiny_model_dir, tmp
 
     import ray
 
-    from dist_nce.index.service import NegativeService
+    from dist_nce.actors.service import NegativeService
     from dist_nce.train.model import build_retriever
 
     cfg = tiny_config(kb, tiny_model_dir, tmp_path, *DETERMINISTIC, "service.index.backend=torch")

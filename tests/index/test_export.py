@@ -9,12 +9,12 @@ import torch
 
 from dist_nce.index.export import export_snapshot
 from dist_nce.index.search import IndexConfig
-from dist_nce.index.service_config import ServiceConfig
-from dist_nce.index.shard import EntityShard
+from dist_nce.actors.config import ServiceConfig
+from dist_nce.actors.shard import EntityShard
 from dist_nce.modeling.retriever import RetrieverConfig
 from kb.store import EntityStore
 
-from test_shard import D, N, entity_state, store_dir  # noqa: F401  (store_dir is a fixture)
+from tests.actors.test_shard import D, N, entity_state, store_dir  # noqa: F401  (store_dir is a fixture)
 
 SPLIT = [(0, 40), (40, N)]
 

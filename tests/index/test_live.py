@@ -2,7 +2,7 @@
 
 Every answer over pieces spread on several shards, with removed rows, is compared with one
 flat search over the same row space (bit for bit), and the samplers with the exact law over
-the SURVIVING rows (the statistical helpers of tests/test_negatives.py).
+the SURVIVING rows (the statistical helpers of tests/sampling/test_negatives.py).
 """
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 
-from dist_nce.gradbias import lse_grad_all
+from dist_nce.bias.gradbias import lse_grad_all
 from dist_nce.index.live import LiveIndex
-from dist_nce.index.placement import place_rows, water_fill
+from dist_nce.actors.placement import place_rows, water_fill
 from dist_nce.index.search import IndexConfig, ShardIndex
-from dist_nce.index.topk import merge_results
-from dist_nce.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
+from dist_nce.sampling.topk import merge_results
+from dist_nce.sampling.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
 from dist_nce.modeling.scoring import Reps, ScoreSpec
-from dist_nce.negatives import sample_random
-from test_negatives import chi2_pvalue, inclusion_max_z, successive_sampling  # noqa: E402  (tests/ on sys.path)
+from dist_nce.sampling.negatives import sample_random
+from tests.sampling.test_negatives import chi2_pvalue, inclusion_max_z, successive_sampling  # noqa: E402  (tests/ on sys.path)
 
 DUAL = ScoreSpec.preset("dual")
 BASE, COUNT, D = 203, 277, 8  # version 0 had 203 rows; deltas appended 74
@@ -114,7 +114,7 @@ def test_lse_grad_leaves_removed_rows_out(data):
     vecs, dead, q, _ = data
     config = IndexConfig(backend="torch", chunk_rows=32)
     parts = [live_index(vecs, rs, dead, config).lse_grad(q) for rs in shards_after_deltas(1)]
-    from dist_nce.gradbias import merge
+    from dist_nce.bias.gradbias import merge
 
     got = merge(parts)
     live = torch.ones(COUNT, dtype=torch.bool)
@@ -140,7 +140,7 @@ def test_single_piece_without_removals_is_the_plain_shard_index(data):
 # --------------------------------------------------------------------------- the law over the surviving rows
 
 
-# 14 rows, 4 removed: the 10 survivors carry the scores of tests/test_negatives.py, survivor 0 is the gold.
+# 14 rows, 4 removed: the 10 survivors carry the scores of tests/sampling/test_negatives.py, survivor 0 is the gold.
 SURVIVOR_SCORES = [2.5, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 0.8, -1.0, 1.2]
 DEAD_ROWS = [2, 5, 6, 11]
 DRAWS, K = 100_000, 3

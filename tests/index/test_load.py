@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from dist_nce.artifacts import ArtifactMismatch
+from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import IndexConfig, ShardIndex, faiss_storage_view
 from dist_nce.index.versions import PersistedVersions

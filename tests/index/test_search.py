@@ -9,10 +9,10 @@ import torch
 
 from dist_nce.index import faiss_backend
 from dist_nce.index.search import IndexConfig, ShardIndex, exact_search
-from dist_nce.index.topk import merge_results
+from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
-from dist_nce.negatives import sample_hard
-from dist_nce.runtime import configure_faiss
+from dist_nce.sampling.negatives import sample_hard
+from dist_nce.cluster.runtime import configure_faiss
 
 DUAL = ScoreSpec.preset("dual")
 SPLITS = [(0, 37), (37, 38), (38, 120), (120, 200)]  # uneven, one single-row shard
@@ -242,7 +242,7 @@ def test_candidates_mode_covering_every_row_is_the_exact_sample():
 
 
 def test_index_config_from_yaml_dict():
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
 
     cfg = from_dict(IndexConfig, {"backend": "ivf", "nprobe": 8, "gumbel": "auto"}, "configs/x.yaml")
     assert cfg.gumbel_mode() == "candidates" and IndexConfig(backend="flat").gumbel_mode() == "exact"
@@ -340,7 +340,7 @@ def test_bad_inputs_have_clear_errors():
 
 
 def test_faiss_gpu_on_without_gpu_is_an_error(monkeypatch):
-    monkeypatch.setattr("dist_nce.runtime.faiss_has_gpu", lambda: False)
+    monkeypatch.setattr("dist_nce.cluster.runtime.faiss_has_gpu", lambda: False)
     with pytest.raises(ValueError, match="faiss_gpu is 'on' but faiss sees no GPU"):
         ShardIndex(DUAL, Reps(torch.randn(20, 8)), 0, IndexConfig(backend="flat", faiss_gpu="on"))
 
@@ -363,7 +363,7 @@ def test_faiss_gpu_path_is_selected_by_config(monkeypatch, backend, storage):
         calls.append(("clone", device, type(index).__name__, options.useFloat16))
         return index  # stands in for the GPU index
 
-    monkeypatch.setattr("dist_nce.runtime.faiss_has_gpu", lambda: True)
+    monkeypatch.setattr("dist_nce.cluster.runtime.faiss_has_gpu", lambda: True)
     monkeypatch.setattr(faiss, "StandardGpuResources", lambda: object(), raising=False)
     monkeypatch.setattr(faiss, "GpuClonerOptions", Options, raising=False)
     monkeypatch.setattr(faiss, "GpuParameterSpace", Space, raising=False)
@@ -444,7 +444,7 @@ def test_bf16_scores_are_fp32_sums_of_exact_bf16_products():
 
 
 def test_score_dtype_is_validated():
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match="score_dtype"):
         from_dict(IndexConfig, {"score_dtype": "fp16"}, "configs/x.yaml")

@@ -80,7 +80,7 @@ def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_pa
     snap = json.loads((out / "kb_snapshot" / "manifest.json").read_text())
     assert snap["version"] == summary["index_version"] and np.load(out / "kb_snapshot" / "embeddings.npy").shape == (400, 32)
     # asynchronous refresh every 4 steps: newer indexes arrive while training, staleness is logged
-    from dist_nce.train.tb import read_metrics
+    from dist_nce.worker.tb import read_metrics
 
     steps = read_metrics(out / "metrics.jsonl")
     trained = [s for s in sorted(steps) if "train/loss" in steps[s]]

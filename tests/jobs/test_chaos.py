@@ -9,7 +9,7 @@ a. a shard process DURING a refresh: found through the Ray state API of the job'
    shard process took its place);
 b. a Ray Train worker during training (Ray Train restarts the group from a checkpoint);
 c. the driver itself: then no process of the job may be left (its session, its Ray temp dir)
-   within 30 s. Ray alone left the raylet's two agents running for 60 s; dist_nce/ray_reaper.py
+   within 30 s. Ray alone left the raylet's two agents running for 60 s; dist_nce/cluster/reaper.py
    (started by init_ray) ends them.
 
 The same command is then run again: it resumes from the newest checkpoint Ray Train had

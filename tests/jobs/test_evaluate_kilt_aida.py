@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist_nce.eval.kilt import kilt_scores, read_jsonl
-from dist_nce.eval.retrieve import build_local_index, retrieve
+from dist_nce.retrieval import build_local_index, retrieve
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore, MentionTable

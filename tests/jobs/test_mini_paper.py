@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dist_nce.train.tb import read_metrics
+from dist_nce.worker.tb import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

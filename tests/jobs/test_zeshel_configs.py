@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_nce.config import ConfigError, from_dict, load_config, to_dict
+from dist_nce.core.config import ConfigError, from_dict, load_config, to_dict
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs, training_config

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kb.blink import iter_blink_entities, parse_blink_entity
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 
 ENTITY_JSONL = Path(__file__).parent / "fixtures" / "entity.jsonl"
 

@@ -7,7 +7,7 @@ from kb.ingest import run_chunks
 def test_partial_outputs_of_a_killed_run_are_removed(tmp_path):
     work = tmp_path / "chunks"
     work.mkdir()
-    partial = work / ".entities-000-000003.arrow.k2j4h1.tmp"  # the name dist_nce.artifacts.atomic_path uses
+    partial = work / ".entities-000-000003.arrow.k2j4h1.tmp"  # the name dist_nce.core.artifacts.atomic_path uses
     partial.write_bytes(b"\0" * 100)
     done = work / "entities-000-000001.arrow"
     done.write_bytes(b"kept")

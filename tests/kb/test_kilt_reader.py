@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kb.kilt import iter_aida, iter_kilt_entities, parse_aida, parse_kilt_entity
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KS = FIXTURES / "kilt_knowledgesource_sample.json"

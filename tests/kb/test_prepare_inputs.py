@@ -9,7 +9,7 @@ import pytest
 
 from kb.jsonl import load_object
 from kb.prepare import PrepareConfig, PrepareError, prepare
-from kb.records import BadRecord
+from dist_nce.core.records import BadRecord
 from tests.kb.test_prepare import aida_line, write_kilt
 
 FIXTURES = Path(__file__).parent / "fixtures"

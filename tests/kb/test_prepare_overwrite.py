@@ -11,7 +11,7 @@ import pytest
 
 import kb.staging as staging
 from kb.prepare import PrepareConfig, prepare
-from kb.records import BadRecord
+from dist_nce.core.records import BadRecord
 from kb.store import EntityStore
 from tests.kb.test_prepare import kilt_line, write_kilt
 

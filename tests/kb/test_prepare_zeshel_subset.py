@@ -67,7 +67,7 @@ def test_selection_is_part_of_the_spec(root, tmp_path, tiny_model_dir):
 
 
 def test_bad_selection(root, tmp_path):
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match="unknown split"):
         from_dict(PrepareConfig, {"out": "x", "zeshel_root": "r", "zeshel_splits": "train,dev"})

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dist_nce.artifacts import ArtifactMismatch
+from dist_nce.core.artifacts import ArtifactMismatch
 from kb.prepare import PrepareConfig, prepare
 from kb.source_index import SourceIndex, argsort_keys, build_source_index, fixed_width_keys
 from kb.store import EntityStore, MentionTable, read_arrow

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dist_nce.artifacts import file_sha256, read_manifest
+from dist_nce.core.artifacts import file_sha256, read_manifest
 from kb.blink import iter_blink_entities
 from kb.kilt import iter_aida, iter_kilt_entities
-from kb.records import BadRecordLog
+from dist_nce.core.records import BadRecordLog
 import kb.synthetic.kilt as synthetic_kilt
 from kb.synthetic import SPLITS, KiltUniverse, Knobs, write_kilt, write_zeshel, zeshel_category
 from kb.synthetic.__main__ import main as cli_main

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kb.records import BadRecord, BadRecordLog
+from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.zeshel import (
     ZESHEL_SPLITS,
     ZESHEL_WORLDS,

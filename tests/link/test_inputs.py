@@ -59,7 +59,7 @@ def test_the_serve_config_is_loopback_and_its_args_are_a_serve_config():
 
     import yaml
 
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
     from dist_nce.link.config import ServeConfig
 
     text = (Path(__file__).resolve().parents[2] / "configs" / "serve" / "link.yaml").read_text()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.artifacts import ArtifactMismatch
+from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.link import Linker
 from dist_nce.modeling.reranker import Reranker
 from dist_nce.modeling.retriever import Retriever
@@ -128,7 +128,7 @@ def test_a_snapshot_of_other_weights_or_another_kb_is_refused(tiny_run, tmp_path
 
 
 def test_unknown_config_keys_and_missing_artifacts_are_named(tiny_run, tmp_path):
-    from dist_nce.config import ConfigError
+    from dist_nce.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="kk: unknown key"):
         Linker.from_pretrained(tiny_run, kk=3)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dist_nce.config import load_config
+from dist_nce.core.config import load_config
 from dist_nce.minipaper.cells import aida_cells, reranker_cells, zeshel_cells
 from dist_nce.minipaper.config import MiniPaperConfig
 from dist_nce.minipaper.report import best_retriever, collect, tables, write_outputs

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dist_nce.modeling.reranker import Reranker, RerankerConfig, build_pairs, mention_windows
-from dist_nce.text import SpecialIds, assemble_mention_ids
+from dist_nce.core.text import SpecialIds, assemble_mention_ids
 
 TOK = SpecialIds(cls=101, sep=102, pad=0, mention_start=1, mention_end=2, title_sep=3)
 
@@ -133,7 +133,7 @@ def test_token_types_matter(reranker):
 
 
 def test_nce_training_step_reaches_encoder_and_head(tiny_model_dir):
-    from dist_nce.losses import nce_loss
+    from dist_nce.modeling.losses import nce_loss
 
     torch.manual_seed(0)
     model = Reranker.build(RerankerConfig(model=tiny_model_dir, max_len=32))
@@ -154,7 +154,7 @@ def test_cls_head_freezes_pooler(tiny_model_dir):
 def test_save_and_load_round_trip(reranker, tmp_path):
     from transformers import AutoModel
 
-    from dist_nce.artifacts import ArtifactMismatch, read_manifest
+    from dist_nce.core.artifacts import ArtifactMismatch, read_manifest
 
     reranker.save_pretrained(tmp_path / "rr")
     manifest = read_manifest(tmp_path / "rr", "reranker")
@@ -172,7 +172,7 @@ def test_save_and_load_round_trip(reranker, tmp_path):
 
 
 def test_config_checks(tiny_model_dir):
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match=r"max_len: 8: must be >= 9"):
         from_dict(RerankerConfig, {"max_len": 8})

@@ -70,7 +70,7 @@ def test_forward_matches_one_pair_at_a_time(base_encoder, preset, m):
 
 
 def test_gradients_reach_both_encoders_and_codes(base_encoder):
-    from dist_nce.losses import nce_loss
+    from dist_nce.modeling.losses import nce_loss
 
     r = make(base_encoder, "poly", 3).train()
     loss = nce_loss(r(*rows([5, 9], t=12, seed=2), *rows([3, 8, 5, 2, 6, 4], t=11, seed=3, lead=(2,))))
@@ -131,7 +131,7 @@ def test_to_storage_casts_and_refuses_fp16_overflow():
 
 
 def test_config_errors(base_encoder):
-    from dist_nce.config import ConfigError, from_dict
+    from dist_nce.core.config import ConfigError, from_dict
 
     with pytest.raises(ConfigError, match="needs m"):
         from_dict(RetrieverConfig, {"preset": "poly"})
@@ -147,7 +147,7 @@ def test_config_errors(base_encoder):
 def test_save_and_load_round_trip(tiny_model_dir, tmp_path):
     from transformers import AutoModel
 
-    from dist_nce.artifacts import read_manifest
+    from dist_nce.core.artifacts import read_manifest
 
     torch.manual_seed(0)
     r = Retriever.build(RetrieverConfig(preset="genpoly", m=2, mention_model=tiny_model_dir)).eval()
@@ -170,7 +170,7 @@ def test_from_pretrained_refuses_mismatches(base_encoder, tmp_path):
 
     from safetensors.torch import save_file
 
-    from dist_nce.artifacts import ArtifactMismatch
+    from dist_nce.core.artifacts import ArtifactMismatch
 
     make(base_encoder, "poly", 3).save_pretrained(tmp_path / "ret")
     with pytest.raises(ArtifactMismatch, match="field 'preset' is 'poly', expected 'dual'"):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dist_nce.runtime import single_process_dist_env
+from dist_nce.cluster.runtime import single_process_dist_env
 
 
 @pytest.fixture(scope="module")

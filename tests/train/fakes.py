@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_nce.negatives import Negatives
+from dist_nce.sampling.negatives import Negatives
 
 
 class Future:

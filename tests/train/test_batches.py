@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.negatives import Negatives
+from dist_nce.sampling.negatives import Negatives
 from dist_nce.train.batches import assemble_batch, candidate_rows, trimmed
 
 

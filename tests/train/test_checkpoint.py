@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_nce.train import checkpoint
-from dist_nce.train.engine import build_engine, load_deepspeed_config
+from dist_nce.worker.engine import build_engine, load_deepspeed_config
 from dist_nce.train.pipeline import EpochNegatives
 from dist_nce.train.refresh import RefreshBook
 
@@ -85,7 +85,7 @@ def test_resume_continues_exactly_and_loads_weights_only(tmp_path, dist_env, cfg
 
 
 def test_resume_refuses_another_plan(tmp_path):
-    from dist_nce.artifacts import write_manifest
+    from dist_nce.core.artifacts import write_manifest
 
     write_manifest(tmp_path, checkpoint.KIND, checkpoint.SCHEMA_VERSION, step=3, plan=PLAN, deepspeed_tag="step3")
     manifest = checkpoint.read_manifest(tmp_path)

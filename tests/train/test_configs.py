@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_nce.config import ConfigError, load_config
+from dist_nce.core.config import ConfigError, load_config
 from dist_nce.train.config import PATH_FIELDS, TrainJobConfig, check_inputs, with_absolute_paths
 from dist_nce.train.plan import sampling
 

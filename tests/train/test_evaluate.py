@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.index.topk import ShardResult
+from dist_nce.sampling.topk import ShardResult
 from dist_nce.train.evaluate import dev_metrics, evaluate, rank_slice
 
 

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from dist_nce.train.kb_control import KbWatcher, request_update
-from dist_nce.train.tb import read_metrics
+from dist_nce.worker.tb import read_metrics
 from kb.delta import UpdateConfig, update
 from kb.store import EntityStore, MentionTable
 from tests.train.tinyrun import losses, prepare_tiny, tiny_config
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def test_a_run_takes_a_kb_delta_without_stopping(ray_local, tiny_model_dir, tmp_path):
-    from dist_nce.index.service import NegativeService
+    from dist_nce.actors.service import NegativeService
     from dist_nce.train.model import build_retriever
     from dist_nce.train.trainer import fit, unflatten
 

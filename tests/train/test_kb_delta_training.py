@@ -1,6 +1,6 @@
 """Training across a KB delta, the pure parts: the driver's control file, a worker following the KB version.
 
-(The service side of a delta is tested on real shards in tests/index/test_live_service.py.)
+(The service side of a delta is tested on real shards in tests/actors/test_live_service.py.)
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.config import from_dict
+from dist_nce.core.config import from_dict
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import (
     DataOrder, Sampling, eligible_mentions, epoch_order, make_plan, query_keys, request_seed, sampling, stop_step,

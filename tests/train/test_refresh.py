@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.config import from_dict
+from dist_nce.core.config import from_dict
 from dist_nce.train.config import RefreshConfig, TrainJobConfig
 from dist_nce.train.plan import make_plan
 from dist_nce.train.refresh import Publisher, RefreshBook, refresh_due

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dist_nce.train.tb import read_metrics
+from dist_nce.worker.tb import read_metrics
 from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dist_nce.config import load_config
-from dist_nce.train.tb import read_metrics
+from dist_nce.core.config import load_config
+from dist_nce.worker.tb import read_metrics
 from dist_nce.train.config import TrainJobConfig, with_absolute_paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def train(cfg: TrainJobConfig, during=None):
     shards' status at the end."""
     import ray
 
-    from dist_nce.index.service import NegativeService
+    from dist_nce.actors.service import NegativeService
     from dist_nce.train.model import build_retriever
     from dist_nce.train.trainer import fit, unflatten
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_nce.config import load_config, to_dict
+from dist_nce.core.config import load_config, to_dict
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.worker.launch import worker_resources
@@ -33,12 +33,12 @@ class FakeRayTrain:
         import ray.train
         import ray.train.torch
 
-        import dist_nce.runtime
+        import dist_nce.cluster.runtime
 
         monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device(device))
         monkeypatch.setattr(ray.train, "get_context",
                             lambda: SimpleNamespace(get_world_rank=lambda: 1, get_world_size=lambda: 2))
-        monkeypatch.setattr(dist_nce.runtime, "configure_process", lambda threads=1: None)
+        monkeypatch.setattr(dist_nce.cluster.runtime, "configure_process", lambda threads=1: None)
 
 
 def capture_run(monkeypatch, worker_cls) -> dict:
@@ -84,7 +84,7 @@ def test_retriever_worker_picks_its_accelerator_from_its_device(monkeypatch, dri
 
 @pytest.mark.parametrize("cls, path", [(TrainJobConfig, TRAIN_CONFIG), (RerankJobConfig, RERANK_CONFIG)])
 def test_both_trainers_request_custom_resources_per_worker(cls, path):
-    from dist_nce.cluster_fit import workers_request
+    from dist_nce.cluster.fit import workers_request
 
     cfg = load_config(cls, path, ["run.resources_per_worker={trainer: 1}", "run.cpus_per_worker=0.5",
                                   "run.gpus_per_worker=0.25"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_nce.config import load_config
+from dist_nce.core.config import load_config
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
 from dist_nce.zeshel.data import ensure_zeshel_stores
 from kb.store import EntityStore, MentionTable
@@ -56,7 +56,7 @@ def test_given_stores_without_a_tree_are_checked_not_rebuilt(tmp_path, tiny_mode
 
 
 def test_a_tree_without_any_of_the_mention_splits_is_a_clear_error(tmp_path, tiny_model_dir):
-    from dist_nce.config import ConfigError
+    from dist_nce.core.config import ConfigError
     from dist_nce.zeshel.data import prepare_store
 
     (tmp_path / "tree" / "mentions").mkdir(parents=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_nce.config import load_config
+from dist_nce.core.config import load_config
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
 from dist_nce.zeshel.grid import cell, comparison_text, comparisons, markdown_table, noise_note, plot
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.eval.retrieve import default_index_config
+from dist_nce.retrieval import default_index_config
 from dist_nce.eval.zeshel import evaluate_retriever_split, read_candidates
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.zeshel.config import ZeshelConfig

@@ -1,0 +1,63 @@
+"""Configuration of the sharded negative service (EntityShard actors + NegativeService)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range, check_fields
+from dist_nce.index.search import IndexConfig
+
+# Ray's convention for restarts and retries.
+_RAY_COUNT = Range(ge=-1, why="-1 = without limit")
+
+
+def _help(text: str, bounds: Range | None = None, **kw):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
+    return field(metadata={"help": text, **({"range": bounds} if bounds else {})}, **kw)
+
+
+@dataclass
+class ServiceConfig:
+    num_shards: int = _help("EntityShard actors the KB rows are split into (evenly, contiguous ranges; with "
+                            "index.sampler block, boundaries on the index.block_rows grid).",
+                            AT_LEAST_1, default=2)
+    num_cpus: float = _help("CPUs reserved per shard actor (fractional allowed).", AT_LEAST_0, default=0.5)
+    num_gpus: float = _help("GPUs per shard actor; fractional values share a GPU with trainers.", AT_LEAST_0,
+                            default=0.0)
+    resources: dict[str, float] = _help(
+        "Custom Ray resources each shard actor requires, e.g. {kb_shard: 1} to place shards on dedicated "
+        "nodes started with --resources='{\"kb_shard\": N}'. Shards are SPREAD over the nodes that have them.",
+        AT_LEAST_0, default_factory=dict)
+    threads: int = _help("Intra-op threads of each shard process (encode and search).", AT_LEAST_1,
+                        default=1)
+    max_concurrency: int = _help("Concurrent calls per shard: searches keep running during a refresh.",
+                                 Range(ge=2, why="searches must run during a refresh"), default=4)
+    max_restarts: int = _help("Ray restarts of a dead shard actor (it reloads its last persisted version).",
+                              _RAY_COUNT, default=3)
+    max_task_retries: int = _help("Ray retries of a call whose shard died mid-call.", _RAY_COUNT,
+                                  default=3)
+    encode_batch_size: int = _help("Entities per encoder forward when a shard re-encodes its rows.",
+                                   AT_LEAST_1, default=64)
+    encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _help(
+        "Autocast dtype of re-encoding: auto = bf16 where the device supports it fast, else fp32.",
+        default="auto")
+    encode_compile: bool = _help(
+        "torch.compile each shard's entity encoder (index/encode.py compile_encoder): faster re-encoding "
+        "after a one-time compile on the shard's first encode; weights of later refreshes are swapped in "
+        "without recompiling. Needs a C++ compiler on CPUs.", default=False)
+    encode_attention: Literal["auto", "native", "model"] = _help(
+        "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
+        "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "
+        "why not; model = the model's own (sdpa). Answers agree within bf16 rounding.", default="auto")
+    shard_dir: Optional[str] = _help(
+        "Directory where shards persist embedding versions (one sub-directory per shard and version).",
+        default=None)
+    keep_versions: int = _help("Persisted versions kept per shard (older ones are deleted).",
+                          Range(ge=1, why="a restarted shard reloads the last one"), default=2)
+    call_timeout_s: float = _help("Seconds before a shard call counts as failed and is retried.",
+                                  POSITIVE, default=600.0)
+    index: IndexConfig = _help("How each shard indexes and searches its rows.", default_factory=IndexConfig)
+
+    def validate(self) -> None:
+        # The loader has checked the ranges already; direct constructions reach here unchecked.
+        check_fields(self, "service")

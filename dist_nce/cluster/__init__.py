@@ -1,0 +1,1 @@
+"""Ray as a process sees it: runtime workarounds, the local head, the reaper, whether the actors fit."""

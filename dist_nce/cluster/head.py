@@ -1,0 +1,137 @@
+"""A Ray head on this machine, started the way a cluster user starts one: ``ray start --head``.
+
+The demo (``jobs/demo.py``) and the tests that submit jobs share this one launcher. What it
+guarantees, in order:
+
+* token authentication is ON, also on a machine that has never run Ray: the token is made
+  first (:func:`dist_nce.cluster.runtime.ensure_auth_token`), ``RAY_AUTH_MODE=token`` is set for the
+  head and for every client it hands out (:attr:`LocalHead.env`);
+* nothing listens beyond loopback: node address, dashboard and agents on 127.0.0.1, and every
+  port chosen free, so a head runs beside any other Ray on the machine;
+* the head runs ``--block`` in its own process session and dies with the process that
+  started it (Linux ``PR_SET_PDEATHSIG``): a killed demo or test leaves no cluster behind;
+  :meth:`LocalHead.stop` ends exactly this cluster (``ray stop`` would end every Ray here).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping
+
+from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, free_port, ray_env
+
+# Every listener of a head, each given an explicit free port (the defaults, e.g. the agent's
+# 52365 or the client server's 10001, may belong to another Ray on the machine).
+PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+              "--node-manager-port", "--object-manager-port")
+
+
+def die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies (``preexec_fn`` of a child)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class LocalHead:
+    """``ray start --head --block`` on loopback with token auth; a context manager.
+
+    ``env`` (argument): overrides of this process's environment for the head, ``""`` removing a
+    variable. ``env`` (attribute): what clients (``ray job submit``, drivers) need: the head's PATH,
+    ``RAY_AUTH_MODE=token`` and the token's location. ``address``: the dashboard URL that
+    ``ray job submit --address`` takes; ``gcs_address``: what ``ray.init(address=...)`` takes.
+    ``temp_dir``: Ray's session files and logs (default: a new short directory, removed by
+    :meth:`stop` unless ``keep_logs``).
+    """
+
+    def __init__(self, num_cpus: float = 2, *, env: Mapping[str, str] | None = None, temp_dir: str | None = None,
+                 log: str | os.PathLike | None = None, keep_logs: bool = False, timeout_s: float = 180):
+        self.num_cpus, self.timeout_s, self.keep_logs = num_cpus, timeout_s, keep_logs
+        self.bin_dir = Path(sys.executable).parent
+        self.env = ray_env({"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                            "RAY_AUTH_MODE": "token", **(env or {})})
+        self.env.pop("RAY_ADDRESS", None)  # a head of its own, not a client of another cluster
+        for var, value in (env or {}).items():  # an override given as "" removes the variable
+            if value == "":
+                self.env.pop(var, None)
+        self.token_location = ensure_auth_token(self.env)
+        # Short: Ray's socket paths under the temp dir have a length limit (~107 bytes).
+        self._own_temp = temp_dir is None
+        self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="rh_", dir="/tmp"))
+        self.log_path = Path(log) if log else self.temp_dir / "ray_start.log"
+        self.ports = {flag: free_port() for flag in PORT_FLAGS}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.ports['--dashboard-port']}"
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.ports['--port']}"
+
+    def command(self) -> list[str]:
+        return [str(self.bin_dir / "ray"), "start", "--head", "--block",
+                *[x for flag, port in self.ports.items() for x in (flag, str(port))],
+                "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--num-cpus={self.num_cpus:g}",
+                "--disable-usage-stats", f"--temp-dir={self.temp_dir / 'ray'}"]
+
+    def start(self) -> "LocalHead":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + self.timeout_s
+        while not self._dashboard_up():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                said = self.log_path.read_text()[-3000:]
+                self.stop()
+                raise RuntimeError(f"ray start --head did not come up (log {self.log_path}):\n{said}")
+            time.sleep(1)
+        return self
+
+    def _dashboard_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.address}/api/version", timeout=2):
+                return True
+        except urllib.error.HTTPError:  # it answers (401 without the token): it is up
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to ``ray start --block``: it stops every process it started and exits; then
+        SIGKILL to the process group for anything left behind."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.proc = None
+        self._log.close()
+        forget_stopped_head(self.ports["--port"])
+        if self._own_temp and not self.keep_logs:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalHead":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,290 @@
+"""The one place for this project's process-level workarounds (docs/design.md, section 7a).
+
+Nothing here runs at import time: jobs, actors and tests call these functions
+explicitly at their start.
+
+* threads: 2-core machines slow down 10-50x when processes oversubscribe cores;
+* faiss: faiss skips BLAS for query batches below ``distance_compute_blas_threshold``
+  (default 128000), which makes flat search ~8x slower for training-size batches;
+* Ray: bind to loopback unless configured otherwise, no usage-stats network call; token
+  authentication made and switched on before any head starts (``ray start`` leaves it off on
+  a machine that has never run Ray); a local cluster ends with its driver (ray_reaper);
+* DeepSpeed: a single process outside a launcher needs the torch.distributed env vars.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+FAISS_BLAS_THRESHOLD = 20
+
+# Environment for Ray processes started by this project (driver, `ray start`, workers).
+RAY_LOCAL_ENV = {
+    # Without this Ray binds to the machine's routable address; keep local runs on loopback.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Serve's HTTP proxy must answer its readiness check within 5 s, three times in a row, or the
+    # controller kills it and `serve.run` fails (ActorDiedError); on 2 busy cores it can take longer.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+}
+
+
+def configure_threads(n: int | None = 1) -> None:
+    """Pin intra-op threads for this process (torch, OpenMP, MKL, faiss)."""
+    if n is None:
+        return
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+    except ImportError:  # configure_faiss reports a missing faiss (require_faiss)
+        pass
+
+
+def configure_faiss(blas_threshold: int = FAISS_BLAS_THRESHOLD) -> None:
+    """Make faiss use BLAS for small query batches (see module docstring)."""
+    faiss = require_faiss()
+
+    faiss.cvar.distance_compute_blas_threshold = blas_threshold
+
+
+def configure_process(threads: int | None = 1) -> None:
+    """Everything a worker, actor or job process applies at its start."""
+    configure_threads(threads)
+    configure_faiss()
+
+
+def pin_jit_builds() -> None:
+    """Make DeepSpeed's JIT-built C++ ops build once per interpreter, not once per caller.
+
+    On a CPU accelerator DeepSpeed compiles its shared-memory allreduce op at every process
+    group's start (1-2 min on 2 cores) unless torch's build cache is current. torch re-runs
+    ``ninja`` from PATH on each load with a build directory in ~/.cache shared by every venv:
+    processes whose PATH finds the system's ninja (1.11) and those finding the venv's (1.13,
+    another log hash), or two venvs (the README tests' fresh clones), each see the other's
+    build as stale and rebuild it, again and again. Pinned to this interpreter: its own ninja
+    first on PATH and a build directory inside its prefix (``TORCH_EXTENSIONS_DIR`` if unset).
+    """
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.exists(os.path.join(bin_dir, "ninja")) and path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def faiss_has_gpu() -> bool:
+    import faiss
+
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def ensure_auth_token(env: Mapping[str, str] | None = None) -> str:
+    """Make sure a Ray authentication token exists where Ray looks for it; return where.
+
+    Ray 2.60 reads the token from ``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``,
+    else ``~/.ray/auth_token``. ``ray.init()`` creates that file for a new local cluster, but
+    ``ray start`` does not: on a machine that has never run Ray it starts with token auth OFF
+    (a warning only), or, with ``RAY_AUTH_MODE=token``, its GCS aborts at start. Every head
+    this project starts calls this first, so token auth is really on from the first run.
+    A created file holds 256 random bits, readable by its owner only.
+    """
+    env = os.environ if env is None else env
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token")
+    path = path.expanduser()
+    try:
+        if path.read_text(encoding="utf-8").strip():
+            return str(path)
+        empty = True
+    except FileNotFoundError:
+        empty = False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_hex(32))
+    try:
+        if empty:
+            os.replace(tmp, path)
+        else:
+            # Create-if-absent: two processes starting their first Ray at once must end with one
+            # token, the first one written; replacing it would lock out the cluster made with it.
+            os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return str(path)
+
+
+def enable_token_auth() -> str:
+    """Token authentication on for this process and every Ray process it starts afterwards
+    (``ray.cluster_utils.Cluster`` nodes, ``ray.init`` clients); returns the token's location.
+
+    Ray caches ``RAY_AUTH_MODE`` in its process-wide config the first time it is read, so
+    setting the variable is not enough once ray has been imported and used: the config and
+    the token cache are reloaded, as ``ray.init`` does for a new local cluster.
+    """
+    where = ensure_auth_token()
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return where
+
+
+def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``os.environ`` with the local-Ray settings applied."""
+    env = dict(os.environ)
+    for k, v in RAY_LOCAL_ENV.items():
+        env.setdefault(k, v)
+    env.update(extra or {})
+    return env
+
+
+def ray_runtime_env_vars() -> dict[str, str]:
+    """Env vars every Ray worker process of ours gets (threads, loopback)."""
+    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **RAY_LOCAL_ENV,
+            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: Any):
+    """Connect to ``address`` (or RAY_ADDRESS) or start a loopback-only local Ray.
+
+    Under ``ray job submit`` RAY_ADDRESS is set and we join that cluster.
+    """
+    for k, v in RAY_LOCAL_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+    from ray._private import ray_constants
+
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    # Ray reads the loopback switch once, when ray is first imported; a module of ours that
+    # imported ray earlier would otherwise make the local cluster bind a routable address.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = kwargs.pop("runtime_env", {}) or {}
+    env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}
+    runtime_env = {**runtime_env, "env_vars": env_vars}
+    if address:
+        return ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
+    # The dashboard (on loopback, a free port) also serves the state API that Ray Train's
+    # placement-group cleaner polls; without it every run logs a warning a second and
+    # waits for the cleaner's timeouts when it ends.
+    dashboard = kwargs.pop("include_dashboard", True)
+    if dashboard:
+        kwargs.setdefault("dashboard_host", "127.0.0.1")
+        kwargs.setdefault("dashboard_port", free_port())
+    context = ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=dashboard,
+        runtime_env=runtime_env,
+        **kwargs,
+    )
+    # The raylet's agents outlive a killed driver by 60 s (dist_nce/cluster/reaper.py): end them with it.
+    from dist_nce.cluster.reaper import reap_when_driver_dies
+
+    reap_when_driver_dies(context.address_info["session_dir"])
+    return context
+
+
+def forget_stopped_head(port: int) -> bool:
+    """Remove Ray's record of the head on 127.0.0.1:``port`` once that head is stopped.
+
+    ``ray start`` writes its address to ``/tmp/ray/ray_current_cluster``; a head stopped by
+    a signal leaves it behind, and later clients that look a cluster up there (Ray Train's
+    placement-group cleaner in every local run, ``ray.init()`` without an address) wait for
+    a GCS that is gone. Only a record of this very head is removed. True if removed.
+    """
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = f.read().strip()
+    except OSError:
+        return False
+    if recorded.rsplit(":", 1)[-1] != str(port):
+        return False
+    try:
+        os.remove(path)
+    except OSError:
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_dist_env(port: int | None = None) -> dict[str, str]:
+    """torch.distributed env for one process outside a launcher (DeepSpeed needs it)."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port or free_port()),
+    }
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def require_faiss():
+    """The ``faiss`` module, or an ImportError that says how to install it.
+
+    setup.py has no faiss in install_requires: it comes from exactly one extra, ``cpu``
+    (faiss-cpu) or ``gpu`` (faiss-gpu), because both packages own the same files.
+    """
+    try:
+        import faiss
+    except ImportError as exc:
+        raise ImportError(
+            f"dist-nce needs FAISS, and `import faiss` failed ({exc}). It comes from exactly one "
+            "setup.py extra: pip install -e '.[cpu]' (faiss-cpu) or pip install -e '.[gpu]' "
+            "(faiss-gpu); scripts/install.sh (run by `make venv`) picks one. An environment that "
+            "ever held both packages has a broken faiss (they own the same files): recreate it."
+        ) from exc
+    if not hasattr(faiss, "IndexFlatIP"):
+        # What uninstalling one of faiss-cpu/faiss-gpu leaves of the other: a faiss/ folder
+        # without the library, which still imports (as a namespace package).
+        raise ImportError(
+            f"`import faiss` found {list(getattr(faiss, '__path__', []))} without the FAISS library: "
+            "faiss-cpu and faiss-gpu were both installed and one was removed, which deletes files "
+            "of the other. Recreate the environment and install one extra: pip install -e '.[cpu]' "
+            "or '.[gpu]' (scripts/install.sh, run by `make venv`, picks one)."
+        )
+    return faiss

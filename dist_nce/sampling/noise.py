@@ -1,0 +1,81 @@
+"""Counter-based Gumbel noise: G = F(seed, query key, row), a pure function of three integers.
+
+The noise behind every exact hard-negative sample (``negatives``, ``block_gumbel``, the shards'
+search): a shard owning rows [a, b) draws exactly the noise a flat search would, so merged
+samples equal flat ones bit for bit (docs/design.md section 5).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# splitmix64 (Steele, Lea, Flood 2014) constants, as signed int64 where they exceed 2**63.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MUL2 = 0x94D049BB133111EB - (1 << 64)
+_ROW_SALT = 0x5851F42D4C957F2D
+_TWO_M53 = 2.0 ** -53
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64 step: a bijection on 64-bit words; int64 multiplication wraps mod 2**64."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def _mix_(x: Tensor, tmp: Tensor) -> Tensor:
+    """:func:`_mix` in place (same bits), ``tmp`` a scratch tensor of x's shape: no allocations."""
+    x.add_(_GOLDEN)
+    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(tmp)
+        if mul is not None:
+            x.mul_(mul)
+    return x
+
+
+# Elements per noise block: the ~10 integer passes then stay in cache (2-3x faster on CPU).
+_NOISE_BLOCK = 1 << 15
+
+
+def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
+    """Standard Gumbel noise G[b, j] = F(seed, query_keys[b], rows[..., j]) as float64.
+
+    Args:
+        seed: any int64; the run's sampling seed (derive a new one per epoch or step).
+        query_keys: [B] int64, one integer per query, e.g. the mention's index in the data set.
+        rows: [n] (shared by all queries) or [B, n] int64 global entity rows.
+    Returns:
+        [B, n] float64, -log(-log u) with u = (h >> 11 + 1/2) / 2**53 in (0, 1), h the
+        splitmix64 hash of (seed, query key, row). Pure and device-agnostic integer math.
+    """
+    if query_keys.dtype != torch.int64 or query_keys.dim() != 1:
+        raise ValueError(f"gumbel_noise: query_keys must be int64 [B], got {query_keys.dtype} "
+                         f"{list(query_keys.shape)}")
+    if rows.dtype != torch.int64 or rows.dim() not in (1, 2):
+        raise ValueError(f"gumbel_noise: rows must be int64 [n] or [B, n], got {rows.dtype} {list(rows.shape)}")
+    q = _mix(_mix(torch.full_like(query_keys, int(seed))) ^ query_keys)[:, None]
+    shared = rows.dim() == 1
+    r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)[None, :] if shared else rows.to(query_keys.device)
+    n = r.shape[1]
+    out = torch.empty((q.shape[0], n), dtype=torch.float64, device=q.device)
+    step = max(1, _NOISE_BLOCK // max(q.shape[0], 1))
+    tmp = None
+    for a in range(0, n, step):  # in place per block: the ~10 integer passes stay in cache
+        h = torch.bitwise_xor(q, r[:, a:a + step]) if shared else torch.bitwise_xor(r[:, a:a + step], _ROW_SALT)
+        if tmp is None or tmp.shape != h.shape:
+            tmp = torch.empty_like(h)
+        if not shared:  # per-query rows: the row's own mix first, as _mix(rows ^ salt) ^ q
+            _mix_(h, tmp).bitwise_xor_(q)
+        _mix_(h, tmp).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+        block = out[:, a:a + step]
+        block.copy_(h)
+        block.add_(0.5).mul_(_TWO_M53).log_().neg_().log_().neg_()
+    return out

@@ -1,0 +1,182 @@
+"""A worker's checkpoint directory, without pickle: engine, RNG, step and the loop's own state.
+
+A checkpoint directory (one per reported step; Ray Train merges the workers' files) holds::
+
+    manifest.json          kind "train_checkpoint": step, plan, DeepSpeed tag
+    train_state.json       rank 0: the loop state (:class:`WorkerState`, or a subclass's)
+    rng_rank{r}.json       each rank: python, numpy, torch (and CUDA) RNG states as JSON
+    <name>.safetensors     a trainer's own tensors (the retriever's mined negatives), by name
+    deepspeed/             engine.save_checkpoint: module, optimizer (ZeRO partitions), LR scheduler
+
+What a trainer adds (the retriever's index bookkeeping and prefetched negatives,
+``dist_nce.train.checkpoint``) travels through :class:`WorkerState` subclasses and the
+``tensors`` argument: this module knows no trainer.
+
+**No pickle on load.** Our own files are JSON and safetensors. DeepSpeed's files are
+``torch.save`` pickles that DeepSpeed itself loads with ``weights_only=False``
+(deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py, ``TorchCheckpointEngine.load``).
+They load with ``weights_only=True`` once three of DeepSpeed's plain data classes are
+allowed: ``LossScaler`` (ZeRO-1/2 optimizer states), ``ZeroStageEnum`` (ZeRO-3) and
+``fragment_address`` (bf16/ZeRO optimizer states); :func:`install_weights_only_loading`
+swaps that loader in. Not covered: DeepSpeed's universal-checkpoint path
+(``load_hp_checkpoint_state*`` in deepspeed/runtime/zero/stage3.py calls ``torch.load(...,
+weights_only=False)`` directly); dist-nce never uses it.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dist_nce.core.artifacts import atomic_path, atomic_write_json, read_manifest, write_manifest
+
+KIND = "train_checkpoint"
+SCHEMA_VERSION = 1
+DS_DIR = "deepspeed"
+STATE_FILE = "train_state.json"
+# Plan fields a resumed run must share with its checkpoint (the data order depends on them).
+RESUME_KEYS = ("num_workers", "per_worker_batch", "global_batch", "steps_per_epoch", "total_steps",
+               "train_mentions", "num_candidates", "n_hard", "n_random", "seed", "data_fingerprint")
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.json"
+
+
+@dataclass
+class WorkerState:
+    """What a loop needs besides the engine to continue at ``step`` (the next step to train).
+    Trainers with more loop state subclass it (``to_json``/``from_json`` extended)."""
+
+    step: int = 0
+    dev_before: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "dev_before": self.dev_before}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "WorkerState":
+        return cls(int(d["step"]), d.get("dev_before"))
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG this process draws from, as JSON-ready values."""
+    version, words, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {
+        "python": {"version": version, "state": list(words), "gauss": gauss},
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode("ascii") for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_bytes_tensor(s) for s in state["cuda"]])
+
+
+# --------------------------------------------------------------------------- DeepSpeed loading
+
+
+def _deepspeed_safe_globals() -> list[type]:
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def weights_only_load(path: str | Path, map_location: Any = None) -> Any:
+    """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file (see module docstring)."""
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def install_weights_only_loading(engine: Any) -> None:
+    """Make ``engine.load_checkpoint`` read every file with ``weights_only=True``."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return weights_only_load(path, map_location)
+
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise RuntimeError(f"DeepSpeed uses {type(engine.checkpoint_engine).__name__}; dist-nce expects the "
+                           "default torch checkpoint engine (remove checkpoint writer/datastates settings)")
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save(engine: Any, directory: str | Path, state: WorkerState, rank: int, plan: dict[str, Any],
+         tensors: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
+    """Write this rank's part of the checkpoint (a collective: every rank calls it).
+
+    tensors: file name -> named tensors, written as safetensors beside the engine (the
+    trainer's own extras, read back with :func:`load_tensors`).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(directory / DS_DIR), tag=f"step{state.step}")
+    atomic_write_json(directory / rng_file(rank), capture_rng())
+    for name, named in (tensors or {}).items():
+        with atomic_path(directory / name) as tmp:
+            save_file({k: v.contiguous() for k, v in named.items()}, str(tmp))
+    if rank == 0:
+        atomic_write_json(directory / STATE_FILE, state.to_json())
+        write_manifest(directory, KIND, SCHEMA_VERSION, step=state.step, deepspeed_tag=f"step{state.step}",
+                       plan=plan)
+
+
+def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str) -> None:
+    saved = manifest.get("plan", {})
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, now {plan.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != plan.get(k)]
+    if diff:
+        raise ValueError(f"{where}: cannot resume this run with a different plan ({'; '.join(diff)}); "
+                         "use another run.name for a new run")
+
+
+def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any],
+         state_cls: type[WorkerState] = WorkerState) -> WorkerState:
+    """Restore engine (module, optimizer, scheduler), RNG and loop state (a ``state_cls``)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory, KIND, SCHEMA_VERSION)
+    check_resumable(manifest, plan, str(directory))
+    path, _ = engine.load_checkpoint(str(directory / DS_DIR), tag=manifest["deepspeed_tag"],
+                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise FileNotFoundError(f"{directory / DS_DIR}: DeepSpeed found no checkpoint {manifest['deepspeed_tag']}")
+    state = state_cls.from_json(json.loads((directory / STATE_FILE).read_text()))
+    restore_rng(json.loads((directory / rng_file(rank)).read_text()))
+    return state
+
+
+def load_tensors(directory: str | Path, name: str) -> dict[str, torch.Tensor] | None:
+    """The named tensors saved as ``name`` by :func:`save` (None when this checkpoint has none)."""
+    path = Path(directory) / name
+    return load_file(str(path)) if path.exists() else None

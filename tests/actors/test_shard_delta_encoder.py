@@ -1,0 +1,91 @@
+"""A shard encodes KB deltas with the encoder it holds: built once per actor, never rebuilt or
+re-shipped per delta; a shard reloaded from disk gets one from ``hold_encoder`` before any
+delta arrives (EntityShard as a plain object, as tests/actors/test_shard.py does)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dist_nce.index.encode import state_fingerprint
+from kb.delta import UpdateConfig, update
+from kb.store import EntityStore
+
+from kb_delta_helpers import entities  # noqa: E402  (tests/ is on sys.path)
+from tests.actors.test_shard import GOLD, QUERIES, make_shard, states  # noqa: E402,F401  (tests/index is on sys.path; states: a fixture)
+
+N = 60
+
+
+class Unfetchable(list):
+    """A boxed state ([ObjectRef]) that fails the test if a shard reaches into it."""
+
+    def __init__(self):
+        super().__init__([None])
+
+    def __getitem__(self, i):
+        raise AssertionError("the shard fetched the state although it holds those weights")
+
+
+@pytest.fixture()
+def store(tmp_path, tiny_model_dir):
+    from kb_delta_helpers import prepare_store
+
+    return prepare_store(tmp_path, "store", entities(range(1000, 1000 + N)), tiny_model_dir, golds=[1000, 1001])
+
+
+def add_rows(store, tmp_path, model_dir, ids, remove=()) -> tuple[int, int]:
+    """One kb.delta run adding ``ids`` (and removing ``remove``); the new rows' range."""
+    before = EntityStore(store).num_entities
+    (tmp_path / "add.json").write_text("".join(v + "\n" for v in entities(ids, seed=ids[0]).values()))
+    cfg = {"store": str(store), "add": [str(tmp_path / "add.json")], "model_dir": model_dir, "progress": False}
+    if remove:
+        (tmp_path / "rm.txt").write_text("".join(f"{w}\n" for w in remove))
+        cfg["remove"] = str(tmp_path / "rm.txt")
+    update(UpdateConfig(**cfg), log=lambda s: None)
+    return before, EntityStore(store).num_entities
+
+
+def same_answers(a, b):
+    for q in (QUERIES, QUERIES * 2):
+        x, y = a.topk(q, 8, GOLD), b.topk(q, 8, GOLD)
+        assert x.version == y.version and x.ids.tolist() == y.ids.tolist() and x.scores.tolist() == y.scores.tolist()
+
+
+def test_a_reloaded_shard_holds_its_encoder_before_the_delta(store, tmp_path, tiny_model_dir, states):
+    fp = state_fingerprint(states[0])
+    encoded = make_shard(str(store), tmp_path / "encoded", rows=(0, N), shard=0)
+    assert encoded.refresh(states[0], 0) == 0
+    shutil.copytree(tmp_path / "encoded", tmp_path / "reloaded")
+    reloaded = make_shard(str(store), tmp_path / "reloaded", rows=(0, N), shard=0)
+    assert reloaded.status()["source"] == "reloaded" and reloaded.status()["encoder_held"] is None
+
+    first = add_rows(store, tmp_path, tiny_model_dir, list(range(5000, 5012)), remove=[1003])
+    with pytest.raises(ValueError, match="weights of the version served"):  # nothing held, nothing given
+        reloaded.apply_delta(None, 1, 1, [first])
+    assert reloaded.hold_encoder(states[0], fp) == fp and reloaded.status()["encoder_held"] == fp
+    encoder = reloaded._encoder
+    assert reloaded.hold_encoder(Unfetchable(), fp) == fp, "held already: not fetched again"
+
+    assert reloaded.apply_delta(Unfetchable(), 1, 1, [first]) == 1
+    assert encoded.apply_delta(states[0], 1, 1, [first]) == 1
+    same_answers(reloaded, encoded)
+
+    second = add_rows(store, tmp_path, tiny_model_dir, list(range(6000, 6007)))
+    assert reloaded.apply_delta(Unfetchable(), 2, 2, [second]) == 2
+    assert encoded.apply_delta([states[0]], 2, 2, [second]) == 2  # a box holding the state itself
+    assert reloaded._encoder is encoder and reloaded.status()["encoder_held"] == fp, "built once per actor"
+    same_answers(reloaded, encoded)
+    st = reloaded.status()
+    assert (st["served"], st["kb_version"], st["pieces"]) == (2, 2, [[0, N], list(first), list(second)])
+
+
+def test_other_weights_are_not_used_for_a_delta(store, tmp_path, tiny_model_dir, states):
+    shard = make_shard(str(store), tmp_path / "run", rows=(0, N), shard=0)
+    assert shard.refresh(states[0], 0) == 0
+    shard.hold_encoder(states[1])  # holds other weights than the version served
+    rows = add_rows(store, tmp_path, tiny_model_dir, list(range(5000, 5004)))
+    with pytest.raises(ValueError, match="weights of the version served.*another one"):
+        shard.apply_delta([states[1]], 1, 1, [rows])
+    assert shard.apply_delta([states[0]], 1, 1, [rows]) == 1
+    assert shard.status()["encoder_held"] == state_fingerprint(states[0])

@@ -1,0 +1,113 @@
+"""dist_nce.cluster.runtime: a local Ray listens on loopback only."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Started in its own process so that no other cluster of the test session is counted; it
+# prints the TCP sockets its own Ray processes listen on (from /proc/net/tcp{,6} and /proc/<pid>/fd).
+SCRIPT = r"""
+import json, os, ray
+from dist_nce.cluster.runtime import init_ray
+
+def descendants(root):
+    parent = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                parent[int(pid)] = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in out} - out
+        out |= more
+        grew = bool(more)
+    return out
+
+def socket_inodes(pids):
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+def listening(inodes):
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN, and a socket of this Ray's processes
+                out.add(f[1])
+    return out
+
+init_ray(num_cpus=1)
+# Only this cluster's sockets: the processes init_ray started descend from this one, so other
+# programs on the machine (another Ray, a server) cannot make the check fail or pass.
+new = sorted(listening(socket_inodes(descendants(os.getpid()))))
+ray.shutdown()
+print(json.dumps(new))
+"""
+
+# 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net prints them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_a_local_ray_listens_on_loopback_only():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    new = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert new, "init_ray started no listener at all?"
+    outside = [a for a in new if a.rsplit(":", 1)[0] not in LOOPBACK]
+    assert not outside, f"listening beyond loopback: {outside}"
+
+
+def test_forget_stopped_head_removes_only_that_heads_record(tmp_path, monkeypatch):
+    import ray._common.utils as ray_utils
+
+    from dist_nce.cluster.runtime import forget_stopped_head
+
+    record = tmp_path / "ray_current_cluster"
+    monkeypatch.setattr(ray_utils, "get_ray_address_file", lambda temp_dir: str(record))
+    assert not forget_stopped_head(6379)  # nothing recorded
+    record.write_text("127.0.0.1:40001")
+    assert not forget_stopped_head(6379) and record.exists()  # another head's record stays
+    assert forget_stopped_head(40001) and not record.exists()
+
+
+def test_jit_builds_are_pinned_to_this_interpreter(tmp_path, monkeypatch):
+    """The venv's ninja comes first on PATH (once), the build cache lives in the venv, and a
+    TORCH_EXTENSIONS_DIR the user set is kept."""
+    import os
+
+    from dist_nce.cluster.runtime import pin_jit_builds
+
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", "/usr/bin" + os.pathsep + bin_dir)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    pin_jit_builds()
+    pin_jit_builds()
+    parts = os.environ["PATH"].split(os.pathsep)
+    assert os.path.exists(os.path.join(bin_dir, "ninja"))  # deepspeed depends on ninja
+    assert parts[0] == bin_dir and parts.count(bin_dir) == 2, parts
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    pin_jit_builds()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)

@@ -1,0 +1,49 @@
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from dist_nce.core.config import ConfigError, from_dict, load_config, to_dict
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-5
+    mode: Literal["random", "hard", "mixed"] = "hard"
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    steps: int = 3
+    inner: Inner = field(default_factory=Inner)
+    tags: list[str] = field(default_factory=list)
+    seed: Optional[int] = None
+
+
+def test_roundtrip_and_types(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: y\nsteps: 5\ninner:\n  lr: 2e-5\n  mode: mixed\ntags: [a, b]\n")
+    cfg = load_config(Outer, p, overrides=["inner.lr=5e-5", "seed=7"])
+    assert cfg.inner.lr == pytest.approx(5e-5) and cfg.inner.mode == "mixed"
+    assert cfg.tags == ["a", "b"] and cfg.seed == 7 and cfg.steps == 5
+    assert from_dict(Outer, to_dict(cfg)) == cfg
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("inner:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: inner\.lrr: unknown key"):
+        load_config(Outer, p)
+
+
+def test_wrong_type_and_literal():
+    with pytest.raises(ConfigError, match=r"steps: expected an integer"):
+        from_dict(Outer, {"steps": "many"})
+    with pytest.raises(ConfigError, match=r"inner\.mode: 'soft' is not one of"):
+        from_dict(Outer, {"inner": {"mode": "soft"}})
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(Outer, "/nonexistent/x.yaml")

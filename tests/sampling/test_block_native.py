@@ -1,0 +1,287 @@
+"""The native block kernel (dist_nce/index/native, block_native): its scores against a plain
+float32 reference bit for bit, its block log-masses and log_z against float64, the masks, the
+sampler's law (inclusion, ordered pairs, against the dense sampler), sharded == flat and
+threads, the kernel choice, and the build (fresh cache, concurrent first uses)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.sampling import negatives as ng
+from dist_nce.sampling import block_native
+from dist_nce.kernels import build as native
+from dist_nce.index.search import IndexConfig, Piece, ShardIndex, _native_calls, exact_search, exact_search_pieces
+from dist_nce.sampling.topk import merge_results
+from dist_nce.modeling.scoring import Reps, ScoreSpec
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native block kernel unavailable "
+                                "(needs AVX512-BF16 and a C compiler)")
+DUAL = ScoreSpec.preset("dual")
+INF = float("-inf")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def sequential_scores(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """The kernel's definition in numpy float32: acc += q[2p+1] e[2p+1]; acc += q[2p] e[2p]."""
+    qn, en = q.float().numpy(), e.float().numpy()
+    acc = np.zeros((qn.shape[0], en.shape[0]), dtype=np.float32)
+    for p in range(qn.shape[1] // 2):
+        for c in (2 * p + 1, 2 * p):
+            acc = acc + np.outer(qn[:, c], en[:, c]).astype(np.float32)  # bf16 x bf16 products are exact
+    return torch.from_numpy(acc)
+
+
+def run_all_blocks(q, e, b, gold=None, dead=None, lo=0, hi=None, threads=1):
+    """Keep every block (k = number of blocks): the kernel's scores and block masses of all rows."""
+    hi = e.shape[0] if hi is None else hi
+    nb = -(-hi // b) - lo // b
+    calls = [block_native.Call(e, 0, lo, hi, lo // b, -(-hi // b), torch.empty(0, dtype=torch.int64),
+                               (b * torch.arange(lo // b, -(-hi // b))).clamp(min=lo))]
+    out = []
+    kept, log_z = block_native.run_calls(calls, q, nb, gold, dead, 1, torch.arange(q.shape[0]), b, threads, out=out)
+    full = torch.full((q.shape[0], -(-hi // b) * b), INF)
+    for i in range(q.shape[0]):
+        for c, sc in zip(kept.counters[i].tolist(), kept.scores[i]):
+            if c >= 0:
+                full[i, c // b * b:c // b * b + b] = sc
+    m = torch.cat([o[1] for o in out], 1).double()
+    s = torch.cat([o[2] for o in out], 1).double()
+    return full[:, :hi], m + s.log(), log_z
+
+
+def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64():
+    q = (torch.randn(37, 64, generator=gen(1)) * 0.5).bfloat16()  # 37: a partial query tile
+    e = (torch.randn(1024, 64, generator=gen(2)) * 0.5).bfloat16()
+    scores, log_mass, log_z = run_all_blocks(q, e, 64)
+    ref = sequential_scores(q, e)
+    assert torch.equal(scores, ref)  # bit for bit: the fixed summation order of VDPBF16PS
+    want = torch.logsumexp(ref.double().view(37, 16, 64), -1)
+    assert float((log_mass - want).abs().max()) < 2e-6  # float32 sums of exp (block_gumbel's bound)
+    assert float((log_z - torch.logsumexp(ref.double(), -1)).abs().max()) < 1e-6
+
+
+def test_gold_dead_and_piece_bounds_are_excluded():
+    q = (torch.randn(20, 32, generator=gen(3))).bfloat16()
+    e = (torch.randn(400, 32, generator=gen(4))).bfloat16()
+    gold = torch.stack([torch.arange(20) * 17 + 5, torch.full((20,), -1)], 1)
+    gold[3, 1] = 250
+    dead = torch.tensor([16, 17, 100, 255, 256, 399])
+    lo, hi = 10, 390  # neither on the 16-row grid
+    scores, log_mass, log_z = run_all_blocks(q, e, 16, gold=gold, dead=dead, lo=lo, hi=hi)
+    ref = sequential_scores(q, e)[:, :hi].clone()
+    ref[:, :lo] = INF
+    ref[:, dead[dead < hi]] = INF
+    for i in range(20):
+        for g in gold[i].tolist():
+            if 0 <= g < hi:
+                ref[i, g] = INF
+    assert torch.equal(scores[:, lo:], ref[:, lo:])
+    assert (scores[:, :lo] == INF).all()
+    want = torch.logsumexp(ref.double(), -1)
+    assert float((log_z - want).abs().max()) < 1e-6
+    # each whole block's log-mass is its masked logsumexp (block 0 holds only rows 10..15)
+    blocks = torch.logsumexp(ref.double()[:, :384].view(20, 24, 16), -1)
+    got = log_mass[:, :24]
+    finite = torch.isfinite(blocks)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert float((got[finite] - blocks[finite]).abs().max()) < 2e-6
+
+
+def chi2_p(observed: torch.Tensor, expected: torch.Tensor, pool_below: float = 5.0) -> float:
+    """Pearson chi-square p-value, cells expecting fewer than ``pool_below`` pooled into one."""
+    small = expected < pool_below
+    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("layout", [[(0, 40)], [(0, 16), (16, 24), (24, 40)], [(0, 13), (13, 40)]],
+                         ids=["flat", "sharded-on-grid", "unaligned"])
+def test_native_sampler_draws_the_exact_law(layout):
+    # 40 rows in blocks of 8, K-1 = 3: only 3 of the 5 blocks are kept per draw. Entity i scores
+    # s_i against the all-ones query (one non-zero coordinate), row 0 is the gold.
+    n, draws, k = 40, 60_000, 3
+    s = torch.linspace(-1.5, 2.0, n)[torch.randperm(n, generator=gen(5))].bfloat16().float()
+    ents = Reps(torch.diag(s))
+    q, gold = torch.ones(draws, n), torch.zeros(draws, dtype=torch.int64)
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
+                      kernel="native")
+    res = merge_results([ShardIndex(DUAL, Reps(ents.vecs[a:b]), a, cfg).gumbel_topk(q, k, gold, 17,
+                                                                                   torch.arange(draws))
+                         for a, b in layout], k)
+    assert torch.equal(res.scores, s[res.ids]) and not (res.ids == 0).any()
+    p = torch.softmax(s[1:].double(), 0)
+    first = torch.bincount(res.ids[:, 0] - 1, minlength=n - 1).double()
+    assert chi2_p(first, draws * p) > 1e-4
+    # the ordered pair of the first two draws: the successive-sampling law p_i p_j / (1 - p_i)
+    pair = (res.ids[:, 0] - 1) * (n - 1) + (res.ids[:, 1] - 1)
+    counts = torch.bincount(pair, minlength=(n - 1) ** 2).double()
+    law = (p[:, None] * p[None, :] / (1 - p[:, None])).fill_diagonal_(0).flatten()
+    assert chi2_p(counts, draws * law) > 1e-4
+    # a negative control: the same test rejects the law at temperature 1.1
+    tempered = torch.softmax(s[1:].double() / 1.1, 0)
+    assert chi2_p(counts, draws * (tempered[:, None] * tempered[None, :] / (1 - tempered[:, None]))
+                  .fill_diagonal_(0).flatten()) < 1e-6
+    freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(n - 1)])
+    pi = _inclusion_fast(p, k)
+    z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
+    assert float(z.max()) < 5.0
+
+
+def _inclusion_fast(p: torch.Tensor, k: int) -> torch.Tensor:
+    """Inclusion probabilities of k = 3 successive draws without replacement, exactly:
+    P(i, j, l) = p_i p_j / (1 - p_i) p_l / (1 - p_i - p_j) summed over the orders."""
+    assert k == 3
+    n = p.numel()
+    pi = torch.zeros(n, dtype=torch.float64)
+    for i in range(n):
+        pi[i] += p[i]
+        for j in range(n):
+            if j == i:
+                continue
+            pj = p[i] * p[j] / (1 - p[i])
+            pi[j] += pj
+            rest = 1 - p[i] - p[j]
+            third = p / rest * pj
+            third[i] = third[j] = 0
+            pi += third
+    return pi
+
+
+def test_native_and_dense_samplers_agree_on_ordered_pairs():
+    n, draws = 48, 80_000
+    s = torch.randn(n, generator=gen(6)).mul(1.2).bfloat16().float()
+    gold = torch.full((draws,), 7)
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
+                      kernel="native")
+    native_ids = ShardIndex(DUAL, Reps(torch.diag(s)), 0, cfg).gumbel_topk(torch.ones(draws, n), 2, gold, 3,
+                                                                           torch.arange(draws)).ids
+    dense_ids = ng.sample_hard(s.expand(draws, n), 2, gold, 4, torch.arange(draws)).ids
+    a = torch.bincount(native_ids[:, 0] * n + native_ids[:, 1], minlength=n * n).double()
+    b = torch.bincount(dense_ids[:, 0] * n + dense_ids[:, 1], minlength=n * n).double()
+    cells = (a + b) >= 10
+    rest_a, rest_b = a[~cells].sum(), b[~cells].sum()
+    a, b = torch.cat([a[cells], rest_a.view(1)]), torch.cat([b[cells], rest_b.view(1)])
+    stat = float(((a - b) ** 2 / (a + b).clamp(min=1)).sum())
+    dof = int(cells.sum())
+    assert float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64))) > 1e-4
+
+
+def _data(n=3000, d=32, batch=45, seed=7):
+    e = (torch.randn(n, d, generator=gen(seed)) * 0.4).bfloat16()
+    q = (e[torch.randint(0, n, (batch,), generator=gen(seed + 1))].float()
+         + 0.2 * torch.randn(batch, d, generator=gen(seed + 2))).bfloat16().float()
+    gold = torch.randint(0, n, (batch,), generator=gen(seed + 3))
+    return e, q, gold
+
+
+def test_sharded_pieces_and_threads_equal_flat_bit_for_bit():
+    e, q, gold = _data()
+    keys = torch.arange(q.shape[0]) * 5 + 1
+    kw = dict(chunk_rows=64, seed=9, query_keys=keys, sampler="block", block_rows=16, kernel="native")
+    dead = torch.tensor([5, 700, 701, 2999])
+    flat = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **kw)
+    # shards of whole 16-row blocks, two of them owning two pieces (as KB deltas place new rows):
+    # the 64-row chunk [960, 1024) is met by both pieces of the first shard, the rows between
+    # them belonging to the second
+    parts = [exact_search_pieces(DUAL, Reps(q), [Piece(0, Reps(e[:992])), Piece(1008, Reps(e[1008:1024]))], 20,
+                                 gold, dead=dead, **kw),
+             exact_search_pieces(DUAL, Reps(q), [Piece(992, Reps(e[992:1008])), Piece(1024, Reps(e[1024:2048]))],
+                                 20, gold, dead=dead, **kw),
+             exact_search(DUAL, Reps(q), Reps(e[2048:]), 2048, 20, gold, dead=dead, **kw)]
+    merged = merge_results(parts, 20)
+    assert torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
+    assert torch.equal(merged.scores, flat.scores)
+    torch.testing.assert_close(merged.log_z, flat.log_z, rtol=1e-13, atol=0)
+    assert not torch.isin(flat.ids, dead).any() and not (flat.ids == gold[:, None]).any()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            again = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **kw)
+            assert torch.equal(again.ids, flat.ids) and torch.equal(again.keys, flat.keys)
+            torch.testing.assert_close(again.log_z, flat.log_z, rtol=1e-13, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_native_and_torch_paths_draw_nearly_the_same_sample():
+    # Same law, same counters and noise; the scores differ in their last float32 bits (summation
+    # order), so a draw differs only where two keys fall within that rounding of each other.
+    e, q, gold = _data(n=6000, d=64, batch=64, seed=11)
+    kw = dict(chunk_rows=512, seed=2, query_keys=torch.arange(64), sampler="block", block_rows=64)
+    a = exact_search(DUAL, Reps(q), Reps(e), 0, 30, gold, kernel="native", **kw)
+    b = exact_search(DUAL, Reps(q), Reps(e), 0, 30, gold, kernel="torch", **kw)
+    assert float((a.ids == b.ids).double().mean()) > 0.99
+    assert float((a.log_z - b.log_z).abs().max()) < 1e-4
+
+
+def test_kernel_choice_and_fallback(monkeypatch):
+    e, q, gold = _data(n=500, d=16, batch=6)
+    kw = dict(chunk_rows=64, seed=1, query_keys=torch.arange(6), sampler="block", block_rows=16)
+    som = ScoreSpec.preset("som")
+    with pytest.raises(ValueError, match="index.kernel 'native': the score is not a single-vector dot product"):
+        exact_search(som, Reps(q[:, None]), Reps(e[:, None]), 0, 5, gold, kernel="native", **kw)
+    with pytest.raises(ValueError, match="block_rows=12 is not a multiple of 8"):
+        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **{**kw, "block_rows": 12, "chunk_rows": 48})
+    with pytest.raises(ValueError, match="entity rows are not bf16"):
+        exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, kernel="native", **kw)
+    with pytest.raises(ValueError, match="queries are not bf16 values"):  # storage bf16 without score_dtype
+        exact_search(DUAL, Reps(q + 1e-3), Reps(e), 0, 5, gold, kernel="native", **kw)
+    torch_path = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="torch", **kw)
+    monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("this CPU lacks avx512_bf16"))
+    auto = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="auto", **kw)
+    assert torch.equal(auto.ids, torch_path.ids) and torch.equal(auto.keys, torch_path.keys)
+    with pytest.raises(ValueError, match="the kernel is unavailable on this machine"):
+        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **kw)
+
+
+def test_calls_read_pieces_in_place_and_copy_only_shared_chunks():
+    e = torch.randn(300, 8).bfloat16()
+    pieces = [Piece(0, Reps(e[:100])), Piece(104, Reps(e[104:300])), Piece(100, Reps(e[100:104]))]
+    pieces = sorted(pieces, key=lambda p: p.row_start)
+    calls = _native_calls(pieces, 32, 8, 1)
+    assert [(c.lo, c.hi) for c in calls] == [(0, 96), (96, 128), (128, 300)]
+    assert calls[0].ent is pieces[0].reps.vecs and calls[2].ent is pieces[2].reps.vecs
+    assert calls[1].exclude.numel() == 0 and calls[1].ent.shape == (32, 8)  # the pieces tile rows 96..128
+    assert torch.equal(calls[1].ent[:4], e[96:100]) and torch.equal(calls[1].ent[4:8], e[100:104])
+    split = _native_calls([Piece(0, Reps(e))], 32, 8, 3)
+    assert len(split) == 3 and [c.lo for c in split] == [0, 128, 256]
+
+
+def test_fresh_cache_builds_once_under_concurrent_first_use(tmp_path):
+    env = {**os.environ, "DIST_NCE_NATIVE_CACHE": str(tmp_path)}
+    code = "from dist_nce.index import native; native.library(); print(native.tile_queries())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all(o[0].strip() == "32" for o in outs)
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 1 and files[0].startswith("block_lse-") and files[0].endswith(".so"), files
+
+
+def test_strided_rows_and_bad_calls():
+    e, q, gold = _data(n=512, d=16, batch=5)
+    kw = dict(chunk_rows=64, seed=4, query_keys=torch.arange(5), sampler="block", block_rows=16, kernel="native")
+    wide = torch.zeros(512, 32, dtype=torch.bfloat16)
+    wide[:, ::2] = e  # a strided view of the same values
+    a = exact_search(DUAL, Reps(q), Reps(e), 0, 7, gold, **kw)
+    b = exact_search(DUAL, Reps(q), Reps(wide[:, ::2]), 0, 7, gold, **kw)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.keys, b.keys)
+    bad = block_native.Call(e[:100], 0, 0, 128, 0, 8, torch.empty(0, dtype=torch.int64), torch.arange(8) * 16)
+    with pytest.raises(ValueError, match=r"bad call rows \[0, 128\) over torch.bfloat16 \[100, 16\]"):
+        block_native.run_calls([bad], q.bfloat16(), 3, gold, None, 1, torch.arange(5), 16)
