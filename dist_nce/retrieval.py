@@ -25,8 +25,11 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 import torch
 
+from kb.store import EntityStore
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.index.encode import encode_rows, state_fingerprint
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.sampling.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps, is_inner_product
@@ -168,7 +171,7 @@ def retrieve(
     return Retrieved(rows, scores, tuple(sorted(versions)))
 
 
-def ranked_source_ids(store: Any, rows: np.ndarray) -> list[list[str]]:
+def ranked_source_ids(store: EntityStore, rows: np.ndarray) -> list[list[str]]:
     """[N, k] entity rows (-1 = empty) -> per mention the KB source ids (KILT wikipedia_id,
     Zeshel document_id), best first, empty slots dropped."""
     rows = np.asarray(rows)
@@ -186,7 +189,7 @@ def default_index_config(retriever: Retriever) -> IndexConfig:
 
 
 def build_local_index(
-    retriever: Retriever, store: Any, config: IndexConfig | None = None, rows: tuple[int, int] | None = None,
+    retriever: Retriever, store: EntityStore, config: IndexConfig | None = None, rows: tuple[int, int] | None = None,
     batch_size: int = 256, progress: bool = True, version: int = 0,
 ) -> ShardIndex:
     """An in-process ShardIndex over ``store`` rows ``[a, b)`` (default: all), global row ids.
@@ -235,7 +238,7 @@ def plan_snapshot(statuses: Sequence[Mapping[str, Any]], fingerprint: str) -> Sn
     return SnapshotPlan(version, reused)
 
 
-def serve_model(service: Any, retriever: Retriever, progress: bool = True, poll_s: float = 1.0) -> SnapshotPlan:
+def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = True, poll_s: float = 1.0) -> SnapshotPlan:
     """Make every shard of ``service`` serve ``retriever``'s entity embeddings.
 
     Reuses a persisted snapshot of the same weights, else encodes (``refresh``; shards that

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_nce.retrieval import SnapshotPlan, build_local_index, plan_snapshot, retrieve, serve_model
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, score_all
 from kb.prepare import PrepareConfig, prepare

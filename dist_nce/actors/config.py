@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, Range, check_fields
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 
 # Ray's convention for restarts and retries.
 _RAY_COUNT = Range(ge=-1, why="-1 = without limit")

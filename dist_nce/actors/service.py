@@ -8,7 +8,9 @@ once, so a trainer keeps several requests in flight; the cross-shard merge
 ``result()``, in the caller's process. Each answer is consistent with ONE index version
 (:mod:`dist_nce.actors.calls`), which it reports.
 
-Mining (``mine``), with K-1 = n_hard + n_random negatives per mention:
+Mining: the service is a ``SampleSource`` (:mod:`dist_nce.sampling.samplers`): ``draw(sampler,
+...)`` hands it to a sampler of :mod:`dist_nce.sampling.modes`, which asks :meth:`gumbel` for
+the exact sample; ``mine`` picks the sampler from K-1 = n_hard + n_random negatives per mention:
 
 * random (n_hard = 0): uniform without the gold, drawn in the caller; no shard is asked
   and the reported version is -1;
@@ -41,7 +43,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import ray
 import torch
@@ -53,21 +55,13 @@ from dist_nce.actors.config import ServiceConfig
 from dist_nce.bias.gradbias import merge as merge_lse_grad
 from dist_nce.actors.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
 from dist_nce.actors.placement import place_rows
-from dist_nce.sampling.topk import ShardResult, merge_results
-from dist_nce.sampling.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
+from dist_nce.sampling.topk import merge_results
+from dist_nce.sampling.live_rows import LiveRows
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
-from dist_nce.sampling.negatives import Negatives, hard_negatives, num_hard
-
-
-class MineResult(NamedTuple):
-    """negatives: ids [B, K-1] int64, log_q [B, K-1], hard [B, K-1]; version: the index version
-    the hard part came from (-1 for random-only mining); truncation: [B] estimated softmax mass
-    outside the rows sampled from (candidate-mode search), None when the sample is exact."""
-
-    negatives: Negatives
-    version: int
-    truncation: Tensor | None
+from dist_nce.sampling.negatives import num_hard
+from dist_nce.sampling.modes import sampler_for_split
+from dist_nce.sampling.samplers import GumbelDraw, MineResult, Pending, Sampler
 
 
 class _Future:
@@ -89,7 +83,7 @@ class _Future:
 
 
 class MineFuture(_Future):
-    """``result() -> MineResult``."""
+    """``result() -> GumbelDraw`` (merged over shards; the samplers finish it into a MineResult)."""
 
 
 class TopkFuture(_Future):
@@ -459,58 +453,64 @@ class NegativeService:
                              f"[{int(x.min())}, {int(x.max())}]")
         return x
 
-    def mine(self, mention_reps: Reps | Tensor, gold: Tensor, n_hard: int, n_random: int, seed: int,
-             query_keys: Tensor, p_mixed: float | None = None) -> MineFuture:
-        """K-1 = n_hard + n_random negatives per mention (module docstring); returns at once.
-
-        mention_reps: [B, d] (dual, multi-m), [B, m, d] (poly, genpoly), [B, T, d] + mask (som);
-        gold: [B] (or [B, e]) int64 rows, -1 = none; query_keys: [B] int64 (Gumbel noise keys);
-        p_mixed: optional; when given it must give n_hard by ``negatives.num_hard``.
-        """
+    def _queries(self, mention_reps: Reps | Tensor, gold: Tensor, query_keys: Tensor,
+                 num_negatives: int) -> tuple[Reps, Tensor, Tensor]:
+        """Validated (reps, gold, query_keys) of a mining request for K-1 = ``num_negatives``."""
         reps = self._reps(mention_reps)
         batch = reps.vecs.shape[0]
         if gold is None or query_keys is None:
             raise ValueError("mine: gold and query_keys are required (int64 [B])")
         gold = self._int_rows("gold", gold, batch, (1, 2), (-1, self.num_entities))
         query_keys = self._int_rows("query_keys", query_keys, batch, (1,))
+        room = self.live.num_live - (1 if gold.dim() == 1 else gold.shape[1])
+        if not 1 <= num_negatives <= room:
+            raise ValueError(f"n_hard + n_random = {num_negatives} negatives: need 1 <= K-1 <= N - golds = {room}")
+        return reps, gold, query_keys
+
+    def draw(self, sampler: Sampler, mention_reps: Reps | Tensor, gold: Tensor, seed: int,
+             query_keys: Tensor) -> Pending[MineResult]:
+        """``sampler``'s K-1 negatives per mention, drawn from the shards; returns at once.
+
+        mention_reps: [B, d] (dual, multi-m), [B, m, d] (poly, genpoly), [B, T, d] + mask (som);
+        gold: [B] (or [B, e]) int64 rows, -1 = none; query_keys: [B] int64 (Gumbel noise keys).
+        """
+        reps, gold, query_keys = self._queries(mention_reps, gold, query_keys, sampler.num_negatives)
+        return sampler.draw(self, reps, gold, int(seed), query_keys)
+
+    def mine(self, mention_reps: Reps | Tensor, gold: Tensor, n_hard: int, n_random: int, seed: int,
+             query_keys: Tensor, p_mixed: float | None = None) -> Pending[MineResult]:
+        """K-1 = n_hard + n_random negatives per mention (module docstring): :meth:`draw` with the
+        random, hard or mixed sampler that split gives. p_mixed: optional; when given it must give
+        n_hard by ``negatives.num_hard``."""
         for name, v in (("n_hard", n_hard), ("n_random", n_random)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         total = n_hard + n_random
-        room = self.live.num_live - (1 if gold.dim() == 1 else gold.shape[1])
-        if not 1 <= total <= room:
-            raise ValueError(f"n_hard + n_random = {total} negatives: need 1 <= K-1 <= N - golds = {room}")
-        if p_mixed is not None and num_hard(p_mixed, total) != n_hard:
+        if p_mixed is not None and total and num_hard(p_mixed, total) != n_hard:
             raise ValueError(f"p_mixed={p_mixed} gives {num_hard(p_mixed, total)} hard of {total} "
                              f"(negatives.num_hard), but n_hard={n_hard}")
-        seed = int(seed)
-        live = self.live
-        if n_hard == 0:
-            negs = sample_random_live(live, n_random, gold, seed)
-            return MineFuture(None, lambda _: MineResult(negs, -1, None))
+        reps, gold, query_keys = self._queries(mention_reps, gold, query_keys, total)
+        return sampler_for_split(n_hard, n_random).draw(self, reps, gold, int(seed), query_keys)
+
+    def gumbel(self, reps: Reps, k: int, gold: Tensor, seed: int, query_keys: Tensor,
+               pool: Tensor | None = None) -> Pending[GumbelDraw]:
+        """The :class:`SampleSource` face: the exact Gumbel-top-k of the KB minus the gold, each shard
+        drawing from its rows with the same counter-based noise, merged over shards; with ``pool``
+        [B, P], each shard also scores the pool rows it owns from the same index version."""
         reps_ref = ray.put(reps)
-        if n_random == 0:
-            fan = FanOut(self._handles, "gumbel_topk", (reps_ref, n_hard, gold, seed, query_keys), {}, self._policy)
-
-            def finish(parts: list[ShardResult]) -> MineResult:
-                merged = merge_results(parts, n_hard)
-                return MineResult(hard_negatives(merged, n_hard), merged.version, merged.truncation())
-
-            return MineFuture(fan, finish)
-        pool = random_pool_live(live, total, gold, seed)
-        fan = FanOut(self._handles, "gumbel_topk_scored", (reps_ref, n_hard, gold, seed, query_keys, pool), {},
+        if pool is None:
+            fan = FanOut(self._handles, "gumbel_topk", (reps_ref, k, gold, seed, query_keys), {}, self._policy)
+            return MineFuture(fan, lambda parts: GumbelDraw(merge_results(parts, k), None))
+        fan = FanOut(self._handles, "gumbel_topk_scored", (reps_ref, k, gold, seed, query_keys, pool), {},
                      self._policy)
 
-        def finish_mixed(parts: list[ScoredSample]) -> MineResult:
-            merged = merge_results([part.sample for part in parts], n_hard)
+        def finish(parts: list[ScoredSample]) -> GumbelDraw:
             scores = torch.full(pool.shape, math.nan, dtype=torch.float32)
             for part in parts:  # each pool row is scored by exactly one shard, the others give NaN
                 scores = torch.where(torch.isnan(scores), part.row_scores, scores)
-            p = 100 * n_hard / total  # num_hard(p, total) == n_hard exactly
-            negs = mixed_from_pool_live(merged, live, total, p, gold, pool, scores)
-            return MineResult(negs, merged.version, merged.truncation())
+            return GumbelDraw(merge_results([part.sample for part in parts], k), scores)
 
-        return MineFuture(fan, finish_mixed)
+        return MineFuture(fan, finish)
 
     def topk(self, mention_reps: Reps | Tensor, k: int, gold: Tensor | None = None) -> TopkFuture:
         """The k best entities by s(x, y) over the KB (gold excluded); for evaluation."""

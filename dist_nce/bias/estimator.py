@@ -58,6 +58,8 @@ from typing import Callable, Iterable, Literal, NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+from dist_nce.sampling.modes import sampler_for
+from dist_nce.sampling.samplers import FlatScores
 from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, Range, check_fields
 
 NegativeKind = Literal["random", "hard", "mixed", "iid_model"]
@@ -224,18 +226,11 @@ def sample_negatives(scheme: NegativeScheme, row_scores: Tensor, gold: Tensor, s
     if scheme.kind == "iid_model":
         gen = torch.Generator().manual_seed(seed)
         return _iid_model_negatives(row_scores, gold, scheme.num_negatives, gen)
-    from dist_nce.sampling import negatives
-
-    scores, (rows, n), k = row_scores.detach(), row_scores.shape, scheme.num_negatives
+    rows, k = row_scores.shape[0], scheme.num_negatives
     keys = torch.arange(rows, dtype=torch.int64)  # one Gumbel stream per row of this call
-    if scheme.kind == "random":
-        neg = negatives.sample_random(n, k, gold, seed)
-    elif scheme.kind == "hard":
-        neg = negatives.sample_hard(scores, k, gold, seed, keys)
-    else:
-        top = negatives.gumbel_topk_dense(scores, k, gold, seed, keys)
-        neg = negatives.mixed_negatives(top, n, k, 100 * scheme.hard_fraction, gold, seed,
-                                        random_scores_fn=lambda ids: scores.gather(1, ids))
+    # The training samplers themselves, drawing from this call's full score matrix.
+    sampler = sampler_for(scheme.kind, k, 100 * scheme.hard_fraction)
+    neg = sampler.draw(FlatScores(row_scores), None, gold, seed, keys).result().negatives
     return neg.ids, neg.log_q
 
 

@@ -28,7 +28,8 @@ import torch
 
 from dist_nce.bias.gradbias import estimate, summary
 from dist_nce.modeling.scoring import Reps
-from dist_nce.train.plan import Sampling, request_seed
+from dist_nce.sampling.keys import request_seed
+from dist_nce.sampling.samplers import Sampler
 
 # Gumbel keys of the monitor's replicates: replicate r of probe mention i gets
 # (r + 1) * KEY_STRIDE + i, apart from the training keys (epoch * mentions + index).
@@ -52,7 +53,7 @@ class BiasMonitor:
     (the trainer's current mention encoder); gold: int64 [P] gold rows of the probe.
     """
 
-    def __init__(self, service: Any, sampling: Sampling, encode: Callable[[np.ndarray], Reps], probe: np.ndarray,
+    def __init__(self, service: Any, sampling: Sampler, encode: Callable[[np.ndarray], Reps], probe: np.ndarray,
                  gold: torch.Tensor, draws: int, seed: int):
         if draws < 2:
             raise ValueError(f"bias.draws must be >= 2 for a standard error, got {draws}")
@@ -69,9 +70,8 @@ class BiasMonitor:
         keys = torch.as_tensor(self.probe, dtype=torch.int64).repeat(r) + \
             KEY_STRIDE * torch.arange(1, r + 1).repeat_interleave(p)
         gold = self.gold.repeat(r)
-        mined = self.service.mine(replicate(reps, r), gold, s.n_hard, s.n_random,
-                                  seed=request_seed(self.seed, MONITOR_EPOCH, step, 0), query_keys=keys,
-                                  p_mixed=s.p_mixed).result()
+        mined = self.service.draw(s, replicate(reps, r), gold, seed=request_seed(self.seed, MONITOR_EPOCH, step, 0),
+                                  query_keys=keys).result()
         sets = torch.cat([gold[:, None], mined.negatives.ids], dim=1)  # [r * P, K], gold first
         sets = sets.view(r, p, -1).transpose(0, 1).contiguous()  # [P, r, K]
         version = mined.version if mined.version >= 0 else None  # random-only mining asks no shard

@@ -34,10 +34,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from kb.store import EntityStore, MentionTable
 from dist_nce.core.artifacts import atomic_path
 from dist_nce.eval.metrics import PAD, linking_report
 from dist_nce.retrieval import Retrieved, build_local_index, iter_mention_reps, ranked_source_ids
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.retriever import Retriever
 from kb.zeshel import ZESHEL_SPLITS, worlds_for_split
@@ -54,7 +56,7 @@ class CandidateFileError(ValueError):
 # --------------------------------------------------------------------------- retriever recall
 
 
-def split_world_ranges(store: Any, mentions: Any) -> dict[str, tuple[int, int]]:
+def split_world_ranges(store: EntityStore, mentions: MentionTable) -> dict[str, tuple[int, int]]:
     """World -> row range for the worlds of ``mentions.split`` that are in ``store``.
 
     The split's worlds are its standard Zeshel worlds present in the store plus any world
@@ -75,7 +77,7 @@ def split_world_ranges(store: Any, mentions: Any) -> dict[str, tuple[int, int]]:
 
 
 def build_world_indexes(
-    retriever: Retriever, store: Any, ranges: Mapping[str, tuple[int, int]], config: IndexConfig | None = None,
+    retriever: Retriever, store: EntityStore, ranges: Mapping[str, tuple[int, int]], config: IndexConfig | None = None,
     batch_size: int = 256, progress: bool = True,
 ) -> dict[str, ShardIndex]:
     """One in-process index per world (its rows encoded once), all held at once: for SOM
@@ -97,7 +99,7 @@ class WorldRetrieval:
 
 
 def retrieve_worlds(
-    retriever: Retriever, mentions: Any, indexes: Mapping[str, ShardIndex], k: int = 64, batch_size: int = 128,
+    retriever: Retriever, mentions: MentionTable, indexes: Mapping[str, ShardIndex], k: int = 64, batch_size: int = 128,
     progress: bool = True,
 ) -> WorldRetrieval:
     """Top k of every mention in its own world and in the union of the worlds (one encode)."""
@@ -201,7 +203,7 @@ class CandidateSet:
 
 
 def candidate_rows(
-    candidates: Mapping[str, Sequence[str]], mentions: Any, store: Any, k: int = 64, source: str = "candidates",
+    candidates: Mapping[str, Sequence[str]], mentions: MentionTable, store: EntityStore, k: int = 64, source: str = "candidates",
 ) -> CandidateSet:
     """Map each table mention's candidate document ids to store rows ([N, k]) and find its gold.
 
@@ -235,7 +237,7 @@ def candidate_rows(
 
 
 def rerank(
-    reranker: Any, mentions: Any, store: Any, rows: np.ndarray, batch_size: int = 2, progress: bool = True,
+    reranker: Any, mentions: MentionTable, store: EntityStore, rows: np.ndarray, batch_size: int = 2, progress: bool = True,
 ) -> np.ndarray:
     """The reranker's choice among each mention's candidate rows [N, k] -> int64 [N] rows.
 
@@ -275,7 +277,7 @@ def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, wor
 
 
 def evaluate_retriever_split(
-    retriever: Retriever, store: Any, mentions: Any, k: int = 64, candidates_path: str | Path | None = None,
+    retriever: Retriever, store: EntityStore, mentions: MentionTable, k: int = 64, candidates_path: str | Path | None = None,
     index_config: IndexConfig | None = None, batch_size: int = 128, progress: bool = True,
 ) -> dict[str, Any]:
     """Recall of one split (own world and split union) and, with ``candidates_path``, the
@@ -290,7 +292,7 @@ def evaluate_retriever_split(
 
 
 def evaluate_reranker_split(
-    reranker: Any, store: Any, mentions: Any, candidates: Mapping[str, Sequence[str]], k: int = 64,
+    reranker: Any, store: EntityStore, mentions: MentionTable, candidates: Mapping[str, Sequence[str]], k: int = 64,
     source: str = "candidates", batch_size: int = 2, progress: bool = True,
 ) -> dict[str, Any]:
     """Reranker accuracy on one split over its candidates (a retriever's or Zeshel's TF-IDF)."""

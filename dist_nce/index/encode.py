@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from kb.store import EntityStore
 from dist_nce.core.artifacts import MANIFEST, file_sha256
 from dist_nce.modeling.retriever import EntityEncoder, to_storage
 from dist_nce.modeling.scoring import Reps
@@ -116,7 +117,7 @@ def choose_attention(encoder: EntityEncoder, mode: str, device: torch.device, au
 
 
 @torch.inference_mode()
-def encode_rows(encoder: EntityEncoder, store: Any, batch_size: int, device: torch.device,
+def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, device: torch.device,
                 autocast: torch.dtype | None, storage_dtype: str,
                 progress: Callable[[int], None] | None = None) -> Reps:
     """Entity reps of every row of ``store`` (an ``EntityStore`` or a slice), in row order.

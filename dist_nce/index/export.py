@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kb.store import EntityStore
 from dist_nce.core.artifacts import atomic_path, write_manifest
 from dist_nce.index.versions import EMBEDDINGS_FILE
 
@@ -45,7 +46,7 @@ def _load_part(version_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(version_dir / EMBEDDINGS_FILE))
 
 
-def export_snapshot(out: str | os.PathLike, store: Any, parts: Sequence[tuple[tuple[int, int], Path]],
+def export_snapshot(out: str | os.PathLike, store: EntityStore, parts: Sequence[tuple[tuple[int, int], Path]],
                     dtype: str = "float32", blink_t7: bool = False, **fields: Any) -> dict:
     """Write the layout of the module docstring from per-shard version directories.
 

@@ -18,6 +18,7 @@ Callers search from processes that applied ``dist_nce.cluster.runtime.configure_
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -84,7 +85,7 @@ def build_index(vectors: np.ndarray, kind: str, storage: str, *, nlist: int = 10
 
 def preallocated_flat(n: int, d: int, storage: str) -> Any:
     """An exact inner-product index (Flat or SQfp16 codes) already sized for n rows, to be
-    filled in place through ``search.faiss_storage_view``: the vectors then exist once,
+    filled in place through :func:`faiss_storage_view`: the vectors then exist once,
     where ``build_index`` holds the caller's array and faiss's copy at the same time."""
     import faiss
 
@@ -161,3 +162,33 @@ def search_entities(index: Any, queries: np.ndarray, k: int, owners: Tensor, exc
         todo = todo[(~((found >= k) | exhausted)).numpy()]
         fetch = min(limit, 2 * fetch)
     return ents, scores
+
+
+def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | None:
+    """Zero-copy [n, d] ``dtype`` tensor over a CPU faiss index's own row-ordered codes.
+
+    Flat (fp32 codes) and SQfp16 (fp16 codes) store row i at bytes [i*c, (i+1)*c), c the
+    code size; HNSW keeps such an index as its ``storage``. Returns None for any other
+    layout. The tensor keeps ``index`` alive (tensor -> numpy -> ctypes buffer -> index;
+    pass the index object that owns the C++ index), so it stays valid even if the caller
+    drops the index first.
+    """
+    import faiss
+
+    owner = index  # the Python object that owns the C++ index (a downcast proxy does not)
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexHNSW):
+        index = faiss.downcast_index(index.storage)
+    if isinstance(index, faiss.IndexScalarQuantizer):
+        if index.sq.qtype != faiss.ScalarQuantizer.QT_fp16 or dtype != torch.float16:
+            return None
+    elif not (isinstance(index, faiss.IndexFlat) and dtype == torch.float32):
+        return None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if n == 0 or index.ntotal != n or index.d != d or index.codes.size() != n * d * itemsize:
+        return None
+    address = faiss.rev_swig_ptr(index.codes.data(), 1).ctypes.data
+    buffer = (ctypes.c_uint8 * (n * d * itemsize)).from_address(address)
+    buffer.owner = owner  # the numpy array below references buffer, the tensor the array
+    numpy_dtype = np.float16 if dtype == torch.float16 else np.float32
+    return torch.from_numpy(np.frombuffer(buffer, dtype=numpy_dtype).reshape(n, d))

@@ -8,7 +8,7 @@ A shard owns its base contiguous range plus the row segments KB deltas placed on
 only, so its cost and memory are those of the delta.
 
 Removed rows are excluded exactly as the gold is: their scores are -inf before top-k,
-Gumbel keys, ``log_z`` and the bias monitor's log-sum-exp (``search.exact_search_pieces``,
+Gumbel keys, ``log_z`` and the bias monitor's log-sum-exp (``exact.exact_search_pieces``,
 ``ShardIndex.topk(dead=...)``, ``gradbias.lse_grad_all(dead=...)``). The exact path scores
 all pieces on the one global block grid, so a sharded answer still equals a flat search
 over the same rows, and the Gumbel noise stays keyed by global row. One piece and no dead
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from dist_nce.bias.gradbias import LseGrad, lse_grad_all, lse_grad_rows, merge as merge_lse
-from dist_nce.index.search import Piece, ShardIndex, _check_batch, exact_search_pieces
+from dist_nce.index.exact import Piece, exact_search_pieces
+from dist_nce.index.search import ShardIndex, _check_batch
 from dist_nce.sampling.topk import ShardResult, merge_results
 from dist_nce.modeling.scoring import Reps
 

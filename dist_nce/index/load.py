@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.index.versions import PersistedVersions
 from dist_nce.modeling.scoring import ScoreSpec
 

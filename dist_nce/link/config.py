@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dist_nce.core.config import AT_LEAST_1, POSITIVE, Range
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 from dist_nce.actors.config import ServiceConfig
 
 

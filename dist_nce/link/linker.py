@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from kb.store import EntityStore
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.core.config import from_dict, to_dict
 from dist_nce.retrieval import default_index_config, iter_mention_reps, local_search, retrieve
@@ -73,7 +74,7 @@ def encode_token_rows(retriever: Retriever, ids: np.ndarray, lengths: np.ndarray
 
 
 @torch.inference_mode()
-def rerank_scores(reranker: Any, store: Any, ids: np.ndarray, rows: np.ndarray, pairs: int) -> np.ndarray:
+def rerank_scores(reranker: Any, store: EntityStore, ids: np.ndarray, rows: np.ndarray, pairs: int) -> np.ndarray:
     """Reranker scores float32 [B, k] of mention token rows ids [B, L] against store rows [B, k].
 
     Entities are the store's token ids, the reranker's training input; ``pairs`` bounds the
@@ -99,7 +100,7 @@ class Linker:
     """A trained retriever over its KB (and optionally a reranker): text with mentions -> entities."""
 
     def __init__(self, artifacts: RunArtifacts, config: LinkConfig, retriever: Retriever | None, tokenizer: Any,
-                 store: Any, searcher: Any, reranker: Any = None):
+                 store: EntityStore, searcher: Any, reranker: Any = None):
         self.artifacts, self.config = artifacts, config
         self.retriever, self.tokenizer, self.store, self.searcher, self.reranker = (
             retriever, tokenizer, store, searcher, reranker)
@@ -138,7 +139,7 @@ class Linker:
         return cls(art, cfg, retriever if keep_encoder else None, retriever.tokenizer, store, searcher, reranker)
 
     @staticmethod
-    def _open_searcher(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, store: Any, tok_sha: str):
+    def _open_searcher(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, store: EntityStore, tok_sha: str):
         from dist_nce.retrieval import build_local_index
         from dist_nce.index.encode import state_fingerprint
 

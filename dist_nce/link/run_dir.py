@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kb.store import EntityStore
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, read_manifest
 from dist_nce.index.export import KIND as SNAPSHOT_KIND
 from dist_nce.index.export import SCHEMA_VERSION as SNAPSHOT_SCHEMA
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 
 MODEL_DIR = "model"
@@ -75,7 +77,7 @@ def locate(run_dir: str | os.PathLike, store: str | os.PathLike | None = None) -
                         config.get("service"))
 
 
-def _check_snapshot(snapshot: Path, manifest: dict, store: Any, encoder_fingerprint: str | None) -> None:
+def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_fingerprint: str | None) -> None:
     n = store.num_entities
     if manifest.get("num_entities") != n:
         raise ArtifactMismatch(f"{snapshot}: {manifest.get('num_entities')} entities, the store {store.path} has {n}")
@@ -100,7 +102,7 @@ def _check_snapshot(snapshot: Path, manifest: dict, store: Any, encoder_fingerpr
                                    f"({got}) than the model's ({encoder_fingerprint}); use kb: encode")
 
 
-def snapshot_index(snapshot: str | os.PathLike, store: Any, spec: ScoreSpec, config: IndexConfig,
+def snapshot_index(snapshot: str | os.PathLike, store: EntityStore, spec: ScoreSpec, config: IndexConfig,
                    encoder_fingerprint: str | None = None) -> ShardIndex:
     """An in-process index over every row of ``store`` from an exported snapshot.
 

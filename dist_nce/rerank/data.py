@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kb.store import EntityStore, MentionTable
 from dist_nce.eval.zeshel import CandidateSet, candidate_rows
 from dist_nce.rerank.candidates import gold_first, read_split_candidates
 from dist_nce.rerank.config import RerankJobConfig
@@ -54,8 +55,8 @@ class TrainingSet:
     """mention_idx [n] int64 indices into ``mentions``; cands [n, C] rows, gold in column 0;
     inserted [n] bool: the gold was added (the retriever missed it)."""
 
-    mentions: Any
-    store: Any
+    mentions: MentionTable
+    store: EntityStore
     mention_idx: np.ndarray
     cands: np.ndarray
     inserted: np.ndarray
@@ -115,8 +116,8 @@ def data_order(plan: RerankPlan) -> DataOrder:
 @dataclass
 class EvalSet:
     split: str
-    mentions: Any
-    store: Any
+    mentions: MentionTable
+    store: EntityStore
     candidates: CandidateSet
     source: str
 

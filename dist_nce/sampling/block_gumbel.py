@@ -40,7 +40,7 @@ its row): it does not depend on which shard computes it, provided the block lies
 shard. Each shard keeps its own K-1 best blocks, which hold its own top K-1 rows (step 2 on
 the shard); the global top K-1 rows are among the union of the shards' top K-1 rows, so
 ``merge_results`` of the shards' answers is the flat answer bit for bit (same keys, same
-(key desc, row asc) order), given bit-identical scores (``search.exact_search``'s grid).
+(key desc, row asc) order), given bit-identical scores (``index.exact.exact_search``'s grid).
 
 A shard whose rows start or end inside a block (``row_start`` not a multiple of b) owns only
 a PIECE of it. The piece is treated as a block of its own: its maximum is drawn from the
@@ -288,7 +288,7 @@ def gumbel_topk_block(scores: Tensor, k: int, gold: Tensor | None, seed: int, qu
 
     gold: [B] or [B, e] int64 global rows (-1 = none); query_keys: [B] int64. Same law and
     ``log_z`` (float64 [B], gold-excluded logsumexp) as ``negatives.gumbel_topk_dense``; equal
-    bit for bit to ``search.exact_search(..., sampler="block")`` over any shards starting on
+    bit for bit to ``index.exact.exact_search(..., sampler="block")`` over any shards starting on
     the grid of ``block_rows``.
     """
     if block_rows < 1:

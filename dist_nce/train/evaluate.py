@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.eval.metrics import accuracy, recall_at_k
 from dist_nce.retrieval import retrieve
 
@@ -42,7 +43,7 @@ def rank_slice(indices: np.ndarray, rank: int, world: int) -> tuple[np.ndarray, 
     return part, n_real
 
 
-def evaluate(module: torch.nn.Module, mentions: Any, indices: np.ndarray, service: Any, ks: Sequence[int],
+def evaluate(module: torch.nn.Module, mentions: Any, indices: np.ndarray, service: NegativeSource, ks: Sequence[int],
              batch_size: int, rank: int = 0, world: int = 1,
              all_gather: Callable[[Any], list[Any]] | None = None) -> dict[str, Any] | None:
     """Metrics of ``mentions`` (a MentionTable) at ``indices``; every rank calls it, rank 0 gets them.

@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.core.artifacts import atomic_write_json
 
 CONTROL_FILE = "kb_update.json"
@@ -49,7 +50,7 @@ def request_update(run_dir: str | os.PathLike, kb_version: int | None = None) ->
     return path
 
 
-def apply_request(service: Any, run_dir: str | os.PathLike) -> dict | None:
+def apply_request(service: NegativeSource, run_dir: str | os.PathLike) -> dict | None:
     """One look at the control file: apply the request it holds, record the outcome, remove it.
     Returns the outcome, or None when there is no request."""
     run_dir = Path(run_dir)
@@ -79,7 +80,7 @@ def apply_request(service: Any, run_dir: str | os.PathLike) -> dict | None:
 class KbWatcher:
     """A daemon thread applying control-file requests while training runs (``with KbWatcher(...):``)."""
 
-    def __init__(self, service: Any, run_dir: str | os.PathLike, interval_s: float = 5.0, log=print):
+    def __init__(self, service: NegativeSource, run_dir: str | os.PathLike, interval_s: float = 5.0, log=print):
         self.service, self.run_dir, self.interval_s, self.log = service, Path(run_dir), float(interval_s), log
         self.outcomes: list[dict] = []
         self._stop = threading.Event()

@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dist_nce.actors.protocols import NegativeSource
+
 
 class KbFollower:
     """service: the worker's NegativeService copy; prepared_dir/split: the training data."""
 
-    def __init__(self, service: Any, prepared_dir: str, split: str):
+    def __init__(self, service: NegativeSource, prepared_dir: str, split: str):
         from kb.store import EntityStore, MentionTable
 
         self.service, self.prepared_dir, self.split = service, prepared_dir, split

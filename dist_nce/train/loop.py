@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.index.encode import store_fingerprint
 from dist_nce.modeling.losses import adjusted_nce_loss, nce_loss
 from dist_nce.sampling.negatives import Negatives
@@ -36,7 +37,8 @@ from dist_nce.train.model import build_retriever, export_model, full_state_dict,
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
 )
-from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, query_keys, request_seed, sampling, stop_step
+from dist_nce.sampling.keys import query_keys, request_seed
+from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
@@ -50,7 +52,7 @@ class Worker(WorkerScaffold):
     mean_keys = ("train/loss", "train/gold_score", "train/negative_score", "time/negatives_wait_s")
     state_cls = checkpoint.TrainState
 
-    def __init__(self, cfg: TrainJobConfig, service: Any, rank: int, world: int, device: torch.device | str,
+    def __init__(self, cfg: TrainJobConfig, service: NegativeSource, rank: int, world: int, device: torch.device | str,
                  report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
         super().__init__(cfg, rank, world, device, report, get_checkpoint)
         self.service = service

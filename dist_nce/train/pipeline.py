@@ -27,10 +27,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.modeling.scoring import Reps
 from dist_nce.sampling.negatives import Negatives
 from dist_nce.train.batches import trimmed
-from dist_nce.train.plan import Sampling
+from dist_nce.sampling.samplers import Sampler
 
 Encode = Callable[[np.ndarray], Reps]
 
@@ -41,8 +42,8 @@ class StepRequest(NamedTuple):
     step: int
     mentions: np.ndarray  # [b] mention indices of the split
     gold: Tensor  # [b] int64 gold entity rows
-    query_keys: Tensor  # [b] int64 Gumbel-noise keys (plan.query_keys)
-    seed: int  # plan.request_seed
+    query_keys: Tensor  # [b] int64 Gumbel-noise keys (sampling.keys.query_keys)
+    seed: int  # sampling.keys.request_seed
 
 
 class Mined(NamedTuple):
@@ -126,7 +127,7 @@ class NegativePrefetcher:
     checkpoint, which the checkpoint does not hold.
     """
 
-    def __init__(self, service: Any, sampling: Sampling, encode: Encode, request: Callable[[int], StepRequest],
+    def __init__(self, service: NegativeSource, sampling: Sampler, encode: Encode, request: Callable[[int], StepRequest],
                  end_step: int, depth: int, clock: Callable[[], float] = time.perf_counter):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
@@ -165,8 +166,7 @@ class NegativePrefetcher:
         if req.step != step:
             raise AssertionError(f"request for step {step} says step {req.step}")
         reps = self.encode(req.mentions)
-        s = self.sampling
-        future = self.service.mine(reps, req.gold, s.n_hard, s.n_random, req.seed, req.query_keys, s.p_mixed)
+        future = self.service.draw(self.sampling, reps, req.gold, req.seed, req.query_keys)
         self._pending.append((req, future))
         self.submit_s += self.clock() - t0
 
@@ -222,7 +222,7 @@ class EpochNegatives(NamedTuple):
         return cls(t["ids"], t["log_q"], t["hard"].bool(), t["version"], int(t["epoch"][0]))
 
 
-def mine_epoch(service: Any, sampling: Sampling, encode: Encode, mentions: np.ndarray, gold: Callable[[np.ndarray], Tensor],
+def mine_epoch(service: NegativeSource, sampling: Sampler, encode: Encode, mentions: np.ndarray, gold: Callable[[np.ndarray], Tensor],
                keys: Callable[[np.ndarray], Tensor], seed: Callable[[int], int], request_size: int,
                max_in_flight: int = 2, progress: Callable[[int], None] | None = None,
                clock: Callable[[], float] = time.perf_counter) -> tuple[EpochNegatives, float]:
@@ -235,7 +235,6 @@ def mine_epoch(service: Any, sampling: Sampling, encode: Encode, mentions: np.nd
     steps, b = mentions.shape
     flat = mentions.reshape(-1)
     chunks = [flat[a:a + request_size] for a in range(0, len(flat), request_size)]
-    s = sampling
     pending: deque[Any] = deque()
     parts: list[Negatives] = []
     versions: list[Tensor] = []
@@ -253,7 +252,7 @@ def mine_epoch(service: Any, sampling: Sampling, encode: Encode, mentions: np.nd
             progress(n)
 
     for c, idx in enumerate(chunks):
-        future = service.mine(encode(idx), gold(idx), s.n_hard, s.n_random, seed(c), keys(idx), s.p_mixed)
+        future = service.draw(sampling, encode(idx), gold(idx), seed(c), keys(idx))
         pending.append((len(idx), future))
         if len(pending) >= max_in_flight:
             collect()

@@ -24,36 +24,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from dist_nce.sampling.negatives import num_hard
+from dist_nce.sampling.modes import sampler_for
+from dist_nce.sampling.samplers import Sampler
 from dist_nce.train.config import TrainJobConfig
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How the K-1 negatives of a mention split into hard and random ones."""
-
-    n_hard: int
-    n_random: int
-    p_mixed: float | None  # passed to NegativeService.mine for mixed-p, else None
-
-    @property
-    def num_negatives(self) -> int:
-        return self.n_hard + self.n_random
-
-
-def sampling(mode: str, p: float, num_candidates: int) -> Sampling:
-    """random: K-1 random; hard: K-1 hard; mixed: ``negatives.num_hard(p, K-1)`` hard, the rest random."""
-    k1 = num_candidates - 1
-    if mode == "random":
-        return Sampling(0, k1, None)
-    if mode == "hard":
-        return Sampling(k1, 0, None)
-    if mode == "mixed":
-        h = num_hard(p, k1)
-        return Sampling(h, k1 - h, float(p))
-    raise ValueError(f"negatives.mode: expected random, hard or mixed, got {mode!r}")
+def sampling(mode: str, p: float, num_candidates: int) -> Sampler:
+    """The sampler of ``negatives.mode`` for K = ``num_candidates`` (K-1 negatives): random, hard, or
+    mixed-p with ``negatives.num_hard(p, K-1)`` hard and the rest random (``dist_nce.sampling.modes``)."""
+    return sampler_for(mode, num_candidates - 1, p)
 
 
 @dataclass(frozen=True)
@@ -149,18 +129,6 @@ def epoch_mentions(plan: TrainPlan, order: np.ndarray, rank: int) -> np.ndarray:
     """[steps_per_epoch, b]: worker ``rank``'s mentions for every step of one epoch."""
     used = order[:plan.steps_per_epoch * plan.global_batch].reshape(plan.steps_per_epoch, plan.global_batch)
     return used[:, worker_slice(plan, rank)]
-
-
-def query_keys(epoch: int, mention_idx: np.ndarray, split_mentions: int) -> torch.Tensor:
-    """[b] int64 Gumbel-noise keys: unique per (epoch, mention), stable across restarts."""
-    idx = torch.as_tensor(np.asarray(mention_idx, dtype=np.int64))
-    return epoch * int(split_mentions) + idx
-
-
-def request_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """A 63-bit seed per mining request, a pure function of where the request is in the run."""
-    lo, hi = np.random.SeedSequence([seed & 0xFFFFFFFF, epoch, step, rank]).generate_state(2, np.uint32)
-    return (int(lo) | int(hi) << 32) >> 1
 
 
 class DataOrder:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.train.config import RefreshConfig
 from dist_nce.train.plan import TrainPlan
 
@@ -82,7 +83,7 @@ class Publisher:
     collective); only rank 0 ships the weights. ``put`` is ``ray.put`` (injectable for tests).
     """
 
-    def __init__(self, service: Any, module: Any, book: RefreshBook, rank: int, zero3: bool, wait: bool,
+    def __init__(self, service: NegativeSource, module: Any, book: RefreshBook, rank: int, zero3: bool, wait: bool,
                  put: Callable[[Any], Any] | None = None, barrier: Callable[[], None] | None = None):
         self.service, self.module, self.book = service, module, book
         self.rank, self.zero3, self.wait = rank, zero3, wait

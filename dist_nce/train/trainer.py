@@ -10,20 +10,21 @@ import json
 import os
 from typing import Any
 
+from dist_nce.actors.protocols import NegativeSource
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import TrainPlan
 from dist_nce.worker.launch import make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
 
 
-def make_trainer(cfg: TrainJobConfig, service: Any):
+def make_trainer(cfg: TrainJobConfig, service: NegativeSource):
     """A TorchTrainer running :func:`dist_nce.train.loop.train_func` on ``run.num_workers`` workers."""
     from dist_nce.train.loop import train_func
 
     return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg), "service": service})
 
 
-def fit(cfg: TrainJobConfig, service: Any):
+def fit(cfg: TrainJobConfig, service: NegativeSource):
     """Train (or resume: same run.name and storage_path); returns the ray.train Result."""
     return make_trainer(cfg, service).fit()
 
@@ -100,7 +101,7 @@ def plan_for(cfg: TrainJobConfig) -> TrainPlan:
     return make_plan(cfg, train.prepared_gold_rows, store.num_entities, store_fingerprint(cfg.data.prepared_dir))
 
 
-def kb_snapshot(service: Any, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:
+def kb_snapshot(service: NegativeSource, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:
     """Export the KB encoded with the final weights (``index.export.export_snapshot``: embeddings.npy,
     ids.txt, manifest) from the version the shards serve and persisted after the final refresh."""
     from pathlib import Path

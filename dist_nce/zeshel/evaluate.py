@@ -20,11 +20,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kb.store import EntityStore, MentionTable
 from dist_nce.core.artifacts import write_manifest
 from dist_nce.eval.metrics import PAD, linking_report
 from dist_nce.retrieval import build_local_index, default_index_config, ranked_source_ids, retrieve
 from dist_nce.eval.zeshel import RECALL_KS, evaluate_retriever_split, split_world_ranges, write_candidates
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
 from dist_nce.zeshel.config import TRAIN_STORE_SPLITS, ZeshelConfig
@@ -47,7 +48,7 @@ def index_config(retriever: Retriever, backend: str) -> IndexConfig:
     return IndexConfig(backend=backend)
 
 
-def own_world_topk(retriever: Retriever, store: Any, mentions: Any, k: int, config: IndexConfig,
+def own_world_topk(retriever: Retriever, store: EntityStore, mentions: MentionTable, k: int, config: IndexConfig,
                    batch_size: int = 128, progress: bool = True) -> np.ndarray:
     """[N, k] entity rows: every mention's top k among its own world's entities, one world at a time."""
     worlds = np.asarray(mentions.worlds, dtype=object)
@@ -63,7 +64,7 @@ def own_world_topk(retriever: Retriever, store: Any, mentions: Any, k: int, conf
     return rows
 
 
-def evaluate_split(retriever: Retriever, store: Any, mentions: Any, k: int, config: IndexConfig, union: bool,
+def evaluate_split(retriever: Retriever, store: EntityStore, mentions: MentionTable, k: int, config: IndexConfig, union: bool,
                    candidates_path: str | Path | None, batch_size: int = 128, progress: bool = True
                    ) -> dict[str, Any]:
     """Recall@k of one split (own world; with ``union`` also split union), and its candidates file."""

@@ -14,7 +14,10 @@ import pytest
 import ray
 import torch
 
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.sampling.modes import sampler_for
+
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.actors.service import NegativeService, even_ranges
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.sampling.topk import merge_results
@@ -136,6 +139,14 @@ def test_sharded_answers_equal_one_flat_index(run):
     for neg in (hard.negatives, mixed.negatives, rand.negatives):
         for row, g in zip(neg.ids.tolist(), GOLD.tolist()):
             assert len(set(row)) == len(row) and g not in row and all(0 <= r < N for r in row)
+
+    # The sampler seam: each mode's sampler drawn from the service answers what mine() answers.
+    for mode, p, args, kwargs in (("hard", 50, (7, 0, 11), {}), ("mixed", 50, (5, 4, 11), {"p_mixed": 50}),
+                                  ("random", 50, (0, 20, 5), {})):
+        drawn = service.draw(sampler_for(mode, sum(args[:2]), p), q, GOLD, args[2], KEYS).result()
+        mined = service.mine(q, GOLD, *args, query_keys=KEYS, **kwargs).result()
+        assert torch.equal(drawn.negatives.ids, mined.negatives.ids) and drawn.version == mined.version
+        assert torch.equal(drawn.negatives.log_q, mined.negatives.log_q)
 
 
 def test_even_ranges_on_a_grid():

@@ -15,7 +15,7 @@ import torch
 
 from dist_nce.kernels.attention import unavailable_reason as attention_unavailable
 from dist_nce.index.encode import autocast_dtype, encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.shard import EntityShard, NoIndexError, VersionUnavailable
 from dist_nce.index.versions import shard_dir_name, version_dir_name

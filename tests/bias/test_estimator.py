@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dist_nce.bias.estimator import estimator as B
+from dist_nce.bias import estimator as B
 from dist_nce.bias.estimator import NegativeScheme
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 
 from dist_nce.cluster.runtime import ensure_auth_token
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ensure_auth_token_creates_a_private_token_once(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from dist_nce.cluster.reaper import cluster_processes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 DRIVER = r"""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Started in its own process so that no other cluster of the test session is counted; it
 # prints the TCP sockets its own Ray processes listen on (from /proc/net/tcp{,6} and /proc/<pid>/fd).

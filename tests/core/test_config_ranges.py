@@ -23,7 +23,7 @@ from dist_nce.train.config import TrainJobConfig, check_against_store
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
 from kb.prepare import PrepareConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB_CONFIGS = [TrainJobConfig, ZeshelRetrieverConfig, RerankJobConfig, SyntheticConfig, PrepareConfig, ServiceConfig]
 # What each config needs besides the field under test to get as far as its ranges.
 BASE: dict[type, dict] = {PrepareConfig: {"out": "x", "kilt_ks": "x.json"},

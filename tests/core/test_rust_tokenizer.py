@@ -20,7 +20,7 @@ from dist_nce.core.records import EntityRecord, MentionRecord
 
 from tests.core.test_text import WORDS, random_entities, random_mentions  # noqa: E402  (tests/ is on sys.path)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LONG = " ".join(["Zürich Šuker naïve e\u0301te\u0301 東京都 ΟΔΟΣ 🙂 [SEP] [unused0] «quoted» —"] * 60)
 TEXTS = ["", " ", "Hello, World!", "ÉCOLE Normale Supérieure", "Ångström", "ﬁnance ½ Ⅻ", "İstanbul",
          "a\u00adb", "zero\u200bwidth", "\x00\x01ctl\x7f", "tab\there\nnew", "x" * 250, "東京都の人口", "😀👍🏽",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_nce.index.export import export_snapshot
-from dist_nce.index.search import IndexConfig
+from dist_nce.index.config import IndexConfig
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.shard import EntityShard
 from dist_nce.modeling.retriever import RetrieverConfig

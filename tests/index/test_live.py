@@ -14,7 +14,8 @@ import torch
 from dist_nce.bias.gradbias import lse_grad_all
 from dist_nce.index.live import LiveIndex
 from dist_nce.actors.placement import place_rows, water_fill
-from dist_nce.index.search import IndexConfig, ShardIndex
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.search import ShardIndex
 from dist_nce.sampling.topk import merge_results
 from dist_nce.sampling.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
 from dist_nce.modeling.scoring import Reps, ScoreSpec

@@ -10,7 +10,9 @@ import torch
 
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.load import load_shard_index
-from dist_nce.index.search import IndexConfig, ShardIndex, faiss_storage_view
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.faiss_backend import faiss_storage_view
+from dist_nce.index.search import ShardIndex
 from dist_nce.index.versions import PersistedVersions
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 
@@ -77,7 +79,7 @@ def test_peak_memory_of_a_load_is_at_most_1_3x_the_raw_vectors(tmp_path):
     script = textwrap.dedent(f"""
         import torch, faiss
         from dist_nce.index.load import load_shard_index
-        from dist_nce.index.search import IndexConfig
+        from dist_nce.index.config import IndexConfig
         from dist_nce.index.versions import PersistedVersions
         from dist_nce.modeling.scoring import ScoreSpec
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dist_nce.index import faiss_backend
-from dist_nce.index.search import IndexConfig, ShardIndex, exact_search
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.exact import exact_search
+from dist_nce.index.search import ShardIndex
 from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
 from dist_nce.sampling.negatives import sample_hard

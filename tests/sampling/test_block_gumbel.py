@@ -11,7 +11,9 @@ import torch
 from dist_nce.sampling import negatives as ng
 from dist_nce.core.config import ConfigError, from_dict
 from dist_nce.sampling import block_gumbel as bg
-from dist_nce.index.search import IndexConfig, ShardIndex, exact_search
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.exact import exact_search
+from dist_nce.index.search import ShardIndex
 from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 
@@ -143,7 +145,7 @@ def test_block_sampler_draws_noise_for_kept_blocks_only(monkeypatch):
         drawn.append(rows.numel() if rows.dim() == 2 else rows.numel() * query_keys.numel())
         return real(seed, query_keys, rows)
 
-    monkeypatch.setattr(ng, "gumbel_noise", counting)
+    monkeypatch.setattr(bg, "gumbel_noise", counting)  # the noise the block sampler draws
     batch, n, k, b = 4, 1000, 5, 10
     scores = torch.randn(batch, n, generator=gen(2))
     bg.gumbel_topk_block(scores, k, torch.zeros(batch, dtype=torch.int64), 1, torch.arange(batch), b)

@@ -38,7 +38,7 @@ class Handle:
 
 
 class FakeService:
-    """mine(): negative k of mention b is (gold_b + 1 + k + key_b) mod N, tagged with the served version.
+    """mine() / draw(): negative k of mention b is (gold_b + 1 + k + key_b) mod N, tagged with the served version.
 
     Records every call in ``calls``; ``refresh`` records the state it was given.
     """
@@ -57,6 +57,10 @@ class FakeService:
         negs = Negatives(ids, torch.full(ids.shape, -1.0), torch.arange(k1)[None, :].expand_as(ids) < n_hard)
         self.calls.append(("mine", reps.vecs.clone(), gold.clone(), seed, query_keys.clone()))
         return Future(MineResult(negs, self.served), self.calls, len(self.calls) - 1)
+
+    def draw(self, sampler, reps, gold, seed, query_keys):
+        """The service's sampler face: the same answers as ``mine`` with the sampler's split."""
+        return self.mine(reps, gold, sampler.n_hard, sampler.n_random, seed, query_keys, sampler.p_mixed)
 
     def refresh(self, state, version, wait=False):
         self.states.append((state, version))

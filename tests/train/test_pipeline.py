@@ -9,10 +9,10 @@ from dist_nce.modeling.scoring import Reps
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
 )
-from dist_nce.train.plan import Sampling
+from dist_nce.sampling.modes import sampler_for
 from tests.train.fakes import FakeService
 
-SAMPLING = Sampling(2, 1, 66.7)
+SAMPLING = sampler_for("mixed", 3, 66.7)  # 2 hard + 1 random
 
 
 class Weights:

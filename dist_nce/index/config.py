@@ -1,0 +1,100 @@
+"""A shard index's configuration (the ``index`` section of the service config): backend,
+storage and compute precision, the Gumbel mode and sampler, chunk and block sizes.
+What each choice does is said in :mod:`dist_nce.index.search`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, Range, check_fields
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _help(text: str, default, bounds: Range | None = None):
+    """A field with its help string and, for numbers, its admissible range (dist_nce.core.config)."""
+    return dataclasses.field(default=default, metadata={"help": text, **({"range": bounds} if bounds else {})})
+
+
+@dataclasses.dataclass
+class IndexConfig:
+    """How a shard searches its entities."""
+
+    backend: Literal["torch", "flat", "ivf", "hnsw"] = _help(
+        "torch: exact, any preset; flat: faiss exact MIPS; ivf/hnsw: faiss approximate MIPS", "flat")
+    storage: Literal["fp32", "fp16", "bf16"] = _help(
+        "dtype the entity vectors are kept in (faiss: fp32 or fp16 only)", "fp32")
+    compute: Literal["fp32", "fp16", "bf16"] = _help(
+        "torch matmul dtype of the exact path (bf16/fp16 are for GPUs; bf16 is also fast on recent CPUs)", "fp32")
+    score_dtype: Literal["fp32", "bf16"] = _help(
+        "exact scoring precision. bf16: entity vectors stored bf16 (half the bytes), queries rounded to "
+        "bf16, products summed in fp32 (each product of two bf16 values is exact in fp32) and scores kept "
+        "fp32; sets storage and compute (leave those at fp32). torch backend only", "fp32")
+    device: str = _help("torch device of the exact path: auto (cuda if available), cpu, cuda, cuda:1", "auto")
+    faiss_gpu: Literal["auto", "on", "off"] = _help(
+        "put the faiss flat/IVF index on the GPU: auto = when faiss sees a GPU and device is cuda", "auto")
+    gumbel: Literal["auto", "exact", "candidates"] = _help(
+        "Gumbel-top-k: exact brute force over all rows, or within the backend's top `candidates`", "auto")
+    sampler: Literal["dense", "block"] = _help(
+        "exact Gumbel-top-k sampler: dense draws one Gumbel per (query, row) (the reference); block draws "
+        "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
+        "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/sampling/block_gumbel.py)", "dense")
+    kernel: Literal["auto", "native", "torch"] = _help(
+        "block sampler over bf16 dual reps (score_dtype bf16): native = the fused AVX512-BF16 kernel "
+        "(dist_nce/index/native), scores never leave the core; torch = chunked GEMM then reductions; auto = "
+        "native where the CPU and a C compiler allow. Same law, different float rounding, so runs that must "
+        "repeat draws bit for bit across machines should pin it", "auto")
+    block_rows: int = _help(
+        "rows per block of the block sampler, on a global grid; must divide chunk_rows. sqrt(N/(K-1)) "
+        "minimises the noise drawn. Sharded == flat bit for bit when every shard starts on this grid", 128,
+        AT_LEAST_1)
+    candidates: int = _help("N, rows retrieved per query before Gumbel in candidates mode", 1024, AT_LEAST_1)
+    tail_sample: int = _help("rows sampled uniformly to estimate the softmax mass outside the candidates", 1024,
+                             AT_LEAST_1)
+    chunk_rows: int = _help(
+        "entities per block on the exact path; blocks follow a global grid, so keep it equal across shards "
+        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d)", 8192, AT_LEAST_1)
+    nlist: int = _help("IVF lists", 1024, AT_LEAST_1)
+    nprobe: int = _help("IVF lists probed per query", 32, AT_LEAST_1)
+    ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0, AT_LEAST_0)
+    hnsw_m: int = _help("HNSW graph degree", 32, AT_LEAST_1)
+    ef_construction: int = _help("HNSW build beam", 200, AT_LEAST_1)
+    ef_search: int = _help("HNSW search beam (raised to the fetch size when smaller)", 128, AT_LEAST_1)
+    seed: int = _help("seed of index construction (IVF training sample)", 0, AT_LEAST_0)
+
+    def validate(self) -> None:
+        check_fields(self, "index")  # the loader did already; direct constructions did not
+        if self.backend != "torch" and self.storage == "bf16":
+            raise ValueError("index.storage bf16 is torch-only; faiss stores fp32 or fp16")
+        if self.score_dtype == "bf16":
+            if self.backend != "torch":
+                raise ValueError(f"index.score_dtype bf16 needs backend 'torch' (faiss stores fp32 or fp16), got "
+                                 f"{self.backend!r}")
+            if self.storage not in ("fp32", "bf16") or self.compute != "fp32":
+                raise ValueError("index.score_dtype bf16 sets the storage (bf16) and the GEMM (bf16 values, fp32 "
+                                 f"sums): leave index.storage and index.compute at fp32, got {self.storage}/"
+                                 f"{self.compute}")
+        if self.sampler == "block" and self.chunk_rows % self.block_rows:
+            raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
+                             f"({self.chunk_rows}) with sampler 'block'")
+
+    def storage_dtype(self) -> torch.dtype:
+        """dtype the entity vectors are held in (``score_dtype`` bf16 overrides ``storage``)."""
+        return torch.bfloat16 if self.score_dtype == "bf16" else DTYPES[self.storage]
+
+    def row_grid(self) -> int:
+        """Rows a shard boundary must be a multiple of: ``block_rows`` for the block sampler
+        (its blocks must not straddle shards for sharded == flat bit for bit), else 1."""
+        return self.block_rows if self.sampler == "block" else 1
+
+    def gumbel_mode(self) -> str:
+        if self.gumbel != "auto":
+            return self.gumbel
+        return "candidates" if self.backend in ("ivf", "hnsw") else "exact"
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,258 @@
+"""Exact search over one shard's rows on a global grid: top-k and Gumbel-top-k (dense or block
+sampler), in torch or the native block kernel.
+
+Scores are computed in chunks of ``chunk_rows`` rows laid on ONE global grid, whichever shard
+holds them, so a sharded search scores every row exactly as the flat search does and the merged
+answer equals the flat one bit for bit (docs/design.md section 5; the options are described in
+:mod:`dist_nce.index.search`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
+from dist_nce.sampling import block_native
+from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
+from dist_nce.sampling.negatives import gumbel_topk_dense
+from dist_nce.sampling.topk import ShardResult, mask_gold_, merge_results
+
+log = logging.getLogger(__name__)
+_TOLD: set[str] = set()
+
+
+class Piece(NamedTuple):
+    """Entity reps [n, ...] of the contiguous global rows [row_start, row_start + n)."""
+
+    row_start: int
+    reps: Reps
+
+
+def _grid_blocks(row_start: int, n: int, grid: int):
+    """(block start, lo, hi): the global blocks [j*grid, (j+1)*grid) meeting rows [row_start, row_start+n)."""
+    for b0 in range(row_start // grid * grid, row_start + n, grid):
+        yield b0, max(b0, row_start), min(b0 + grid, row_start + n)
+
+
+def _grid_plan(pieces: Sequence[Piece], grid: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """(block start, [(piece, lo, hi), ...]) per global block meeting any piece, ascending.
+
+    Pieces are disjoint; a block met by several pieces (a shard that got the rows filling its
+    last partial block in a KB delta) is scored once, as one block, like a flat search does."""
+    blocks: dict[int, list[tuple[int, int, int]]] = {}
+    for i, piece in enumerate(pieces):
+        for b0, lo, hi in _grid_blocks(piece.row_start, piece.reps.vecs.shape[0], grid):
+            blocks.setdefault(b0, []).append((i, lo, hi))
+    return [(b0, sorted(blocks[b0], key=lambda p: p[1])) for b0 in sorted(blocks)]
+
+
+def _padded_block(entities: Reps, a: int, b: int, offset: int, grid: int, dtype: torch.dtype) -> Reps:
+    """Local rows [a, b) placed at ``offset`` in a zero block of ``grid`` rows."""
+    vecs = entities.vecs[a:b].to(dtype)
+    mask = None if entities.mask is None else entities.mask[a:b]
+    if b - a == grid:
+        return Reps(vecs, mask)
+    full = vecs.new_zeros((grid, *vecs.shape[1:]))
+    full[offset:offset + b - a] = vecs
+    if mask is not None:  # padding rows: zero vectors with real positions, scored and dropped
+        full_mask = mask.new_ones((grid, *mask.shape[1:]))
+        full_mask[offset:offset + b - a] = mask
+        mask = full_mask
+    return Reps(full, mask)
+
+
+def _padded_chunk(pieces: Sequence[Piece], parts: list[tuple[int, int, int]], b0: int, grid: int,
+                  dtype: torch.dtype) -> Reps:
+    """The block at ``b0`` of ``grid`` rows holding each part's rows at their global offset."""
+    if len(parts) == 1:
+        i, lo, hi = parts[0]
+        start = pieces[i].row_start
+        return _padded_block(pieces[i].reps, lo - start, hi - start, lo - b0, grid, dtype)
+    blocks = [_padded_block(pieces[i].reps, lo - pieces[i].row_start, hi - pieces[i].row_start, lo - b0, grid,
+                            dtype) for i, lo, hi in parts]
+    vecs = blocks[0].vecs.clone()
+    mask = None if blocks[0].mask is None else blocks[0].mask.clone()
+    for (i, lo, hi), block in zip(parts[1:], blocks[1:]):
+        vecs[lo - b0:hi - b0] = block.vecs[lo - b0:hi - b0]
+        if mask is not None:
+            mask[lo - b0:hi - b0] = block.mask[lo - b0:hi - b0]
+    return Reps(vecs, mask)
+
+
+def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | None, first: int) -> Tensor:
+    """Set to -inf, in place, the columns of ``scores`` [B, w] (global rows [first, first + w)) that
+    no part covers (rows of other shards between this shard's pieces) and the ``dead`` rows
+    (sorted int64 global rows: removed entities, excluded exactly as the gold is)."""
+    width = scores.shape[1]
+    last = first + width
+    if sum(hi - lo for _, lo, hi in parts) < width:  # parts lie inside [first, last)
+        own = torch.zeros(width, dtype=torch.bool, device=scores.device)
+        for _, lo, hi in parts:
+            own[lo - first:hi - first] = True
+        scores[:, ~own] = float("-inf")
+    if dead is not None and dead.numel():
+        a, b = torch.searchsorted(dead, torch.tensor([first, last], device=dead.device)).tolist()
+        if b > a:
+            scores[:, (dead[a:b] - first).to(scores.device)] = float("-inf")
+    return scores
+
+
+def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
+                 chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
+                 query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
+                 block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
+    """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
+
+    queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
+    makes them); gold: [B] or [B, e] int64 global rows (-1 = none); dead: sorted int64 global
+    rows removed from the KB (never returned, never sampled, not in ``log_z``). Scores are
+    computed in ``compute`` and returned as float32; ``log_z`` is exact.
+
+    Rows are scored in blocks of a GLOBAL grid of ``chunk_rows`` rows, a partial block
+    being zero-padded at its global offset: BLAS picks kernels by matrix shape (MKL gives
+    ulp-different dot products for a 9-row and a 200-row slice), so identical block
+    shapes are what makes every score, hence every Gumbel key, identical whichever shard
+    computes it (same chunk_rows, device, dtype and thread count). The cost is at most
+    two padded blocks per shard.
+
+    ``sampler`` (Gumbel only): "dense" adds a Gumbel to every score; "block" samples top-down
+    over blocks of ``block_rows`` rows (``block_gumbel``; ``block_rows`` must divide
+    ``chunk_rows``), keeping the K-1 best blocks across chunks; ``kernel`` as
+    ``IndexConfig.kernel``.
+    """
+    return exact_search_pieces(spec, queries, [Piece(int(row_start), entities)], k, gold, chunk_rows, compute, seed,
+                               query_keys, version, sampler, block_rows, dead, kernel)
+
+
+def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
+                        chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
+                        query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
+                        block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
+    """:func:`exact_search` over the disjoint contiguous ``pieces`` a shard owns (its base range
+    plus the row segments KB deltas gave it), as one search: every global block is scored once
+    with all of this shard's rows in it, so the answer is the one a flat search over the same
+    rows gives (bit for bit, both samplers, when the shards' pieces tile whole ``block_rows``
+    blocks, as ``NegativeService`` places them)."""
+    if sampler not in ("dense", "block"):
+        raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
+    q = Reps(queries.vecs.to(compute), queries.mask)
+    pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
+    if seed is not None and sampler == "block":
+        if kernel != "torch":
+            why = block_native.usable(_is_dot(spec, q, pieces), q.vecs, pieces[0].reps.vecs, block_rows)
+            if why is None:
+                return _native_block_gumbel(q, pieces, k, gold, chunk_rows, seed, query_keys, version, block_rows,
+                                            dead)
+            if kernel == "native":
+                raise ValueError(f"index.kernel 'native': {why}")
+            if why not in _TOLD:  # say once per process why the fast path is not taken
+                _TOLD.add(why)
+                log.info("index.kernel auto: the block sampler runs on torch here: %s", why)
+        return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
+                                   block_rows, dead)
+    result = None
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
+        scores = score_all(spec, q, block)[:, lo - b0:hi - b0].float()
+        scores = _exclude_(scores, parts, dead, lo)
+        part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=lo, version=version)
+        result = part if result is None else merge_results([result, part], k)
+    if result is None:  # empty shard
+        row_start = pieces[0].row_start if pieces else 0
+        result = gumbel_topk_dense(q.vecs.new_zeros((q.vecs.shape[0], 0), dtype=torch.float32), k, gold, seed,
+                                   query_keys, row_start=row_start, version=version)
+    return result
+
+
+def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
+                        chunk_rows: int, compute: torch.dtype, seed: int, query_keys: Tensor, version: int,
+                        block_rows: int, dead: Tensor | None = None) -> ShardResult:
+    """The block sampler over the score grid of :func:`exact_search` (see block_gumbel).
+
+    Each chunk is scored in its full padded grid layout [B, chunk_rows]; rows outside the
+    shard, dead rows and the gold are set to -inf and the chunk is viewed as [B, chunk_rows / b, b]
+    blocks, so a block's scores, log mass and maximum are computed on the same tensor shapes
+    whichever shard (or the flat search) holds it: identical bits. Only the blocks meeting
+    the shard's rows take part; a block the shard owns only partly is a piece with its own
+    counter (its first row), exact but not the flat draw (block_gumbel docstring).
+    """
+    if block_rows < 1 or chunk_rows % block_rows:
+        raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
+    batch = q.vecs.shape[0]
+    stream = BlockStream(k, seed, query_keys, block_rows)
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
+        scores = score_all(spec, q, block)
+        scores = mask_gold_(scores if scores.dtype == torch.float32 else scores.float(), gold, b0)  # no copy
+        scores = _exclude_(scores, parts, dead, b0)  # rows of no part, dead rows
+        j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
+        blocks = scores.view(batch, chunk_rows // block_rows, block_rows)
+        counters = (b0 + block_rows * torch.arange(j0, j1, device=scores.device)).clamp(min=lo)
+        log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
+        stream.add(blocks[:, j0:j1], log_mass, counters)
+    return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
+
+
+def _is_dot(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece]) -> bool:
+    """s(x, y) is the plain dot product of one mention and one entity vector."""
+    return (spec.mention_side.count == 1 and spec.entity_side.count == 1 and q.mask is None
+            and all(p.reps.mask is None and p.reps.vecs.dim() == 2 for p in pieces))
+
+
+def _native_calls(pieces: Sequence[Piece], chunk_rows: int, block_rows: int, parts_wanted: int
+                  ) -> list[block_native.Call]:
+    """Kernel calls over the shard's rows on the grid of :func:`_exact_block_gumbel`.
+
+    A chunk holding one piece is read in place (consecutive ones merged up to about 1 /
+    ``parts_wanted`` of the rows, so each thread gets a few long calls); a chunk several
+    pieces meet is copied into its padded grid layout, the rows between them excluded. A
+    block's counter is max(block start, the call's first row), as on the torch path.
+    """
+    # the kernel walks rows of d contiguous values (a strided view is copied once)
+    pieces = [p if p.reps.vecs.is_contiguous() else Piece(p.row_start, Reps(p.reps.vecs.contiguous(), p.reps.mask))
+              for p in pieces]
+    total = sum(p.reps.vecs.shape[0] for p in pieces)
+    target = max(chunk_rows, -(-total // max(1, parts_wanted) // chunk_rows) * chunk_rows)
+    calls: list[block_native.Call] = []
+    empty = torch.empty(0, dtype=torch.int64)
+
+    def counters(lo: int, j0: int, j1: int) -> Tensor:
+        return (block_rows * torch.arange(j0, j1)).clamp(min=lo)
+
+    for b0, parts in _grid_plan(pieces, chunk_rows):
+        lo, hi = parts[0][1], parts[-1][2]
+        j0, j1 = lo // block_rows, -(-hi // block_rows)
+        if len(parts) == 1:
+            piece = pieces[parts[0][0]]
+            last = calls[-1] if calls else None
+            # the piece's previous chunk (a copied multi-piece chunk holds another tensor)
+            if last is not None and last.ent is piece.reps.vecs and last.hi == lo and last.hi - last.lo < target:
+                calls[-1] = last._replace(hi=hi, j1=j1, counters=counters(last.lo, last.j0, j1))
+            else:
+                calls.append(block_native.Call(piece.reps.vecs, piece.row_start, lo, hi, j0, j1, empty,
+                                               counters(lo, j0, j1)))
+            continue
+        chunk = _padded_chunk(pieces, parts, b0, chunk_rows, torch.bfloat16).vecs
+        own = torch.zeros(hi - lo, dtype=torch.bool)
+        for _, a, z in parts:
+            own[a - lo:z - lo] = True
+        calls.append(block_native.Call(chunk, b0, lo, hi, j0, j1, (~own).nonzero().squeeze(1) + lo,
+                                       counters(lo, j0, j1)))
+    return calls
+
+
+def _native_block_gumbel(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int, seed: int,
+                         query_keys: Tensor, version: int, block_rows: int, dead: Tensor | None) -> ShardResult:
+    """:func:`_exact_block_gumbel` with steps 1-2 in the native kernel (``block_native``)."""
+    if block_rows < 1 or chunk_rows % block_rows:
+        raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
+    threads = max(1, torch.get_num_threads())
+    calls = _native_calls(pieces, chunk_rows, block_rows, threads)
+    kept, log_z = block_native.run_calls(calls, q.vecs.to(torch.bfloat16), k, gold, dead, seed, query_keys,
+                                         block_rows, threads)
+    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
