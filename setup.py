@@ -13,7 +13,25 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["dist_nce", "dist_nce.*", "kb", "kb.*"]),
     # the native kernels' sources, compiled on first use (dist_nce/kernels/build.py)
-    package_data={"dist_nce.index": ["native/*.c", "native/*.h"]},
+    package_data={"dist_nce.kernels": ["native/*.c", "native/*.h"]},
+    # One command per job of jobs/ (each also runs as `python -m dist_nce.cli.<job>`). demo and
+    # mini_paper start jobs/*.py of the checkout they are imported from: an editable install.
+    entry_points={
+        "console_scripts": [
+            "dist-nce-aida-finetune = dist_nce.cli.aida_finetune:main",
+            "dist-nce-prepare-kb = dist_nce.cli.prepare_kb:main",
+            "dist-nce-encode-kb = dist_nce.cli.encode_kb:main",
+            "dist-nce-evaluate-kilt-aida = dist_nce.cli.evaluate_kilt_aida:main",
+            "dist-nce-link = dist_nce.cli.link:main",
+            "dist-nce-zeshel-retriever = dist_nce.cli.zeshel_retriever:main",
+            "dist-nce-zeshel-reranker = dist_nce.cli.zeshel_reranker:main",
+            "dist-nce-zeshel-grid = dist_nce.cli.zeshel_grid:main",
+            "dist-nce-bias-experiment = dist_nce.cli.bias_experiment:main",
+            "dist-nce-demo = dist_nce.cli.demo:main",
+            "dist-nce-mini-paper = dist_nce.cli.mini_paper:main",
+            "dist-nce-update-kb = dist_nce.cli.update_kb:main",
+        ],
+    },
     install_requires=[
         # torch is pinned by the Makefile on CPU machines (see TORCH_SPEC there);
         # this is only the compatibility floor.
@@ -37,7 +55,9 @@ setup(
         "cpu": ["faiss-cpu>=1.8"],
         "gpu": ["faiss-gpu>=1.8"],
         # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config
-        # tests validate pod templates offline.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "kubernetes-validate>=1.30"],
+        # tests validate pod templates offline; import-linter checks the layering (.importlinter,
+        # tests/test_layers.py; its acyclic_siblings contract type is recent).
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "kubernetes-validate>=1.30",
+                "import-linter>=2.17"],
     },
 )

@@ -2,7 +2,7 @@
 
 In ONE run, on this machine:
 
-1. **Attention alone.** ``index.attention.attention`` (``native/attention_bf16.c``) against
+1. **Attention alone.** ``kernels.attention.attention`` (``native/attention_bf16.c``) against
    torch's ``scaled_dot_product_attention`` (CPU flash attention; what transformers' sdpa
    runs) and the eager bf16 path (matmul, softmax, matmul: transformers' ``eager``), on q,
    k, v laid out as a transformer makes them, with a padding mask: MiniLM heads (12 x 32) and
@@ -17,19 +17,16 @@ In ONE run, on this machine:
 
 Prints tables and writes benchmarks/results/attention.json.
 
-    .venv/bin/python benchmarks/attention.py      # ~2 minutes here
+    .venv/bin/python -m benchmarks.attention      # ~2 minutes here
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (add_hygiene_args, gemm_peaks, interleaved, load_guard, machine_info,  # noqa: E402
                                print_table, save_results)
@@ -129,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     configure_process(threads=1)
     guard = load_guard(args.force)
-    from dist_nce.kernels.attention import unavailable_reason, use_native_attention
     from dist_nce.core.models import default_model_dir
+    from dist_nce.kernels.attention import unavailable_reason, use_native_attention
 
     why = unavailable_reason()
     if why is not None:

@@ -5,11 +5,8 @@ Hygiene (issue 12): every benchmark calls :func:`load_guard` before timing anyth
 a 1-minute load average of 1.5 it refuses to record unless ``--force``, which marks the JSON
 ``"noisy": true``. Methods and their baseline are timed interleaved (A B A B ...,
 :func:`interleaved`) and stored as min / median / max; :func:`compare` calls a difference
-only when the spreads do not overlap. A benchmark imports this
-module after putting the repository root on ``sys.path``:
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from benchmarks.common import median_time, save_results  # noqa: E402
+only when the spreads do not overlap. Benchmarks run as modules from the repository root
+(``.venv/bin/python -m benchmarks.mining``), so they import this one as ``benchmarks.common``.
 """
 from __future__ import annotations
 

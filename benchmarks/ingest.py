@@ -1,7 +1,7 @@
 """Ingest throughput and peak memory: ``kb.prepare`` against a naive single-process loop.
 
-    .venv/bin/python benchmarks/ingest.py                      # 1M synthetic KILT entities
-    .venv/bin/python benchmarks/ingest.py --entities 20000 --baseline-entities 5000 --workers 1
+    .venv/bin/python -m benchmarks.ingest                      # 1M synthetic KILT entities
+    .venv/bin/python -m benchmarks.ingest --entities 20000 --baseline-entities 5000 --workers 1
 
 The synthetic knowledge source (``kb.synthetic``, real KILT format) is generated once
 into ``--data-dir`` and reused. Every measured run is a fresh subprocess, timed wall
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def synthetic_kilt(data_dir: Path, entities: int, seed: int) -> Path:
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base_n = min(args.baseline_entities, args.entities)
     print(f"baseline: naive loop on the first {base_n:,} entities ...", flush=True)
-    r = measure([sys.executable, __file__, "--entity-max-len", str(args.entity_max_len), *model,
+    r = measure([sys.executable, "-m", "benchmarks.ingest", "--entity-max-len", str(args.entity_max_len), *model,
                  "--_baseline", str(kb), str(base_n), str(work / "baseline.arrow")], env)
     runs.append({"name": "naive baseline (1 process)", "workers": 1, "entities": base_n, **r})
 

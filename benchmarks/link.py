@@ -10,15 +10,14 @@ Same model, same KB, same mentions, in one run, interleaved and repeated (min/me
 The mentions are the run's dev mentions (KILT inputs of the synthetic AIDA dev file), repeated
 to ``--mentions``. Prints a table and writes benchmarks/results/link.json.
 
-    .venv/bin/python benchmarks/link.py --run runs/demo/<time>          # the demo's MiniLM model
-    .venv/bin/python benchmarks/link.py --quick                          # tiny random BERT, seconds
-    .venv/bin/python benchmarks/link.py --run runs/demo/<time> --reranker runs/rr/model --no-serve
+    .venv/bin/python -m benchmarks.link --run runs/demo/<time>          # the demo's MiniLM model
+    .venv/bin/python -m benchmarks.link --quick                          # tiny random BERT, seconds
+    .venv/bin/python -m benchmarks.link --run runs/demo/<time> --reranker runs/rr/model --no-serve
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, load_guard, machine_info, print_table, save_results  # noqa: E402
 
@@ -77,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     guard = load_guard(args.force)
     if args.quick:
         args.mentions, args.repeats, args.k = min(args.mentions, 24), min(args.repeats, 2), min(args.k, 5)
-    from dist_nce.link import Linker
     from dist_nce.cluster.runtime import configure_process
+    from dist_nce.link import Linker
 
     configure_process(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="bench_link_")
@@ -86,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         run = Path(args.run)
         dev = Path(args.dev) if args.dev else dev_file(run)
     else:
-        from dist_nce.link.tiny_run import make_tiny_run
         from dist_nce.core.models import make_tiny_bert
+        from dist_nce.link.tiny_run import make_tiny_run
 
         run = make_tiny_run(Path(tmp.name) / "tiny", make_tiny_bert(Path(tmp.name) / "bert"))
         dev = Path(args.dev) if args.dev else run.parent / "data" / "synthetic" / "aidayago2-dev-kilt.jsonl"
@@ -106,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         from ray import serve
 
-        from dist_nce.link.serve import build_app, start_local
         from dist_nce.cluster.runtime import free_port, init_ray
+        from dist_nce.link.serve import build_app, start_local
 
         init_ray(num_cpus=2)
         port = free_port()

@@ -34,9 +34,9 @@ Methods are timed round-robin (repeat 1 of every method, then repeat 2, ...) and
 median is kept, so load from other processes spreads over all rows alike. Prints a
 table; writes benchmarks/results/mining.json.
 
-    .venv/bin/python benchmarks/mining.py                    # N=1M, d=128, S=2: ~6-9 minutes here
-    .venv/bin/python benchmarks/mining.py --n 100000 --calls 2 --repeats 1   # smoke run
-    .venv/bin/python benchmarks/mining.py --sampler both     # + the block sampler's in-process rows
+    .venv/bin/python -m benchmarks.mining                    # N=1M, d=128, S=2: ~6-9 minutes here
+    .venv/bin/python -m benchmarks.mining --n 100000 --calls 2 --repeats 1   # smoke run
+    .venv/bin/python -m benchmarks.mining --sampler both     # + the block sampler's in-process rows
 
 Every run also times, on one thread, the exact samplers (dense, block) x scoring precision
 (fp32, ``index.score_dtype`` bf16) beside faiss flat top-k on one thread, all interleaved,
@@ -53,7 +53,6 @@ import dataclasses
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,19 +61,19 @@ from typing import Any, Callable
 import faiss
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (add_hygiene_args, clustered, compare, gemm_peaks, load_guard,  # noqa: E402
                                machine_info, median_time, print_table, save_results, spread, unit_centres,
                                vector_service)
-from dist_nce.sampling import block_native  # noqa: E402
-from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
-from dist_nce.actors.service import even_ranges  # noqa: E402
 from dist_nce.actors.config import ServiceConfig  # noqa: E402
-from dist_nce.sampling.topk import merge_results  # noqa: E402
-from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
-from dist_nce.sampling.negatives import hard_negatives  # noqa: E402
+from dist_nce.actors.service import even_ranges  # noqa: E402
 from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
+from dist_nce.index.config import IndexConfig  # noqa: E402
+from dist_nce.index.search import ShardIndex
+from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
+from dist_nce.sampling import block_native  # noqa: E402
+from dist_nce.sampling.negatives import hard_negatives  # noqa: E402
+from dist_nce.sampling.topk import merge_results  # noqa: E402
 
 DUAL = ScoreSpec.preset("dual")
 
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         # The kernel alone (bf16 scores, block logsumexp, block noise, best-block selection): the
         # scoring part of the block sampler, read against the bf16 GEMM peak; step 3 (rows given
         # their block maximum) is the rest of the row above.
-        from dist_nce.index.search import _native_calls, Piece
+        from dist_nce.index.exact import _native_calls, Piece
 
         kernel_calls = _native_calls([Piece(0, exact.entities)], args.chunk_rows, args.block_rows, 1)
         methods["gumbel: native kernel alone (scoring + block selection), 1 process x 1 thread"] = (

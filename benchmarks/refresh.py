@@ -35,8 +35,8 @@ measured in the same run, and the largest difference of each row's embeddings fr
 fp32 ones (a correctness check on the timed data).
 Prints a table and writes benchmarks/results/refresh.json.
 
-    .venv/bin/python benchmarks/refresh.py                   # 1,500 entities, S=2: ~5-10 minutes here
-    .venv/bin/python benchmarks/refresh.py --entities 500    # a smoke run
+    .venv/bin/python -m benchmarks.refresh                   # 1,500 entities, S=2: ~5-10 minutes here
+    .venv/bin/python -m benchmarks.refresh --entities 500    # a smoke run
 
 The first run also generates and prepares the KB (cached under --data-dir).
 """
@@ -48,7 +48,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,13 +55,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, gemm_peaks, load_guard, machine_info, print_table, save_results  # noqa: E402
-from dist_nce.kernels.attention import use_native_attention  # noqa: E402
+from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
 from dist_nce.index.encode import (autocast_dtype, compile_encoder, encode_rows, length_sorted_batches,  # noqa: E402
                                    state_fingerprint)
-from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
+from dist_nce.kernels.attention import use_native_attention  # noqa: E402
 
 
 def prepared_kb(data_dir: Path, entities: int, seed: int) -> Path:
@@ -127,14 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     guard = load_guard(args.force)
     load_before = guard["load_average_before"]
 
-    from dist_nce.index.search import IndexConfig
-    from dist_nce.actors.service import NegativeService
     from dist_nce.actors.config import ServiceConfig
+    from dist_nce.actors.service import NegativeService
+    from dist_nce.core.models import default_model_dir
+    from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
+    from dist_nce.index.config import IndexConfig
     from dist_nce.index.versions import version_dir_name
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
-    from dist_nce.core.models import default_model_dir
-    from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
     from kb.store import EntityStore
 
     data_dir = Path(args.data_dir or Path(tempfile.gettempdir()) / "dist-nce-bench" / f"refresh-{args.entities}")

@@ -1,6 +1,6 @@
-"""README benchmark tables, generated from the committed JSON in benchmarks/results/.
+"""The benchmark page, docs/benchmarks.md, generated from the committed JSON in benchmarks/results/.
 
-Every figure the README gives for a benchmark stands between a pair of markers,
+Every figure the page gives for a benchmark stands between a pair of markers,
 
     <!-- bench:NAME -->
     ...generated markdown...
@@ -8,11 +8,13 @@ Every figure the README gives for a benchmark stands between a pair of markers,
 
 and is rendered here from ``benchmarks/results/NAME.json`` (the run's own numbers: medians with
 their min-max spread, ratios with the range their spreads allow, the load average the run
-started at). ``tests/test_benchmarks_report.py`` fails when a block differs from what the
-committed JSON renders, so a table cannot drift from its measurement.
+started at); the prose between the blocks is written by hand. ``tests/test_benchmarks_report.py``
+fails when a block differs from what the committed JSON renders, or when a result has no block on
+the page, so a table cannot drift from its measurement. The README quotes a few headline figures
+and links here.
 
-    .venv/bin/python benchmarks/report.py            # rewrite the README blocks from the JSON
-    .venv/bin/python benchmarks/report.py --check    # exit 1 if any block is stale
+    .venv/bin/python -m benchmarks.report            # rewrite the page's blocks from the JSON
+    .venv/bin/python -m benchmarks.report --check    # exit 1 if any block is stale or missing
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "benchmarks.md"  # the generated page the README links to
 BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
@@ -174,7 +176,7 @@ def link(data: dict) -> str:
 def _load(results: Path, name: str) -> dict:
     path = results / f"{name}.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no committed result for the README block")
+        raise FileNotFoundError(f"{path}: no committed result for the docs/benchmarks.md block")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
@@ -315,7 +317,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale,
 
 
 def sources(name: str) -> tuple[str, ...]:
-    """The result files behind README block ``name``."""
+    """The result files behind page block ``name``."""
     return ("mining", "scale", "refresh", "train_step") if name == "targets" else (name,)
 
 
@@ -323,7 +325,7 @@ def render(name: str, results: Path = RESULTS) -> str:
     if name == "targets":
         return targets(results)
     if name not in RENDERERS:
-        raise KeyError(f"README.md: bench block '{name}' has no renderer in benchmarks/report.py "
+        raise KeyError(f"docs/benchmarks.md: bench block '{name}' has no renderer in benchmarks/report.py "
                        f"(known: targets, {', '.join(sorted(RENDERERS))})")
     return RENDERERS[name](_load(results, name))
 
@@ -337,20 +339,36 @@ def blocks(text: str) -> dict[str, str]:
     return {m.group("name"): m.group("body") for m in BLOCK.finditer(text)}
 
 
+def names() -> list[str]:
+    """Every block the page must show: the targets and one per renderer (one per result file)."""
+    return ["targets", *RENDERERS]
+
+
+def stale_blocks(text: str, results: Path = RESULTS) -> list[str]:
+    """Blocks of ``text`` that differ from what ``results`` renders, and required blocks it lacks."""
+    found, fresh = blocks(text), blocks(rewrite(text, results))
+    return [n for n, body in found.items() if fresh[n] != body] + [f"{n} (missing)" for n in names()
+                                                                      if n not in found]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if a README block differs from its JSON")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 if a block of docs/benchmarks.md differs from its JSON or is missing")
     args = ap.parse_args(argv)
-    text = README.read_text(encoding="utf-8")
-    new = rewrite(text)
+    page = PAGE.relative_to(REPO)
+    text = PAGE.read_text(encoding="utf-8")
     if args.check:
-        stale = [n for n, body in blocks(text).items() if blocks(new)[n] != body]
-        print("stale README blocks: " + ", ".join(stale) if stale else "README benchmark blocks match the JSON")
+        stale = stale_blocks(text)
+        print(f"stale {page} blocks: " + ", ".join(stale) if stale else f"{page}: benchmark blocks match the JSON")
         return 1 if stale else 0
+    new = rewrite(text)
     if new != text:
-        README.write_text(new, encoding="utf-8")
-    print(f"rendered {len(blocks(new))} README blocks: {', '.join(blocks(new))}")
-    return 0
+        PAGE.write_text(new, encoding="utf-8")
+    missing = [n for n in names() if n not in blocks(new)]
+    print(f"rendered {len(blocks(new))} blocks of {page}: {', '.join(blocks(new))}"
+          + (f"; no block for {', '.join(missing)}: add a <!-- bench:NAME --> pair" if missing else ""))
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ long measurement to the end rather than repeats. Queries are noisy copies of clu
 centres (the driver never holds the 5.9M vectors); each gets a random gold row, excluded as
 in training. Prints tables and writes benchmarks/results/scale.json.
 
-    .venv/bin/python benchmarks/scale.py                     # 5.9M x 64, 4 shards: ~10 minutes
-    .venv/bin/python benchmarks/scale.py --entities 500000   # smaller
-    .venv/bin/python benchmarks/scale.py --dtype fp16 --d 128
+    .venv/bin/python -m benchmarks.scale                     # 5.9M x 64, 4 shards: ~10 minutes
+    .venv/bin/python -m benchmarks.scale --entities 500000   # smaller
+    .venv/bin/python -m benchmarks.scale --dtype fp16 --d 128
 """
 from __future__ import annotations
 
@@ -49,13 +49,12 @@ from typing import Any, Callable
 import psutil
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (add_hygiene_args, clustered, load_guard, machine_info, print_table, process_memory, save_results,  # noqa: E402
                                unit_centres, vector_service)
-from dist_nce.index.search import IndexConfig  # noqa: E402
 from dist_nce.actors.config import ServiceConfig  # noqa: E402
 from dist_nce.cluster.runtime import configure_process, init_ray  # noqa: E402
+from dist_nce.index.config import IndexConfig  # noqa: E402
 
 KILT_ENTITIES = 5_903_530
 AIDA_TRAIN = 18_395

@@ -12,22 +12,20 @@ and reports the speed-up of ``fast`` over each, plus the largest score differenc
 (a correctness check on the timed data). Prints a table; writes
 benchmarks/results/scoring.json.
 
-    .venv/bin/python benchmarks/scoring.py            # ~2-3 minutes, 1 thread
-    .venv/bin/python benchmarks/scoring.py --quick    # seconds, smaller blocks
+    .venv/bin/python -m benchmarks.scoring            # ~2-3 minutes, 1 thread
+    .venv/bin/python -m benchmarks.scoring --quick    # seconds, smaller blocks
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, load_guard, machine_info, median_time, save_results  # noqa: E402
-from dist_nce.modeling.scoring import Reps, ScoreSpec, entity_reps, mention_reps, score_all  # noqa: E402
 from dist_nce.cluster.runtime import configure_threads  # noqa: E402
+from dist_nce.modeling.scoring import Reps, ScoreSpec, entity_reps, mention_reps, score_all  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scoring.json")
 

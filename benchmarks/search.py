@@ -15,26 +15,24 @@ one run and one thread, it measures for each backend of ``dist_nce.index.search`
 
 Prints a table and writes benchmarks/results/search.json.
 
-    .venv/bin/python benchmarks/search.py            # N=200k, d=128: ~1-2 minutes
-    .venv/bin/python benchmarks/search.py --quick    # N=20k: seconds
-    .venv/bin/python benchmarks/search.py --hnsw     # also HNSW (slow to build here)
+    .venv/bin/python -m benchmarks.search            # N=200k, d=128: ~1-2 minutes
+    .venv/bin/python -m benchmarks.search --quick    # N=20k: seconds
+    .venv/bin/python -m benchmarks.search --hnsw     # also HNSW (slow to build here)
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import add_hygiene_args, clustered, load_guard, machine_info, median_time, save_results  # noqa: E402
-from dist_nce.index.search import IndexConfig, ShardIndex  # noqa: E402
-from dist_nce.sampling.topk import ShardResult, merge_results  # noqa: E402
-from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
 from dist_nce.cluster.runtime import configure_process  # noqa: E402
+from dist_nce.index.config import IndexConfig  # noqa: E402
+from dist_nce.index.search import ShardIndex
+from dist_nce.modeling.scoring import Reps, ScoreSpec  # noqa: E402
+from dist_nce.sampling.topk import ShardResult, merge_results  # noqa: E402
 
 DUAL = ScoreSpec.preset("dual")
 

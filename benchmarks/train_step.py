@@ -15,8 +15,8 @@ request (``mine_submit``; the worker's own compute, overlapped with nothing), ba
 assembly, forward, backward, optimizer; ``negatives %`` is their sum's share of a step. Prints a table, saves
 benchmarks/results/train_step.json (with the machine's load: read ratios on a shared machine)::
 
-    .venv/bin/python benchmarks/train_step.py                       # MiniLM, configs/aida/tiny_cpu.yaml
-    .venv/bin/python benchmarks/train_step.py --steps 30 --set negatives.num_candidates=16
+    .venv/bin/python -m benchmarks.train_step                       # MiniLM, configs/aida/tiny_cpu.yaml
+    .venv/bin/python -m benchmarks.train_step --steps 30 --set negatives.num_candidates=16
 
 With ``--refresh async`` (the default, as configs/aida/tiny_cpu.yaml trains) a refresh of the
 whole KB is kept in flight during the measured steps: the negative wait is measured while
@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
 
@@ -93,8 +92,8 @@ def deepspeed_steps(worker, prefetcher, start: int, n: int, record: list | None 
 
 def plain_steps(cfg, batches: list, loss_fn) -> list[dict]:
     """The same batches through a plain PyTorch loop from the same initial weights."""
-    from dist_nce.worker.engine import linear_warmup_decay
     from dist_nce.train.model import build_retriever
+    from dist_nce.worker.engine import linear_warmup_decay
 
     model = build_retriever(cfg.model, cfg.optim.seed).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -151,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from dist_nce.core.config import load_config
     from dist_nce.actors.service import NegativeService
     from dist_nce.cluster.runtime import configure_process, init_ray, single_process_dist_env
+    from dist_nce.core.config import load_config
     from dist_nce.train.config import TrainJobConfig, with_absolute_paths
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.loop import Worker

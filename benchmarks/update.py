@@ -25,8 +25,8 @@ The encoder is a random tiny BERT (``--model tiny``, default: the cost shape of 
 pipeline without hours of MiniLM encoding on 2 CPUs) or the shipped MiniLM (``--model
 minilm``). Prints a table and writes benchmarks/results/update.json.
 
-    .venv/bin/python benchmarks/update.py --repeats 2      # 100k and 1M, the target size (idle machine)
-    .venv/bin/python benchmarks/update.py --entities 2000 5000 --repeats 1 --force --out /tmp/u.json  # smoke
+    .venv/bin/python -m benchmarks.update --repeats 2      # 100k and 1M, the target size (idle machine)
+    .venv/bin/python -m benchmarks.update --entities 2000 5000 --repeats 1 --force --out /tmp/u.json  # smoke
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import (add_hygiene_args, compare, interleaved, load_guard, machine_info,  # noqa: E402
                                print_table, process_memory, save_results)
@@ -138,8 +137,8 @@ class Bench:
     """The state each timed method starts from, set up untimed before every call."""
 
     def __init__(self, args, sources: dict, model: str, work: Path, state: dict):
-        from dist_nce.index.search import IndexConfig
         from dist_nce.actors.config import ServiceConfig
+        from dist_nce.index.config import IndexConfig
         from dist_nce.modeling.retriever import RetrieverConfig
 
         self.args, self.sources, self.model, self.work, self.state = args, sources, model, work, state
@@ -272,10 +271,10 @@ def main() -> None:
     args = ap.parse_args()
     hygiene = load_guard(args.force)
 
+    from dist_nce.cluster.runtime import configure_process, init_ray
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder
     from dist_nce.modeling.scoring import ScoreSpec
-    from dist_nce.cluster.runtime import configure_process, init_ray
 
     configure_process(1)
     model = model_dir(args.model, Path(args.data_dir))

@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 import torch
 
-from kb.store import EntityStore
 from dist_nce.actors.protocols import NegativeSource
-from dist_nce.index.encode import encode_rows, state_fingerprint
 from dist_nce.index.config import IndexConfig
+from dist_nce.index.encode import encode_rows, state_fingerprint
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import ShardResult, merge_results
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps, is_inner_product
+from dist_nce.sampling.topk import ShardResult, merge_results
+from kb.store import EntityStore
 
 
 class Mentions(Protocol):

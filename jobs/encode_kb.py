@@ -2,194 +2,25 @@
 
 A dist-nce retriever directory (``Retriever.save_pretrained``)::
 
-    .venv/bin/python jobs/encode_kb.py --prepared data/kilt_minilm --model runs/aida/retriever \
+    .venv/bin/python jobs/encode_kb.py --prepared data/kilt_minilm --model runs/aida/retriever \\
         --out data/embeddings/aida --num-shards 4
 
 A Hugging Face model directory, with the score preset it is used under::
 
-    .venv/bin/python jobs/encode_kb.py --prepared data/zeshel_minilm --model /models/bert-base-uncased \
+    .venv/bin/python jobs/encode_kb.py --prepared data/zeshel_minilm --model /models/bert-base-uncased \\
         --preset multi --m 8 --out data/embeddings/zeshel_multi8 --blink-t7
 
 On a cluster (``ray start --head`` first; the job runs in a copy of ``--working-dir``, so
 give absolute paths)::
 
-    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/encode_kb.py --prepared /data/kilt_minilm --model /runs/aida/retriever \
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+        python jobs/encode_kb.py --prepared /data/kilt_minilm --model /runs/aida/retriever \\
         --out /data/embeddings/aida --num-shards 8 --num-gpus 1
 
-Each shard persists its embeddings under ``<out>/shards`` as soon as it finishes, so an
-interrupted run resumes by shard: run the same command again and only the shards
-without a persisted copy (same model, store and preset) encode. The export
-(:mod:`dist_nce.index.export`: ``embeddings.npy``, ``ids.txt``, ``manifest.json``, optional
-``embeddings.t7`` for BLINK) is written last. ``<out>`` holding a snapshot of another
-model or store is refused unless ``--overwrite``.
+The job is dist_nce/cli/encode_kb.py (also ``python -m dist_nce.cli.encode_kb`` and
+``dist-nce-encode-kb``); ``--help`` and its docstring say more.
 """
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
-import shutil
-import sys
-import time
-from pathlib import Path
-
-# Run from a checkout without relying on the editable install's package mapping.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-SPEC_FILE = "encode_spec.json"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="encode_kb", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prepared", required=True, help="prepared KB directory (jobs/prepare_kb.py output)")
-    p.add_argument("--model", required=True, help="dist-nce retriever directory, or a Hugging Face model directory "
-                                                  "(then --preset)")
-    p.add_argument("--out", required=True, help="output directory (export + per-shard versions under shards/)")
-    p.add_argument("--preset", choices=["dual", "poly", "multi", "som", "genpoly"], default=None,
-                   help="score preset of a Hugging Face model (default dual; a retriever directory knows its own)")
-    p.add_argument("--m", type=int, default=None, help="vectors/codes for poly, multi, genpoly")
-    p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="dtype shards keep and persist (default: the retriever's, else float16)")
-    p.add_argument("--export-dtype", choices=["float32", "float16"], default="float32",
-                   help="dtype of embeddings.npy (FAISS reads float32)")
-    p.add_argument("--blink-t7", action="store_true", help="also write embeddings.t7 for BLINK's faiss indexer")
-    p.add_argument("--num-shards", type=int, default=2, help="EntityShard actors (even contiguous row ranges)")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per shard actor")
-    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per shard actor (fractional allowed)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per shard")
-    p.add_argument("--batch-size", type=int, default=64, help="entities per encoder forward")
-    p.add_argument("--encode-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="autocast dtype (auto: bf16 where the device runs it fast)")
-    p.add_argument("--overwrite", action="store_true", help="replace a snapshot of another model/store in --out")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    return p
-
-
-def load_entity_side(args):
-    """(RetrieverConfig, entity-encoder state, tokenizer sha256, d) for --model."""
-    from dist_nce.core.artifacts import MANIFEST
-    from dist_nce.modeling.encoder import Encoder
-    from dist_nce.modeling.retriever import EntityEncoder, Retriever, RetrieverConfig
-    from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
-
-    model = Path(args.model)
-    if (model / MANIFEST).is_file():  # a dist-nce retriever directory
-        retriever = Retriever.from_pretrained(model)
-        config = retriever.config
-        if (args.preset, args.m) != (None, None) and (args.preset, args.m) != (config.preset, config.m):
-            raise ValueError(f"{model} is a {config.preset} (m={config.m}) retriever; drop --preset/--m or "
-                             "pass the matching ones")
-        if args.storage_dtype:
-            config = dataclasses.replace(config, storage_dtype=args.storage_dtype)
-        if retriever.tokenizer is None:
-            raise ValueError(f"{model}: retriever directory without tokenizer/; cannot check the prepared store")
-        return (config, retriever.entity_encoder_state(), tokenizer_fingerprint(retriever.tokenizer)["sha256"],
-                retriever.hidden_size)
-    config = RetrieverConfig(preset=args.preset or "dual", m=args.m, mention_model=str(model),
-                             storage_dtype=args.storage_dtype or "float16")
-    config.validate()
-    encoder = Encoder.from_pretrained(model)
-    state = EntityEncoder(encoder, config.spec(), config.trim_padding).state()
-    return config, state, tokenizer_fingerprint(load_tokenizer(str(model)))["sha256"], encoder.hidden_size
-
-
-def check_out_dir(out: Path, spec: dict, overwrite: bool) -> None:
-    """Refuse (or with --overwrite, clear) an --out that holds another model's or store's snapshot."""
-    path = out / SPEC_FILE
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        if old != spec:
-            differs = sorted(k for k in set(old) | set(spec) if old.get(k) != spec.get(k))
-            if not overwrite:
-                raise ValueError(f"{out} holds a snapshot made with other settings (differs in: "
-                                 f"{', '.join(differs)}); pass --overwrite or choose another --out")
-            shutil.rmtree(out)
-
-
-def run(args) -> dict:
-    from tqdm.auto import tqdm
-
-    from dist_nce.core.artifacts import atomic_write_json
-    from dist_nce.index.encode import state_fingerprint, store_fingerprint
-    from dist_nce.index.export import export_snapshot
-    from dist_nce.index.search import IndexConfig
-    from dist_nce.actors.service import NegativeService
-    from dist_nce.actors.config import ServiceConfig
-    from dist_nce.index.versions import shard_dir_name, version_dir_name
-    from dist_nce.cluster.runtime import configure_process, init_ray
-    from kb.store import EntityStore
-
-    configure_process(args.threads)
-    if EntityStore(args.prepared).kb_version:
-        # The snapshot format holds rows [0, N) of one version; a store changed by KB deltas has removed rows
-        # and appended ones (kb.delta). Its compacted copy is a plain store again.
-        raise ValueError(f"{args.prepared} was changed by KB deltas (kb_version "
-                         f"{EntityStore(args.prepared).kb_version}): compact it first "
-                         "(jobs/update_kb.py --store ... --compact --out NEW) and encode NEW")
-    config, state, tokenizer_sha, dim = load_entity_side(args)
-    out = Path(args.out).resolve()
-    fingerprint = state_fingerprint(state)
-    spec = {"model": str(Path(args.model).resolve()), "encoder_fingerprint": fingerprint,
-            "prepared": str(Path(args.prepared).resolve()), "store_fingerprint": store_fingerprint(args.prepared),
-            "preset": config.preset, "m": config.m, "storage_dtype": config.storage_dtype,
-            "num_shards": args.num_shards}
-    check_out_dir(out, spec, args.overwrite)
-    atomic_write_json(out / SPEC_FILE, spec)
-
-    service_config = ServiceConfig(
-        num_shards=args.num_shards, num_cpus=args.num_cpus, num_gpus=args.num_gpus, threads=args.threads,
-        encode_batch_size=args.batch_size, encode_dtype=args.encode_dtype, shard_dir=str(out / "shards"),
-        keep_versions=1, max_concurrency=2, index=IndexConfig(backend="torch", device="cpu"))
-    init_ray()
-    t0 = time.perf_counter()
-    service = NegativeService.create(args.prepared, config, service_config, str(out), dim=dim,
-                                     tokenizer_sha256=tokenizer_sha)
-    print(f"encode_kb: {service.num_entities:,} entities, {service.num_shards} shards "
-          f"({', '.join(f'[{a}, {b})' for a, b in service.ranges)}), preset {config.preset}"
-          f"{'' if config.m is None else f' m={config.m}'}, d={dim} -> {out}", file=sys.stderr)
-    try:
-        handle = service.refresh(state, 0)
-        with tqdm(total=service.num_entities, unit="ent", desc="encode", disable=not args.progress) as bar:
-            while not handle.done():
-                progress = handle.progress()
-                bar.set_postfix_str(" ".join(f"s{i}:{d}/{t}" for i, (d, t) in enumerate(progress)), refresh=False)
-                bar.update(sum(d for d, _ in progress) - bar.n)
-                time.sleep(0.5)
-            handle.wait()
-            bar.update(service.num_entities - bar.n)
-        status = service.status()
-    finally:
-        service.shutdown()
-    wrong = [s["shard"] for s in status if s["encoder_fingerprint"] != fingerprint or s["served"] != 0]
-    if wrong:
-        raise RuntimeError(f"shards {wrong} do not serve version 0 of this model; see {out / 'shards'}")
-    seconds = round(time.perf_counter() - t0, 2)
-    parts = [(tuple(s["rows"]), out / "shards" / shard_dir_name(s["shard"], args.num_shards) / version_dir_name(0))
-             for s in status]
-    manifest = export_snapshot(
-        out, EntityStore(args.prepared), parts, dtype=args.export_dtype, blink_t7=args.blink_t7,
-        version=0, spec_file=SPEC_FILE, **spec,
-        shards=[{"rows": s["rows"], "source": s["source"]} for s in status], seconds=seconds)
-    reused = sum(s["source"] == "reloaded" for s in status)
-    print(f"encode_kb: {manifest['num_entities']:,} x {manifest['shape'][1:]} {manifest['dtype']} -> "
-          f"{out / 'embeddings.npy'} ({reused} of {len(status)} shards reused from an earlier run, "
-          f"{seconds} s)", file=sys.stderr)
-    return manifest
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from dist_nce.core.artifacts import ArtifactMismatch
-
-    try:
-        run(args)
-    except (ValueError, ArtifactMismatch, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+from dist_nce.cli.encode_kb import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,12 +1,5 @@
 """Train the joint cross-encoder reranker on a retriever's top-64 Zeshel candidates, then evaluate it.
 
-Training: NCE over each mention's C = 64 candidates with the gold at index 0 (inserted in
-place of the lowest-ranked candidate when the retriever missed it); Ray Train + DeepSpeed
-workers, checkpoints and resume, TensorBoard scalars, tqdm. Evaluation: unnormalized
-accuracy (all mentions) and normalized accuracy (mentions whose gold is among the
-candidates) on val and test, macro over worlds as in the paper's Table 2, and micro.
-Writes ``<run.output_dir>/summary.json`` and the reranker to ``<run.output_dir>/reranker``.
-
 Candidates come from jobs/zeshel_retriever.py (``data.candidates_dir`` = its
 ``candidates/``) or from Zeshel's own TF-IDF lists::
 
@@ -20,90 +13,10 @@ On a Ray cluster::
         --config configs/zeshel/reranker_paper_gpu.yaml \\
         --set data.candidates_dir=/mnt/shared/runs/zeshel_som_mixed50/candidates
 
-Running the same command again resumes from the last checkpoint (same run.name and
-run.storage_path). Every config field: ``--help-config``.
+The job is dist_nce/cli/zeshel_reranker.py (also ``python -m dist_nce.cli.zeshel_reranker`` and
+``dist-nce-zeshel-reranker``); ``--help`` and its docstring say more.
 """
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout (also under ray job submit)
-
-from dist_nce.core.config import ConfigError, describe, load_config, to_dict  # noqa: E402
-from dist_nce.core.models import ensure_tiny_models  # noqa: E402
-from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="experiment YAML (configs/zeshel/reranker_*.yaml)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="check the config and every input path, then exit (no data generation, no Ray)")
-    ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
-    args = ap.parse_args(argv)
-    if args.help_config:
-        print(describe(RerankJobConfig))
-        return 0
-    if not args.config:
-        ap.error("--config is required")
-    try:  # every key and input checked before any cluster work
-        cfg = with_absolute_paths(load_config(RerankJobConfig, args.config, args.set))
-        # A config naming the project's tiny-model path (data/models/tiny_bert) runs from a fresh
-        # clone: the random tiny BERT is built there on first use, before the input checks.
-        ensure_tiny_models({"model.reranker.model": cfg.model.reranker.model})
-        check_inputs(cfg)
-    except (ConfigError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(f"{args.config}: config and inputs OK (dry run: nothing generated, no Ray started)")
-        return 0
-    start = time.perf_counter()
-
-    import ray
-
-    from dist_nce.core.artifacts import atomic_write_json
-    from dist_nce.cluster.fit import DoesNotFit, check_fits, workers_request
-    from dist_nce.rerank.data import load_training_set, make_plan
-    from dist_nce.rerank.loop import RESULT_FILE
-    from dist_nce.rerank.trainer import accuracy_table, describe_plan, fit, use_gpu
-    from dist_nce.cluster.runtime import configure_process, init_ray
-
-    configure_process(threads=None)
-    # 1. data: the plan the workers will compute too (fails here, not on the cluster)
-    ts = load_training_set(cfg)
-    plan = make_plan(cfg, ts)
-    init_ray()
-    try:  # else Ray Train waits for workers it cannot place, then times out
-        check_fits([workers_request(cfg.run, use_gpu(cfg))], ray.cluster_resources())
-    except DoesNotFit as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, ts, use_gpu(cfg)), flush=True)
-    # 2. train, evaluate, export (on the workers; resumes a run with the same name)
-    result = fit(cfg)
-    out = Path(cfg.run.output_dir)
-    final = json.loads((out / RESULT_FILE).read_text()) if (out / RESULT_FILE).exists() else {}
-    done = bool((result.metrics or {}).get("done")) and final.get("step") == plan.total_steps
-    summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
-               "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
-               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
-               "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
-               # The path may be inside Ray's temporary copy of the working directory: keep the content.
-               "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
-    atomic_write_json(out / "summary.json", summary)
-    if done:
-        print(f"reranker over {cfg.data.candidates_format} candidates (C = {cfg.data.num_candidates}); macro = mean "
-              "over worlds:\n" + accuracy_table(summary["eval"]))
-    state = "finished" if done else f"stopped at step {summary['step']} (run again to continue)"
-    print(f"{state} in {summary['seconds']} s; summary: {out / 'summary.json'}", flush=True)
-    return 0
-
+from dist_nce.cli.zeshel_reranker import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kb.ingest import ChunkTask, line_bases, output_path
 from dist_nce.core.records import BadRecordLog
+from kb.ingest import ChunkTask, line_bases, output_path
 from kb.source_index import sort_source_keys, source_index_table
 from kb.store import (ENTITIES_DIR, GOLD_BY_ID, GOLD_BY_TITLE, GOLD_MISSING, GOLD_UNLABELLED, MENTIONS_DIR,
                       MENTIONS_FILE, SOURCE_INDEX_FILE, EntityStore, entity_schema, mention_schema, part_file,

@@ -9,8 +9,8 @@ import os
 from typing import Iterator
 from urllib.parse import parse_qs, urlsplit
 
-from kb.jsonl import is_digits, load_object, read_records, require
 from dist_nce.core.records import BadRecord, BadRecordLog, EntityRecord
+from kb.jsonl import is_digits, load_object, read_records, require
 
 
 def curid_from_url(url: str, path: str, lineno: int) -> str:

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from kb.ingest import ChunkTask, RangeRecords, output_path, write_marker
 from dist_nce.core.records import BadRecord, BadRecordLog
+from kb.ingest import ChunkTask, RangeRecords, output_path, write_marker
 from kb.store import token_array, write_arrow
 
 # Records tokenized per call inside a chunk: bounds a worker's memory, not its speed.

@@ -44,13 +44,13 @@ import pyarrow.compute as pc
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, atomic_write_json, file_sha256
 from dist_nce.core.config import AT_LEAST_1, check_fields
+from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
 from kb.prepare import _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
-from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.source_index import build_source_index, sort_source_keys, source_index_table
 from kb.store import (ENTITIES_DIR, MENTIONS_DIR, MENTIONS_FILE, SCHEMA_VERSION, SEGMENT_FILE,
                       SOURCE_INDEX_FILE, TOMBSTONES_FILE, VERSIONS_DIR, EntityStore, MentionTable, entity_schema,

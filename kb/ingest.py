@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from dist_nce.core.artifacts import atomic_write_json
-from kb.parent_watch import exit_with_parent
 from dist_nce.core.records import BadRecord, BadRecordLog
+from kb.parent_watch import exit_with_parent
 
 T = TypeVar("T")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from kb.jsonl import load_object, read_records, require, require_digits
 from dist_nce.core.records import BadRecord, BadRecordLog, EntityRecord, MentionRecord
+from kb.jsonl import load_object, read_records, require, require_digits
 
 START_ENT = "[START_ENT]"
 END_ENT = "[END_ENT]"

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, write_manifest
+from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
 from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
 from kb.input_checks import EmptyInput, check_not_empty, gold_resolution, resolution_warning
 from kb.prepare_config import PrepareConfig, PrepareError, items, parse_size
-from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.staging import recover, staging_dir, swap_in
 from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore
 from kb.summary import summarize

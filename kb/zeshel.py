@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Collection, Iterator, Mapping
 
-from kb.jsonl import load_object, read_records, require
 from dist_nce.core.records import BadRecord, BadRecordLog, EntityRecord, MentionRecord
+from kb.jsonl import load_object, read_records, require
 
 ZESHEL_WORLDS: dict[str, list[str]] = {
     "train": ["american_football", "doctor_who", "fallout", "final_fantasy", "military",

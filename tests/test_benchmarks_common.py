@@ -1,12 +1,9 @@
 """benchmarks/common.py hygiene helpers (issue 12): the load guard, interleaving, spreads."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.common import compare, interleaved, load_guard, spread  # noqa: E402
 

@@ -1,35 +1,79 @@
-"""README benchmark figures come from the committed JSON (benchmarks/report.py)."""
+"""The benchmark page's figures come from the committed JSON (benchmarks/report.py), and the
+README's headline figures are figures of the generated pages."""
 from __future__ import annotations
 
 import copy
 import json
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from benchmarks import report  # noqa: E402
 
 
-def test_readme_blocks_equal_what_the_committed_json_renders():
-    text = report.README.read_text(encoding="utf-8")
+def test_page_blocks_equal_what_the_committed_json_renders():
+    text = report.PAGE.read_text(encoding="utf-8")
     found = report.blocks(text)
-    assert {"targets", "mining", "scale", "refresh", "train_step"} <= set(found), \
-        f"README.md lacks bench blocks; has {sorted(found)}"
+    missing = [name for name in report.names() if name not in found]
+    assert not missing, f"docs/benchmarks.md lacks the bench blocks {missing}; has {sorted(found)}"
     stale = [name for name, body in found.items() if body != report.render(name)]
-    assert not stale, f"README.md bench blocks {stale} differ from benchmarks/results/*.json: run " \
-                      "`.venv/bin/python benchmarks/report.py` after a benchmark run"
+    assert not stale, f"docs/benchmarks.md bench blocks {stale} differ from benchmarks/results/*.json: run " \
+                      "`.venv/bin/python -m benchmarks.report` after a benchmark run"
+    assert report.stale_blocks(text) == [] and report.main(["--check"]) == 0
 
 
-def test_every_committed_result_the_readme_shows_was_recorded_idle():
-    """A block the README shows must come from a run the load guard accepted."""
-    for block in report.blocks(report.README.read_text(encoding="utf-8")):
+def test_every_committed_result_the_page_shows_was_recorded_idle():
+    """A block the page shows must come from a run the load guard accepted."""
+    for block in report.blocks(report.PAGE.read_text(encoding="utf-8")):
         for name in report.sources(block):
             data = json.loads((report.RESULTS / f"{name}.json").read_text())
             assert data.get("noisy") is False, f"benchmarks/results/{name}.json: recorded noisy or before the load guard"
+
+
+def test_every_committed_result_has_a_renderer():
+    """A result file without a renderer would never reach the page."""
+    names = {p.stem for p in report.RESULTS.glob("*.json")}
+    assert names == set(report.RENDERERS), f"results without a renderer: {sorted(names - set(report.RENDERERS))}"
+
+
+# A figure: a number with a decimal point, or one followed by x or % ("0.40x", "59.8", "64%").
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*\.\d+x?|(?<![\w.])\d[\d,]*(?:x|%)")
+
+
+def readme_results() -> str:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"^## Results\n(?P<body>.*?)(?=^## )", text, re.S | re.M)
+    assert m, "README.md has no `## Results` section followed by another section"
+    return m.group("body")
+
+
+def generated(page: str) -> str:
+    """The generated blocks of a page (what the committed JSON renders), without its hand-written prose."""
+    from dist_nce.minipaper.report import page_block
+
+    text = (REPO / "docs" / page).read_text(encoding="utf-8")
+    if page == "benchmarks.md":
+        return "\n".join(report.blocks(text).values())
+    return page_block(text) or ""
+
+
+def test_readme_headline_figures_are_on_the_generated_pages():
+    """Every figure the README's Results section quotes is in a generated table of the page that
+    bullet links to (docs/benchmarks.md, docs/mini_paper.md): a figure of the committed JSON."""
+    body = readme_results()
+    pages = {name: generated(name) for name in ("benchmarks.md", "mini_paper.md")}
+    bullets = [b for b in re.split(r"\n(?=- )", body) if b.startswith("- ")]
+    assert 3 <= len(bullets) <= 6, f"README Results: {len(bullets)} headline bullets, want 3-6"
+    for bullet in bullets:
+        linked = [name for name in pages if f"docs/{name}" in bullet]
+        assert linked, f"README Results bullet links to neither generated page:\n{bullet}"
+        figures = FIGURE.findall(re.sub(r"\]\([^)]*\)", "]", bullet))  # not the link targets
+        assert figures, f"README Results bullet quotes no figure:\n{bullet}"
+        absent = [f for f in figures if not any(f in pages[name] for name in linked)]
+        assert not absent, f"README Results quotes {absent}, not in a generated table of {linked}:\n{bullet}"
 
 
 def test_a_changed_figure_makes_the_block_stale(tmp_path):
@@ -51,3 +95,8 @@ def test_unknown_or_missing_result_is_named(tmp_path):
         report.rewrite("<!-- bench:nope -->\nx\n<!-- /bench:nope -->\n", tmp_path)
     with pytest.raises(FileNotFoundError, match="mining.json"):
         report.rewrite("<!-- bench:mining -->\nx\n<!-- /bench:mining -->\n", tmp_path)
+
+
+def test_a_page_without_a_result_block_is_stale():
+    """--check fails when a committed result has no block on the page, not only when a block is stale."""
+    assert report.stale_blocks("no blocks here\n") == [f"{name} (missing)" for name in report.names()]

@@ -26,7 +26,6 @@ models or .venv; git's working-tree content, so uncommitted edits are what is te
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -192,7 +191,9 @@ def env_for(root: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "RAY_USAGE_STATS_ENABLED": "0", **extra}
-    env.pop("PYTHONPATH", None)  # the clone's own code, not the checkout's (jobs put their root on sys.path)
+    # The clone's own code (a fresh clone's `make venv` installs the clone), not the checkout's, to
+    # which the venv's editable install maps dist_nce and kb.
+    env["PYTHONPATH"] = str(root)
     return env
 
 
@@ -227,28 +228,31 @@ def retriever_outputs(root: Path) -> list[str]:
     return [cfg.data.prepared_dir, cfg.zeshel.eval_store, candidates_dir(cfg)]
 
 
+def job_module(root: Path, script: str):
+    """The module the clone's ``jobs/<job>.py`` runs: ``dist_nce.cli.<job>``."""
+    name = f"dist_nce.cli.{Path(script).stem}"
+    assert re.fullmatch(r"jobs/\w+\.py", script) and f"from {name} import main" in (root / script).read_text(), script
+    return importlib.import_module(name)
+
+
 def run_job_main(root: Path, script: str, argv: list[str]) -> subprocess.CompletedProcess:
     """``python <script> <argv>`` in-process (a subprocess costs ~10 s of imports per command on 2
     loaded cores), with the clone as working directory: every relative path resolves there, as
-    for a user in a fresh clone. The script is the checkout's (the clone holds the same bytes)."""
+    for a user in a fresh clone. The job's code is the checkout's (the clone holds the same bytes)."""
     import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location(f"readme_{Path(script).stem}", REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    out, err, cwd, path = io.StringIO(), io.StringIO(), os.getcwd(), list(sys.path)
+    module = job_module(root, script)
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     try:
         os.chdir(root)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            spec.loader.exec_module(module)
             try:
                 code = module.main(argv)
             except SystemExit as e:  # argparse: an unknown flag or a bad value
                 code = e.code if isinstance(e.code, int) else 2
     finally:
         os.chdir(cwd)
-        sys.path[:] = path
     return subprocess.CompletedProcess([script, *argv], code, out.getvalue(), err.getvalue())
 
 
@@ -332,10 +336,7 @@ def check_link(root: Path, cmd: Command) -> None:
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), cmd
         return
-    spec = importlib.util.spec_from_file_location("readme_link_job", root / "jobs" / "link.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    args = job.parse_args([w.replace("$RUN", "runs/demo/T/") for w in words[2:]])
+    args = job_module(root, words[1]).parse_args([w.replace("$RUN", "runs/demo/T/") for w in words[2:]])
     if args.input:  # a file `make demo` writes (the demo's synthetic KILT AIDA dev split)
         assert args.input.startswith("data/demo/synthetic/") and args.input.endswith("-kilt.jsonl"), cmd
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.retrieval import SnapshotPlan, build_local_index, plan_snapshot, retrieve, serve_model
 from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, score_all
+from dist_nce.retrieval import SnapshotPlan, build_local_index, plan_snapshot, retrieve, serve_model
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore, MentionTable
 from kb.synthetic import write_kilt
@@ -170,8 +170,8 @@ def test_plan_snapshot_reuses_only_the_same_weights():
 def test_negative_service_equals_brute_force_and_reuses_snapshot(ray_local, kb, tiny_model_dir, tmp_path):
     """A real local Ray: 2 shards; top-k through NegativeService.topk == brute force; the same
     model is served again without encoding, another model gets a new version."""
-    from dist_nce.actors.service import NegativeService
     from dist_nce.actors.config import ServiceConfig
+    from dist_nce.actors.service import NegativeService
 
     store, mentions = kb
     r = make_retriever(tiny_model_dir, "dual")

@@ -6,7 +6,7 @@ shard keeps its pieces and receives zero or more new contiguous runs:
 * rows filling the last, partial grid block (``first`` not a multiple of ``grid``) go to
   the shard that owns row ``first - 1``, so that every block of the global grid lies in ONE
   shard: the block sampler's sharded answer then stays the flat answer bit for bit
-  (``index.block_gumbel``, "Sharded == flat");
+  (``sampling.block_gumbel``, "Sharded == flat");
 * the rest is cut into at most one run per shard, on the grid, sized by water-filling: the
   shards with the fewest live rows are filled first until loads are level (the last run
   takes any remainder), so live rows stay balanced across deltas.

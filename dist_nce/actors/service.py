@@ -24,7 +24,7 @@ the exact sample; ``mine`` picks the sampler from K-1 = n_hard + n_random negati
 
 KB deltas (:meth:`NegativeService.apply_delta`): after ``kb.delta`` wrote KB version v of the
 store, the service places the new rows on the least-loaded shards in whole grid blocks
-(``index.placement``), and every shard serves a new index version holding its new rows,
+(``actors.placement``), and every shard serves a new index version holding its new rows,
 encoded with the weights it serves, and excluding every row removed at v, without
 stopping: searches keep being answered from the previous version until the swap. From
 that version on, random negatives are uniform over the live rows (``dist_nce.sampling.live_rows``).
@@ -52,16 +52,16 @@ from torch import Tensor
 
 from dist_nce.actors.calls import FanOut, RetryPolicy, ShardCall, cause
 from dist_nce.actors.config import ServiceConfig
-from dist_nce.bias.gradbias import merge as merge_lse_grad
-from dist_nce.actors.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
 from dist_nce.actors.placement import place_rows
-from dist_nce.sampling.topk import merge_results
-from dist_nce.sampling.live_rows import LiveRows
+from dist_nce.actors.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
+from dist_nce.bias.gradbias import merge as merge_lse_grad
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
-from dist_nce.sampling.negatives import num_hard
+from dist_nce.sampling.live_rows import LiveRows
 from dist_nce.sampling.modes import sampler_for_split
+from dist_nce.sampling.negatives import num_hard
 from dist_nce.sampling.samplers import GumbelDraw, MineResult, Pending, Sampler
+from dist_nce.sampling.topk import merge_results
 
 
 class _Future:
@@ -130,7 +130,7 @@ def even_ranges(n: int, parts: int, grid: int = 1) -> list[tuple[int, int]]:
     or every inner boundary on the ``grid`` (the nearest multiple to the even split).
 
     The block sampler (``IndexConfig.row_grid``) needs shards to start on its block grid for
-    sharded == flat bit for bit (``index.block_gumbel``, "Sharded == flat"). Raises when the
+    sharded == flat bit for bit (``sampling.block_gumbel``, "Sharded == flat"). Raises when the
     grid leaves a range empty (n too small for ``parts`` ranges of at least one grid step).
     """
     if grid < 1:

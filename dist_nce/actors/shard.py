@@ -39,18 +39,18 @@ import ray
 import torch
 from torch import Tensor
 
+from dist_nce.actors.config import ServiceConfig
+from dist_nce.cluster.runtime import configure_process, ray_runtime_env_vars
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.encode import (autocast_dtype, choose_attention, compile_encoder, encode_rows, state_fingerprint,
                                    store_fingerprint)
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
-from dist_nce.actors.config import ServiceConfig
-from dist_nce.sampling.topk import ShardResult
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec
-from dist_nce.cluster.runtime import configure_process, ray_runtime_env_vars
+from dist_nce.sampling.topk import ShardResult
 
 log = logging.getLogger(__name__)
 

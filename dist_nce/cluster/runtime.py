@@ -8,7 +8,7 @@ explicitly at their start.
   (default 128000), which makes flat search ~8x slower for training-size batches;
 * Ray: bind to loopback unless configured otherwise, no usage-stats network call; token
   authentication made and switched on before any head starts (``ray start`` leaves it off on
-  a machine that has never run Ray); a local cluster ends with its driver (ray_reaper);
+  a machine that has never run Ray); a local cluster ends with its driver (cluster.reaper);
 * DeepSpeed: a single process outside a launcher needs the torch.distributed env vars.
 """
 from __future__ import annotations

@@ -34,14 +34,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from kb.store import EntityStore, MentionTable
 from dist_nce.core.artifacts import atomic_path
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.retrieval import Retrieved, build_local_index, iter_mention_reps, ranked_source_ids
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.retriever import Retriever
+from dist_nce.retrieval import Retrieved, build_local_index, iter_mention_reps, ranked_source_ids
+from dist_nce.sampling.topk import merge_results
+from kb.store import EntityStore, MentionTable
 from kb.zeshel import ZESHEL_SPLITS, worlds_for_split
 
 CANDIDATES_KEY = "candidates"

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kb.store import EntityStore
 from dist_nce.core.artifacts import MANIFEST, file_sha256
 from dist_nce.modeling.retriever import EntityEncoder, to_storage
 from dist_nce.modeling.scoring import Reps
+from kb.store import EntityStore
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)

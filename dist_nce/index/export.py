@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kb.store import EntityStore
 from dist_nce.core.artifacts import atomic_path, write_manifest
 from dist_nce.index.versions import EMBEDDINGS_FILE
+from kb.store import EntityStore
 
 KIND = "embedding_snapshot"
 SCHEMA_VERSION = 1

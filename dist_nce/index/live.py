@@ -24,8 +24,8 @@ from torch import Tensor
 from dist_nce.bias.gradbias import LseGrad, lse_grad_all, lse_grad_rows, merge as merge_lse
 from dist_nce.index.exact import Piece, exact_search_pieces
 from dist_nce.index.search import ShardIndex, _check_batch
-from dist_nce.sampling.topk import ShardResult, merge_results
 from dist_nce.modeling.scoring import Reps
+from dist_nce.sampling.topk import ShardResult, merge_results
 
 
 class LiveIndex:

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import AT_LEAST_1, POSITIVE, Range
 from dist_nce.index.config import IndexConfig
-from dist_nce.actors.config import ServiceConfig
 
 
 def _help(text: str, bounds: Range | None = None, **kw):

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from kb.kilt import END_ENT, START_ENT, split_marked_input
 from dist_nce.core.records import BadRecord, MentionRecord
+from kb.kilt import END_ENT, START_ENT, split_marked_input
 
 
 @dataclass(frozen=True)

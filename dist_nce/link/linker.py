@@ -30,18 +30,18 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from kb.store import EntityStore
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.core.config import from_dict, to_dict
-from dist_nce.retrieval import default_index_config, iter_mention_reps, local_search, retrieve
+from dist_nce.core.text import encode_mentions, tokenizer_fingerprint
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import ShardResult
 from dist_nce.link.config import LinkConfig
 from dist_nce.link.inputs import Mention, parse_docs
 from dist_nce.link.run_dir import RunArtifacts, locate, snapshot_index
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps
-from dist_nce.core.text import encode_mentions, tokenizer_fingerprint
+from dist_nce.retrieval import default_index_config, iter_mention_reps, local_search, retrieve
+from dist_nce.sampling.topk import ShardResult
+from kb.store import EntityStore
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ class Linker:
 
     @staticmethod
     def _open_searcher(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, store: EntityStore, tok_sha: str):
-        from dist_nce.retrieval import build_local_index
         from dist_nce.index.encode import state_fingerprint
+        from dist_nce.retrieval import build_local_index
 
         if cfg.searcher == "local":
             index_cfg = cfg.index or default_index_config(retriever)
@@ -245,10 +245,10 @@ def _open_service(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, tok_
     (the run's persisted final index when it is this model's, else encoded now)."""
     import dataclasses
 
-    from dist_nce.retrieval import serve_model
-    from dist_nce.actors.service import NegativeService
     from dist_nce.actors.config import ServiceConfig
+    from dist_nce.actors.service import NegativeService
     from dist_nce.cluster.runtime import init_ray
+    from dist_nce.retrieval import serve_model
 
     svc = cfg.service or from_dict(ServiceConfig, art.service or {}, f"{art.run_dir}/summary.json: service")
     svc = dataclasses.replace(svc, shard_dir=svc.shard_dir or str(Path(art.run_dir) / "shards"))

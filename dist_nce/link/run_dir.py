@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kb.store import EntityStore
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, read_manifest
+from dist_nce.index.config import IndexConfig
 from dist_nce.index.export import KIND as SNAPSHOT_KIND
 from dist_nce.index.export import SCHEMA_VERSION as SNAPSHOT_SCHEMA
-from dist_nce.index.config import IndexConfig
 from dist_nce.index.search import ShardIndex
 from dist_nce.modeling.scoring import Reps, ScoreSpec
+from kb.store import EntityStore
 
 MODEL_DIR = "model"
 SNAPSHOT_DIR = "kb_snapshot"

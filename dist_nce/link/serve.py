@@ -101,8 +101,8 @@ class MentionEncoder:
 
     def __init__(self, model_dir: str, device: str, max_batch_size: int, batch_wait_timeout_s: float):
         keep_replica_grpc_on_loopback()
-        from dist_nce.modeling.retriever import Retriever
         from dist_nce.cluster.runtime import configure_process
+        from dist_nce.modeling.retriever import Retriever
 
         configure_process(1)
         self.retriever = Retriever.from_pretrained(model_dir).eval().to(device)
@@ -132,8 +132,8 @@ class RerankerScorer:
         keep_replica_grpc_on_loopback()
         from kb.store import EntityStore
 
-        from dist_nce.modeling.reranker import Reranker
         from dist_nce.cluster.runtime import configure_process
+        from dist_nce.modeling.reranker import Reranker
 
         configure_process(1)
         self.reranker = Reranker.from_pretrained(reranker_dir).eval().to(device)
@@ -188,8 +188,8 @@ class LinkIngress:
 
     def __init__(self, encoder: Any, reranker: Any, config: dict):
         keep_replica_grpc_on_loopback()
-        from dist_nce.link.linker import Linker
         from dist_nce.cluster.runtime import configure_process
+        from dist_nce.link.linker import Linker
 
         configure_process(1)
         self.cfg = from_dict(ServeConfig, config)

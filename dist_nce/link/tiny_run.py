@@ -1,6 +1,6 @@
 """A small run directory laid out as jobs/aida_finetune.py exports one, without training.
 
-For tests and ``benchmarks/link.py --quick``: a synthetic KILT KB and AIDA files
+For tests and ``python -m benchmarks.link --quick``: a synthetic KILT KB and AIDA files
 (``kb.synthetic``), the prepared store (``kb.prepare``), a retriever built from a model
 directory (with seeded noise on its weights: a random tiny BERT maps every text to
 nearly the same vector, so rankings would be near-ties), its KB embeddings encoded by
@@ -77,9 +77,9 @@ def make_tiny_run(root: str | os.PathLike, model_dir: str, num_entities: int = 6
 
 def make_tiny_reranker(out: str | os.PathLike, model_dir: str, max_len: int = 64, seed: int = 0) -> Path:
     """A reranker (random tiny BERT + noise, so its scores are spread) saved to ``out``."""
+    from dist_nce.core.text import load_tokenizer
     from dist_nce.modeling.encoder import load_transformer
     from dist_nce.modeling.reranker import Reranker, RerankerConfig
-    from dist_nce.core.text import load_tokenizer
 
     torch.manual_seed(seed)
     reranker = Reranker(RerankerConfig(model=model_dir, max_len=max_len), load_transformer(model_dir),

@@ -2,7 +2,8 @@
 
 :func:`collect` turns finished cells into one JSON-able dict (rows per seed, groups over
 seeds, verdicts against random, the bias ordering); :func:`tables` renders it as Markdown
-(the README's blocks are rendered from the committed JSON by the same function);
+(the tables of the generated page ``docs/mini_paper.md`` are rendered from the committed JSON by
+the same function);
 :func:`write_outputs` writes ``mini_paper.md`` and the PNGs.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dist_nce.minipaper.results import ROWS, curves
 from dist_nce.minipaper.stats import against, curve_band, group
 
 LABELS = ("architecture", "arm")
-RESULT = "docs/mini_paper/mini_paper.json"  # the committed run the README shows
+RESULT = "docs/mini_paper/mini_paper.json"  # the committed run docs/mini_paper.md shows
+PAGE = "docs/mini_paper.md"  # its page, linked from the README; tables between <!-- minipaper --> markers
 
 
 def _metric_names(rows: Sequence[Mapping[str, Any]], skip: Sequence[str] = ("/n", "bias/measurements")) -> list[str]:
@@ -189,21 +191,23 @@ def tables(result: Mapping[str, Any], level: int = 2) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-# ---------------------------------------------------------------------------------------- README
+# ---------------------------------------------------------------------------------------- the page
 
-README_BLOCK = re.compile(r"(<!-- minipaper -->\n)(?P<body>.*?)(<!-- /minipaper -->)", re.S)
+PAGE_LEVEL = 3  # the tables' headings on the page (under its "##" sections)
+PAGE_BLOCK = re.compile(r"(<!-- minipaper -->\n)(?P<body>.*?)(<!-- /minipaper -->)", re.S)
 
 
-def readme_block(text: str) -> str | None:
-    m = README_BLOCK.search(text)
+def page_block(text: str) -> str | None:
+    """The generated part of docs/mini_paper.md: between ``<!-- minipaper -->`` and ``<!-- /minipaper -->``."""
+    m = PAGE_BLOCK.search(text)
     return m.group("body") if m else None
 
 
-def rewrite_readme(text: str, result: Mapping[str, Any]) -> str:
+def rewrite_page(text: str, result: Mapping[str, Any]) -> str:
     """``text`` with its ``<!-- minipaper -->`` block rendered from ``result`` (a mini_paper.json)."""
-    if readme_block(text) is None:
-        raise ValueError("README.md has no <!-- minipaper --> ... <!-- /minipaper --> block")
-    return README_BLOCK.sub(lambda m: m.group(1) + tables(result, level=4) + m.group(3), text)
+    if page_block(text) is None:
+        raise ValueError(f"{PAGE} has no <!-- minipaper --> ... <!-- /minipaper --> block")
+    return PAGE_BLOCK.sub(lambda m: m.group(1) + tables(result, level=PAGE_LEVEL) + m.group(3), text)
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -268,24 +272,24 @@ def write_outputs(result: Mapping[str, Any], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dist_nce.minipaper.report [--check]``: the README's block from the committed JSON."""
+    """``python -m dist_nce.minipaper.report [--check]``: docs/mini_paper.md's tables from the committed JSON."""
     import argparse
     import json
 
     repo = Path(__file__).resolve().parents[2]
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--result", default=str(repo / RESULT), help="a mini_paper.json")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README block differs from the JSON")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE}'s tables differ from the JSON")
     args = ap.parse_args(argv)
-    readme = repo / "README.md"
-    text = readme.read_text(encoding="utf-8")
-    new = rewrite_readme(text, json.loads(Path(args.result).read_text(encoding="utf-8")))
+    page = repo / PAGE
+    text = page.read_text(encoding="utf-8")
+    new = rewrite_page(text, json.loads(Path(args.result).read_text(encoding="utf-8")))
     if args.check:
-        print("README mini-paper block matches the JSON" if new == text else "README mini-paper block is stale")
+        print(f"{PAGE}: the mini-paper tables match the JSON" if new == text else f"{PAGE}: the mini-paper tables are stale")
         return 0 if new == text else 1
     if new != text:
-        readme.write_text(new, encoding="utf-8")
-    print(f"rendered the README's mini-paper block from {args.result}")
+        page.write_text(new, encoding="utf-8")
+    print(f"rendered the mini-paper tables of {PAGE} from {args.result}")
     return 0
 
 

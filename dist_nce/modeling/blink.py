@@ -36,10 +36,10 @@ from typing import Any, Mapping
 import torch
 
 from dist_nce.core.artifacts import atomic_path
-from dist_nce.modeling.encoder import Encoder
-from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.core.models import default_model_dir
 from dist_nce.core.text import load_tokenizer
+from dist_nce.modeling.encoder import Encoder
+from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 
 # our side name -> BLINK's BertEncoder attribute in BiEncoderModule
 BLINK_SIDES = {"mention": "context_encoder", "entity": "cand_encoder"}

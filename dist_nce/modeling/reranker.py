@@ -35,9 +35,9 @@ from torch import nn
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
 from dist_nce.core.config import Range, check_fields, from_dict, to_dict
-from dist_nce.modeling.encoder import load_transformer, trim_padding
 from dist_nce.core.models import default_model_dir
 from dist_nce.core.text import SpecialIds, assemble_mention_ids, load_tokenizer, special_ids, tokenizer_fingerprint
+from dist_nce.modeling.encoder import load_transformer, trim_padding
 
 SCHEMA_VERSION = 1
 MANIFEST_KIND = "reranker"

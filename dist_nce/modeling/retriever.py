@@ -32,10 +32,10 @@ from torch import nn
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, read_manifest, write_manifest
 from dist_nce.core.config import AT_LEAST_1, ConfigError, check_fields, from_dict, to_dict
-from dist_nce.modeling.encoder import Encoder, trim_padding
-from dist_nce.modeling.scoring import PRESETS, Reps, ScoreSpec, entity_reps, mention_reps, score_all, score_candidates
 from dist_nce.core.models import default_model_dir
 from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
+from dist_nce.modeling.encoder import Encoder, trim_padding
+from dist_nce.modeling.scoring import PRESETS, Reps, ScoreSpec, entity_reps, mention_reps, score_all, score_candidates
 
 SCHEMA_VERSION = 1
 MANIFEST_KIND = "retriever"

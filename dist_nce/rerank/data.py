@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from kb.store import EntityStore, MentionTable
 from dist_nce.eval.zeshel import CandidateSet, candidate_rows
 from dist_nce.rerank.candidates import gold_first, read_split_candidates
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.train.plan import DataOrder
+from kb.store import EntityStore, MentionTable
 
 
 @dataclass(frozen=True)

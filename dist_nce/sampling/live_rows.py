@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dist_nce.sampling.topk import ShardResult
 from dist_nce.sampling.negatives import Negatives, mixed_from_pool, sample_random
+from dist_nce.sampling.topk import ShardResult
 
 
 class LiveRows(NamedTuple):

@@ -158,7 +158,7 @@ def sample_hard(scores: Tensor, num_negatives: int, gold: Tensor, seed: int, que
     """Flat reference: exact hard negatives from the full score matrix ``scores`` [B, N].
 
     sampler: "dense" (one Gumbel per row, :func:`gumbel_topk_dense`) or "block" (top-down over
-    blocks of ``block_rows`` rows, ``index.block_gumbel``): the same law, different draws.
+    blocks of ``block_rows`` rows, ``sampling.block_gumbel``): the same law, different draws.
     Same noise and tie rule as the sharded search of the same sampler, so it returns the same
     sample.
     """

@@ -8,7 +8,8 @@ offers two things only, so a sampler is written once for both:
 
 * ``live``: the row space and its tombstones (uniform draws stay in the caller);
 * ``gumbel(...)``: the exact Gumbel-top-k sample of the KB minus the gold, with the scores of
-  an optional ``pool`` of rows taken from the same index version.
+  an optional ``pool`` of rows taken from the same index version;
+* ``topk(...)``: the plain top-k rows by score, gold excluded (deterministic modes).
 
 Modes live in :mod:`dist_nce.sampling.modes`, one file each, and register themselves with
 :func:`register`; ``modes.sampler_for(mode, K-1, p)`` builds one, and the config's
@@ -95,6 +96,8 @@ class SampleSource(Protocol):
     def gumbel(self, reps: Any, k: int, gold: Tensor, seed: int, query_keys: Tensor,
                pool: Tensor | None = None) -> Pending[GumbelDraw]: ...
 
+    def topk(self, reps: Any, k: int, gold: Tensor | None = None) -> Pending[ShardResult]: ...
+
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -166,3 +169,6 @@ class FlatScores:
         sample = gumbel_topk_dense(self.scores, k, gold, seed, query_keys)
         pool_scores = None if pool is None else self.scores.gather(1, pool).float()
         return Done(GumbelDraw(sample, pool_scores))
+
+    def topk(self, reps: Any, k: int, gold: Tensor | None = None) -> Pending[ShardResult]:
+        return Done(gumbel_topk_dense(self.scores, k, gold, None, None))

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
 from dist_nce.actors.config import ServiceConfig
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
 from dist_nce.modeling.retriever import RetrieverConfig
 
 

@@ -1,7 +1,7 @@
 """Dev evaluation during and after training: recall@k and accuracy over ALL entities.
 
 Mentions are encoded with the current mention encoder and searched by ``service.topk``
-over every shard (``eval.retrieve.retrieve``; exact for the torch/flat backends). A
+over every shard (``retrieval.retrieve``; exact for the torch/flat backends). A
 retriever's accuracy is its top-1 (``eval.metrics.accuracy``); mentions whose gold is not
 in the KB stay in every denominator as misses (the metrics module's convention).
 

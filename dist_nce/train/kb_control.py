@@ -7,7 +7,7 @@ running job to serve it, from any process that sees the run directory::
     python -m dist_nce.train.kb_control runs/aida/my_run --kb-version 3
 
 or, in Python, ``request_update(run_dir, kb_version)``. Both write ``<run_dir>/kb_update.json``
-atomically. The driver (``jobs/aida_finetune.py``) runs a :class:`KbWatcher` beside training:
+atomically. The AIDA job's driver (``dist_nce.train.driver.run_training``) runs a :class:`KbWatcher` beside training:
 every ``interval_s`` it looks for that file and calls ``NegativeService.apply_delta`` (the
 shards encode only the new rows, with the weights they serve, and swap in a new index version
 without stopping training); the request is then replaced by ``kb_update.done.json`` (index
@@ -27,7 +27,6 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from dist_nce.actors.protocols import NegativeSource
 from dist_nce.core.artifacts import atomic_write_json

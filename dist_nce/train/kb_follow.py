@@ -14,8 +14,6 @@ Mentions whose gold is unresolvable when the run starts are excluded by the plan
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torch import Tensor

@@ -5,7 +5,7 @@
     resume    engine + RNG + step + index bookkeeping from ray.train.get_checkpoint()
     negatives a prefetcher (pipelined) or the epoch's mined negatives (per_epoch)
     loop      refresh when due -> negatives -> batch -> scores [B, K] -> NCE -> backward -> step
-              (+ every bias.every_steps: Theorem 1's bias on a probe set, train.bias_monitor)
+              (+ every bias.every_steps: Theorem 1's bias on a probe set, bias.monitor)
     finish    final refresh with the final weights, dev evaluation, export, report
 
 ``train_func`` is TorchTrainer's ``train_loop_per_worker``. Device, accelerator, collectives,
@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from dist_nce.actors.protocols import NegativeSource
+from dist_nce.bias.monitor import BiasMonitor
+from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.index.encode import store_fingerprint
 from dist_nce.modeling.losses import adjusted_nce_loss, nce_loss
+from dist_nce.sampling.keys import query_keys, request_seed
 from dist_nce.sampling.negatives import Negatives
-from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
-from dist_nce.bias.monitor import BiasMonitor
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.evaluate import evaluate
 from dist_nce.train.kb_follow import KbFollower
@@ -37,7 +38,6 @@ from dist_nce.train.model import build_retriever, export_model, full_state_dict,
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
 )
-from dist_nce.sampling.keys import query_keys, request_seed
 from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main

@@ -30,8 +30,8 @@ from torch import Tensor
 from dist_nce.actors.protocols import NegativeSource
 from dist_nce.modeling.scoring import Reps
 from dist_nce.sampling.negatives import Negatives
-from dist_nce.train.batches import trimmed
 from dist_nce.sampling.samplers import Sampler
+from dist_nce.train.batches import trimmed
 
 Encode = Callable[[np.ndarray], Reps]
 

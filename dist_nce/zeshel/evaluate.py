@@ -10,7 +10,7 @@
   is searched one world at a time, so only one world's index is in memory (SOM keeps
   every token vector of its entities).
 
-Search is exact and in process (``eval.retrieve.build_local_index``: faiss flat for
+Search is exact and in process (``retrieval.build_local_index``: faiss flat for
 dual/multi-m, the chunked torch path for poly-m and SOM).
 """
 from __future__ import annotations
@@ -20,15 +20,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kb.store import EntityStore, MentionTable
 from dist_nce.core.artifacts import write_manifest
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.retrieval import build_local_index, default_index_config, ranked_source_ids, retrieve
 from dist_nce.eval.zeshel import RECALL_KS, evaluate_retriever_split, split_world_ranges, write_candidates
 from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
+from dist_nce.retrieval import build_local_index, default_index_config, ranked_source_ids, retrieve
 from dist_nce.zeshel.config import TRAIN_STORE_SPLITS, ZeshelConfig
+from kb.store import EntityStore, MentionTable
 
 CANDIDATES_KIND = "zeshel_candidates"
 SETTINGS = ("own_world", "split_union")

@@ -16,12 +16,12 @@ import pytest
 import ray
 import torch
 
+from dist_nce.actors.config import ServiceConfig
+from dist_nce.actors.service import NegativeService
+from dist_nce.index.config import IndexConfig
 from dist_nce.index.encode import encode_rows
 from dist_nce.index.live import LiveIndex
-from dist_nce.index.config import IndexConfig
 from dist_nce.index.search import ShardIndex
-from dist_nce.actors.service import NegativeService
-from dist_nce.actors.config import ServiceConfig
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec

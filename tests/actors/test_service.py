@@ -16,15 +16,15 @@ import torch
 
 from dist_nce.sampling.modes import sampler_for
 
+from dist_nce.actors.config import ServiceConfig
+from dist_nce.actors.service import NegativeService, even_ranges
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.search import ShardIndex
-from dist_nce.actors.service import NegativeService, even_ranges
-from dist_nce.actors.config import ServiceConfig
-from dist_nce.sampling.topk import merge_results
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling.negatives import hard_negatives, mixed_negatives
+from dist_nce.sampling.topk import merge_results
 
 from tests.actors.test_shard import D, entity_state, write_kilt  # noqa: E402  (tests/index is on sys.path)
 

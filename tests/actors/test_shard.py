@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.kernels.attention import unavailable_reason as attention_unavailable
-from dist_nce.index.encode import autocast_dtype, encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
-from dist_nce.index.config import IndexConfig
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.shard import EntityShard, NoIndexError, VersionUnavailable
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.encode import autocast_dtype, encode_rows, length_sorted_batches, state_fingerprint, store_fingerprint
 from dist_nce.index.versions import shard_dir_name, version_dir_name
+from dist_nce.kernels.attention import unavailable_reason as attention_unavailable
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 from dist_nce.modeling.scoring import ScoreSpec

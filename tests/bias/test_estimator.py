@@ -266,8 +266,8 @@ def test_labelled_mentions_with_tiny_bert_dual_retriever(tiny_model_dir):
     against a closed form: the untrained tiny BERT gives nearly equal [CLS] vectors, so
     p_θ is uniform over the N entities, where γ_θ = (p_θ - pop) (N-K)/(K(N-1)) + pop for
     random or hard negatives alike, i.e. b = (N-K)/(K(N-1)) ∇J_CE."""
-    from dist_nce.modeling.retriever import Retriever, RetrieverConfig
     from dist_nce.core.text import encode_entity, encode_mention, load_tokenizer
+    from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 
     tok = load_tokenizer(tiny_model_dir)
     retriever = Retriever.build(RetrieverConfig(preset="dual", mention_model=tiny_model_dir)).eval()
@@ -335,8 +335,10 @@ def test_bad_population_and_schemes_are_rejected():
 
 
 def test_synthetic_run_is_deterministic_and_complete():
-    cfg = B.SyntheticConfig(num_labels=40, hidden=8, updates=2, num_draws=3, temperature=0.05, seed=3)
-    a, b = B.run_synthetic(cfg), B.run_synthetic(cfg)
+    from dist_nce.bias.synthetic import SyntheticConfig, run_synthetic
+
+    cfg = SyntheticConfig(num_labels=40, hidden=8, updates=2, num_draws=3, temperature=0.05, seed=3)
+    a, b = run_synthetic(cfg), run_synthetic(cfg)
     assert a == b
     assert [r["update"] for r in a["records"]] == [0, 1, 2]
     assert set(a["records"][-1]["schemes"]) == {"hard", "random", "mixed50"}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dist_nce.bias.gradbias import lse_grad_all, lse_grad_rows
-from dist_nce.modeling.scoring import Reps
 from dist_nce.bias.monitor import BiasMonitor
+from dist_nce.modeling.scoring import Reps
 from dist_nce.train.plan import sampling
 from tests.train.tinyrun import prepare_tiny, tiny_config
 

@@ -1,5 +1,5 @@
 """A driver that started a local Ray (dist_nce.cluster.runtime.init_ray) leaves no process behind when
-it is SIGKILLed; Ray alone leaves its two raylet agents running for a minute (ray_reaper.py)."""
+it is SIGKILLed; Ray alone leaves its two raylet agents running for a minute (dist_nce/cluster/reaper.py)."""
 from __future__ import annotations
 
 import os
@@ -77,7 +77,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process():
             for agent in (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent"):
                 assert agent in titles.values(), sorted(titles.values())
             assert actor_pid in members and set(cluster_processes(session_dir)) >= {actor_pid}
-            reapers = [pid for pid, t in titles.items() if b"ray_reaper.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            reapers = [pid for pid, t in titles.items() if b"dist_nce/cluster/reaper.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             assert len(reapers) == 1, titles
         finally:
             os.kill(p.pid, signal.SIGKILL)

@@ -15,9 +15,9 @@ from typing import Any, Union
 
 import pytest
 
-from dist_nce.bias.estimator import SyntheticConfig
-from dist_nce.core.config import ConfigError, Range, describe, from_dict, load_config
 from dist_nce.actors.config import ServiceConfig
+from dist_nce.bias.synthetic import SyntheticConfig
+from dist_nce.core.config import ConfigError, Range, describe, from_dict, load_config
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.train.config import TrainJobConfig, check_against_store
 from dist_nce.zeshel.config import ZeshelRetrieverConfig

@@ -13,10 +13,10 @@ import pytest
 
 import dist_nce.core.text as text
 from dist_nce.core import rust_tokenizer
-from dist_nce.core.text import (encode_entities, encode_entity, encode_mentions, load_ingest_tokenizer, load_tokenizer,
-                           special_ids, tokenizer_fingerprint)
 from dist_nce.core.models import TOKENIZER_FILES
 from dist_nce.core.records import EntityRecord, MentionRecord
+from dist_nce.core.text import (encode_entities, encode_entity, encode_mentions, load_ingest_tokenizer, load_tokenizer,
+                           special_ids, tokenizer_fingerprint)
 
 from tests.core.test_text import WORDS, random_entities, random_mentions  # noqa: E402  (tests/ is on sys.path)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dist_nce.core.text as text
+from dist_nce.core.records import EntityRecord, MentionRecord
 from dist_nce.core.text import (
     assemble_mention_ids,
     encode_entities,
@@ -23,7 +24,6 @@ from dist_nce.core.text import (
     special_ids,
     tokenizer_fingerprint,
 )
-from dist_nce.core.records import EntityRecord, MentionRecord
 
 CLS, SEP, PAD, M0, M1, T2 = 101, 102, 0, 1, 2, 3
 a, b, c, d, e, f, g, h, i, j, k, l, x = 1037, 1038, 1039, 1040, 1041, 1042, 1043, 1044, 1045, 1046, 1047, 1048, 1060

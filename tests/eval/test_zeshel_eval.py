@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
+from dist_nce.core.text import load_tokenizer
 from dist_nce.eval.zeshel import (
     CandidateFileError, build_world_indexes, candidate_rows, evaluate_reranker_split,
     evaluate_retriever_split, read_candidates, read_tfidf_candidates, recall_report, rerank, retrieve_worlds,
     split_world_ranges, write_candidates,
 )
-from dist_nce.retrieval import ranked_source_ids
 from dist_nce.modeling.encoder import load_transformer
 from dist_nce.modeling.reranker import Reranker, RerankerConfig
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from dist_nce.modeling.scoring import score_all
-from dist_nce.core.text import load_tokenizer
+from dist_nce.retrieval import ranked_source_ids
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore, MentionTable
 from kb.synthetic import write_zeshel

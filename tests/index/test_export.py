@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.index.export import export_snapshot
-from dist_nce.index.config import IndexConfig
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.shard import EntityShard
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.export import export_snapshot
 from dist_nce.modeling.retriever import RetrieverConfig
 from kb.store import EntityStore
 

@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 
-from dist_nce.bias.gradbias import lse_grad_all
-from dist_nce.index.live import LiveIndex
 from dist_nce.actors.placement import place_rows, water_fill
+from dist_nce.bias.gradbias import lse_grad_all
 from dist_nce.index.config import IndexConfig
+from dist_nce.index.live import LiveIndex
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import merge_results
-from dist_nce.sampling.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
 from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.sampling.live_rows import LiveRows, mixed_from_pool_live, random_pool_live, sample_random_live
 from dist_nce.sampling.negatives import sample_random
+from dist_nce.sampling.topk import merge_results
 from tests.sampling.test_negatives import chi2_pvalue, inclusion_max_z, successive_sampling  # noqa: E402  (tests/ on sys.path)
 
 DUAL = ScoreSpec.preset("dual")
@@ -218,7 +218,7 @@ def test_mixed_negatives_use_live_n(data):
 
 @pytest.mark.parametrize("config, grid", CONFIGS)
 def test_an_index_carrying_removed_rows_excludes_them_by_default(data, config, grid):
-    """In-process indexes over a changed store (eval.retrieve.build_local_index, the linker's snapshot
+    """In-process indexes over a changed store (retrieval.build_local_index, the linker's snapshot
     index) carry the store's tombstones: plain calls never return or sample a removed row."""
     vecs, dead, q, gold = data
     carrying = ShardIndex(DUAL, Reps(vecs), 0, config, 3, dead=dead)

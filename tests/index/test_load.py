@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dist_nce.core.artifacts import ArtifactMismatch
-from dist_nce.index.load import load_shard_index
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.faiss_backend import faiss_storage_view
+from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
 from dist_nce.index.versions import PersistedVersions
 from dist_nce.modeling.scoring import Reps, ScoreSpec

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from dist_nce.cluster.runtime import configure_faiss
 from dist_nce.index import faiss_backend
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.exact import exact_search
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
 from dist_nce.sampling.negatives import sample_hard
-from dist_nce.cluster.runtime import configure_faiss
+from dist_nce.sampling.topk import merge_results
 
 DUAL = ScoreSpec.preset("dual")
 SPLITS = [(0, 37), (37, 38), (38, 120), (120, 200)]  # uneven, one single-row shard

@@ -8,7 +8,6 @@ happens before Ray starts).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import dist_nce.cli.encode_kb as job
 from kb.prepare import PrepareConfig, prepare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,9 +85,6 @@ def test_encode_export_and_resume_by_shard(ray_local, store_dir, tiny_model_dir,
 
 def test_an_out_dir_of_another_model_or_preset_is_refused(store_dir, tiny_model_dir, tmp_path, capsys):
     """Checked before Ray starts, so the job's main() runs in-process here."""
-    spec = importlib.util.spec_from_file_location("encode_kb_job", JOB)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
     out = tmp_path / "emb"
     out.mkdir()
     (out / job.SPEC_FILE).write_text(json.dumps({"preset": "dual", "m": None, "model": "elsewhere"}))
@@ -104,9 +101,6 @@ def test_a_saved_retriever_directory_brings_its_own_preset(store_dir, tiny_model
     from dist_nce.modeling.retriever import Retriever, RetrieverConfig
     from kb.store import EntityStore
 
-    spec = importlib.util.spec_from_file_location("encode_kb_job", JOB)
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
     retriever = Retriever.build(RetrieverConfig(preset="multi", m=2, mention_model=tiny_model_dir))
     retriever.save_pretrained(tmp_path / "retriever")
     parse = job.build_parser().parse_args

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dist_nce.eval.kilt import kilt_scores, read_jsonl
-from dist_nce.retrieval import build_local_index, retrieve
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+from dist_nce.retrieval import build_local_index, retrieve
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore, MentionTable
 from kb.synthetic import write_kilt

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dist_nce.retrieval import build_local_index, retrieve
 from dist_nce.eval.zeshel import read_candidates
 from dist_nce.modeling.retriever import Retriever
+from dist_nce.retrieval import build_local_index, retrieve
 from dist_nce.worker.tb import read_metrics
 from dist_nce.zeshel.evaluate import index_config, own_world_topk, split_world_ranges
 from kb.store import EntityStore, MentionTable

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kb.blink import iter_blink_entities, parse_blink_entity
 from dist_nce.core.records import BadRecord, BadRecordLog
+from kb.blink import iter_blink_entities, parse_blink_entity
 
 ENTITY_JSONL = Path(__file__).parent / "fixtures" / "entity.jsonl"
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import kb.delta as delta
+from dist_nce.core.records import BadRecord
 from dist_nce.index.encode import store_fingerprint
 from kb.delta import UpdateConfig, compact, update
 from kb.prepare_config import PrepareError
-from dist_nce.core.records import BadRecord
 from kb.store import GOLD_REMOVED, EntityStore, MentionTable
 
 from kb_delta_helpers import entities, kilt_line, prepare_store  # noqa: E402  (tests/ is on sys.path)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kb.kilt import iter_aida, iter_kilt_entities, parse_aida, parse_kilt_entity
 from dist_nce.core.records import BadRecord, BadRecordLog
+from kb.kilt import iter_aida, iter_kilt_entities, parse_aida, parse_kilt_entity
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KS = FIXTURES / "kilt_knowledgesource_sample.json"

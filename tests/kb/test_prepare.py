@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from dist_nce.core.records import BadRecord, BadRecordLog
 from dist_nce.core.text import encode_entity, encode_mention, load_tokenizer
 from kb.ingest import (ChunkTask, RangeRecords, count_newlines, file_fingerprint, output_path, plan_byte_ranges,
                        run_chunks, write_marker)
 from kb.prepare import PrepareConfig, PrepareError, parse_size, prepare, summarize
-from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.store import EntityStore, MentionTable, read_arrow, write_arrow
 
 QUIET = {"log": lambda s: None}

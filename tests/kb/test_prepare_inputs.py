@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from dist_nce.core.records import BadRecord
 from kb.jsonl import load_object
 from kb.prepare import PrepareConfig, PrepareError, prepare
-from dist_nce.core.records import BadRecord
 from tests.kb.test_prepare import aida_line, write_kilt
 
 FIXTURES = Path(__file__).parent / "fixtures"

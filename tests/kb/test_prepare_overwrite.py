@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import kb.staging as staging
-from kb.prepare import PrepareConfig, prepare
 from dist_nce.core.records import BadRecord
+from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore
 from tests.kb.test_prepare import kilt_line, write_kilt
 

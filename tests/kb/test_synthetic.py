@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from dist_nce.core.artifacts import file_sha256, read_manifest
+from dist_nce.core.records import BadRecordLog
 from kb.blink import iter_blink_entities
 from kb.kilt import iter_aida, iter_kilt_entities
-from dist_nce.core.records import BadRecordLog
 import kb.synthetic.kilt as synthetic_kilt
 from kb.synthetic import SPLITS, KiltUniverse, Knobs, write_kilt, write_zeshel, zeshel_category
 from kb.synthetic.__main__ import main as cli_main
-from kb.synthetic.sink import JsonlSink
 from kb.synthetic.lexicon import KILT_DOMAINS, WORD2, WORD3, accent, one_word_name, two_word_name
+from kb.synthetic.sink import JsonlSink
 from kb.synthetic.universe import FUNCTION_WORDS, AffinePermutation
 from kb.zeshel import ZESHEL_WORLDS, iter_zeshel_documents, iter_zeshel_mentions
 

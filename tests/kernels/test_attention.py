@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_nce.kernels import attention as na
 from dist_nce.index.encode import choose_attention
+from dist_nce.kernels import attention as na
 
 pytestmark = pytest.mark.skipif(na.unavailable_reason() is not None,
                                 reason=f"native attention unavailable: {na.unavailable_reason()}")

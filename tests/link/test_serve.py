@@ -41,8 +41,8 @@ def _listeners(proc) -> set:
 def server(ray_local, tiny_run, tiny_reranker):
     from ray import serve
 
-    from dist_nce.link.serve import build_app, start_local
     from dist_nce.cluster.runtime import free_port
+    from dist_nce.link.serve import build_app, start_local
 
     # What this pytest process already listened on (an earlier test file in the same xdist worker may
     # leave e.g. torch's TCPStore on '::'); the loopback test judges what serving opened.

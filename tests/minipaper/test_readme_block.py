@@ -1,8 +1,9 @@
-"""The README's mini-paper tables are what the committed run's JSON renders, and that run is complete."""
+"""docs/mini_paper.md's tables (the page the README links to) are what the committed run's JSON
+renders, and that run is complete."""
 import json
 from pathlib import Path
 
-from dist_nce.minipaper.report import RESULT, readme_block, rewrite_readme, tables
+from dist_nce.minipaper.report import PAGE, PAGE_LEVEL, RESULT, main, page_block, rewrite_page, tables
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -11,11 +12,18 @@ def committed() -> dict:
     return json.loads((REPO / RESULT).read_text(encoding="utf-8"))
 
 
-def test_readme_block_equals_what_the_committed_json_renders():
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme_block(text) == tables(committed(), level=4), \
-        "README.md's <!-- minipaper --> block differs from docs/mini_paper/mini_paper.json: run " \
-        "`.venv/bin/python -m dist_nce.minipaper.report`"
+def test_page_block_equals_what_the_committed_json_renders():
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    assert page_block(text) == tables(committed(), level=PAGE_LEVEL), \
+        f"{PAGE}'s <!-- minipaper --> block differs from {RESULT}: run `.venv/bin/python -m dist_nce.minipaper.report`"
+    assert main(["--check"]) == 0
+
+
+def test_page_shows_the_committed_plots():
+    """The curves the page shows are the committed run's PNGs (paths relative to docs/)."""
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    for png in ("zeshel_curves.png", "aida_curves.png", "zeshel_bias.png"):
+        assert f"](mini_paper/{png})" in text, png
 
 
 def test_the_committed_run_is_complete_with_its_seeds_and_plots():
@@ -38,8 +46,8 @@ def test_the_committed_run_is_complete_with_its_seeds_and_plots():
 def test_a_changed_number_makes_the_block_stale():
     result = committed()
     text = "a\n<!-- minipaper -->\nold\n<!-- /minipaper -->\nb\n"
-    fresh = rewrite_readme(text, result)
+    fresh = rewrite_page(text, result)
     g = result["zeshel"]["groups"][0]
     metric = next(m for m in result["zeshel"]["metrics"] if m.startswith("val/R@"))
     g[metric]["mean"] += 0.01
-    assert rewrite_readme(fresh, result) != fresh
+    assert rewrite_page(fresh, result) != fresh

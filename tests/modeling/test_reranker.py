@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.modeling.reranker import Reranker, RerankerConfig, build_pairs, mention_windows
 from dist_nce.core.text import SpecialIds, assemble_mention_ids
+from dist_nce.modeling.reranker import Reranker, RerankerConfig, build_pairs, mention_windows
 
 TOK = SpecialIds(cls=101, sep=102, pad=0, mention_start=1, mention_end=2, title_sep=3)
 

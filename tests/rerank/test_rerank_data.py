@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from dist_nce.core.text import load_tokenizer
 from dist_nce.eval.zeshel import evaluate_reranker_split, read_candidates, read_tfidf_candidates
 from dist_nce.modeling.encoder import load_transformer
 from dist_nce.modeling.reranker import Reranker, RerankerConfig
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import data_order, load_eval_sets, load_training_set, make_plan
 from dist_nce.rerank.loop import candidate_scores, evaluate_sets
-from dist_nce.core.text import load_tokenizer
 from kb.prepare import PrepareConfig, prepare
 from kb.store import EntityStore, MentionTable
 from kb.synthetic import write_zeshel

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from dist_nce.sampling import negatives as ng
 from dist_nce.core.config import ConfigError, from_dict
-from dist_nce.sampling import block_gumbel as bg
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.exact import exact_search
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import merge_results
 from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.sampling import negatives as ng
+from dist_nce.sampling import block_gumbel as bg
+from dist_nce.sampling.topk import merge_results
 
 DUAL = ScoreSpec.preset("dual")
 INF = float("-inf")

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.sampling import negatives as ng
-from dist_nce.sampling import block_native
-from dist_nce.kernels import build as native
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.exact import Piece, _native_calls, exact_search, exact_search_pieces
 from dist_nce.index.search import ShardIndex
-from dist_nce.sampling.topk import merge_results
+from dist_nce.kernels import build as native
 from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.sampling import negatives as ng
+from dist_nce.sampling import block_native
+from dist_nce.sampling.topk import merge_results
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native block kernel unavailable "
                                 "(needs AVX512-BF16 and a C compiler)")

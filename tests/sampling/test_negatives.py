@@ -66,7 +66,7 @@ def chi2_pvalue(counts: torch.Tensor, expected: torch.Tensor, min_expected: floa
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-# Both exact samplers: the dense reference, and the block sampler (index.block_gumbel) with
+# Both exact samplers: the dense reference, and the block sampler (sampling.block_gumbel) with
 # blocks small enough that the 10 labels make 4-5 blocks (so K-1 = 3 keeps only some of them).
 SAMPLERS = [pytest.param({"sampler": "dense"}, id="dense"),
             pytest.param({"sampler": "block", "block_rows": 3}, id="block3"),

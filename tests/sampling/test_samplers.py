@@ -51,7 +51,7 @@ def test_every_mode_is_a_sampler_and_the_service_is_a_source(mode):
     assert isinstance(FlatScores(torch.zeros(2, 3)), SampleSource)
     from dist_nce.actors.service import NegativeService
 
-    for name in ("gumbel", "draw"):  # the service offers the source face (and ``live``) to every sampler
+    for name in ("gumbel", "topk", "draw"):  # the service offers the source face (and ``live``) to every sampler
         assert callable(getattr(NegativeService, name))
 
 
@@ -132,10 +132,11 @@ def test_a_new_mode_is_one_class():
         def draw(self, source: SampleSource, reps: Any, gold, seed, query_keys) -> Pending[MineResult]:
             k = self.num_negatives
 
-            def finish(drawn):
-                return MineResult(ng.hard_negatives(drawn.sample, k), drawn.sample.version, None)
+            def finish(top):
+                negs = ng.Negatives(top.ids, torch.zeros(top.ids.shape), torch.ones(top.ids.shape, dtype=torch.bool))
+                return MineResult(negs, top.version, None)
 
-            return Then(source.gumbel(reps, k, gold, None, query_keys), finish)  # seed None: plain top-k
+            return Then(source.topk(reps, k, gold), finish)
 
     try:
         scores, gold, keys = scores_and_gold()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dist_nce.train import checkpoint
-from dist_nce.worker.engine import build_engine, load_deepspeed_config
 from dist_nce.train.pipeline import EpochNegatives
 from dist_nce.train.refresh import RefreshBook
+from dist_nce.worker.engine import build_engine, load_deepspeed_config
 
 DS_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 PLAN = {"num_workers": 1, "per_worker_batch": 4, "global_batch": 4, "steps_per_epoch": 3, "total_steps": 6,
@@ -85,12 +85,13 @@ def test_resume_continues_exactly_and_loads_weights_only(tmp_path, dist_env, cfg
 
 
 def test_resume_refuses_another_plan(tmp_path):
-    from dist_nce.core.artifacts import write_manifest
+    from dist_nce.core.artifacts import read_manifest, write_manifest
+    from dist_nce.worker import checkpoint as base  # the resume check every worker's checkpoint makes
 
     write_manifest(tmp_path, checkpoint.KIND, checkpoint.SCHEMA_VERSION, step=3, plan=PLAN, deepspeed_tag="step3")
-    manifest = checkpoint.read_manifest(tmp_path)
+    manifest = read_manifest(tmp_path)
     with pytest.raises(ValueError, match="global_batch: checkpoint 4, now 8"):
-        checkpoint.check_resumable(manifest, {**PLAN, "global_batch": 8}, str(tmp_path))
+        base.check_resumable(manifest, {**PLAN, "global_batch": 8}, str(tmp_path))
     # The same shapes over a store prepared again (other synthetic data, say) is another run.
     with pytest.raises(ValueError, match="data_fingerprint: checkpoint 'aa', now 'bb'"):
-        checkpoint.check_resumable(manifest, {**PLAN, "data_fingerprint": "bb"}, str(tmp_path))
+        base.check_resumable(manifest, {**PLAN, "data_fingerprint": "bb"}, str(tmp_path))

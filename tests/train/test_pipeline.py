@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dist_nce.modeling.scoring import Reps
+from dist_nce.sampling.modes import sampler_for
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
 )
-from dist_nce.sampling.modes import sampler_for
 from tests.train.fakes import FakeService
 
 SAMPLING = sampler_for("mixed", 3, 66.7)  # 2 hard + 1 random

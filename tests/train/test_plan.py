@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dist_nce.core.config import from_dict
-from dist_nce.train.config import TrainJobConfig
 from dist_nce.sampling.keys import query_keys, request_seed
+from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import (
     DataOrder, eligible_mentions, epoch_order, make_plan, sampling, stop_step,
 )

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dist_nce.core.config import load_config
-from dist_nce.worker.tb import read_metrics
 from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+from dist_nce.worker.tb import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_CONFIG = REPO / "configs" / "aida" / "test_tiny.yaml"

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dist_nce.retrieval import default_index_config
 from dist_nce.eval.zeshel import evaluate_retriever_split, read_candidates
 from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+from dist_nce.retrieval import default_index_config
 from dist_nce.zeshel.config import ZeshelConfig
 from dist_nce.zeshel.evaluate import evaluate_retriever, index_config, own_world_topk, recall_table
 from kb.prepare import PrepareConfig, prepare

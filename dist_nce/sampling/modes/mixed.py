@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from dist_nce.sampling.live_rows import mixed_from_pool_live, random_pool_live
-from dist_nce.sampling.negatives import num_hard
 from dist_nce.sampling.modes.hard import Hard
 from dist_nce.sampling.modes.uniform import Random
+from dist_nce.sampling.negatives import num_hard
 from dist_nce.sampling.samplers import GumbelDraw, MineResult, Pending, SampleSource, Then, register
 
 

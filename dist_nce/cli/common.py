@@ -1,0 +1,86 @@
+"""The start every config-driven job shares: ``--config/--set/--dry-run/--help-config``, the
+tiny models a config names, the input checks, and how a bad config or input is reported
+(``error: ...`` on stderr, exit status 2, no traceback)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
+
+from dist_nce.core.config import ConfigError, describe, load_config
+from dist_nce.core.models import ensure_tiny_models
+
+C = TypeVar("C")
+
+# The checkout this package is imported from: the editable install's, or under
+# `ray job submit --working-dir .` Ray's copy (Ray puts it first on PYTHONPATH). The jobs that
+# start other jobs (demo, mini_paper) run jobs/*.py and keep data/ and runs/ there.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+DRY_RUN_HELP = "check the config and every input path, then exit (no data generation, no Ray)"
+
+
+def error(e: BaseException | str) -> int:
+    """Report a bad config or input (a user's mistake, not a bug: no traceback); exit status 2."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def dry_run_ok(what: str) -> int:
+    print(f"{what}: config and inputs OK (dry run: nothing generated, no Ray started)")
+    return 0
+
+
+def retriever_models(model: Any) -> dict[str, str]:
+    """Config key -> path of the encoders a retriever's ``model`` section names."""
+    return {"model.retriever.mention_model": model.retriever.mention_model,
+            "model.retriever.entity_model": model.retriever.entity_model}
+
+
+@dataclass(frozen=True)
+class ConfigJob(Generic[C]):
+    """How one job turns ``--config YAML --set key=value ...`` into a config it can run."""
+
+    kind: type[C]
+    config_help: str  # the --config line of --help
+    absolute: Callable[[C], C]  # relative paths resolved here: Ray Train workers run in another directory
+    models: Callable[[C], dict[str, str]]  # config key -> model path
+    check: Callable[[C], None]  # raises ConfigError naming every missing input
+
+    def parser(self, doc: str, progress: str | None = None) -> argparse.ArgumentParser:
+        """The job's command line; ``progress``: help of a ``--no-progress`` flag, if it has one."""
+        ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+        ap.add_argument("--config", help=self.config_help)
+        ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+        if progress:
+            ap.add_argument("--no-progress", dest="progress", action="store_false", help=progress)
+        ap.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+        ap.add_argument("--help-config", action="store_true", help="print every config field and exit")
+        return ap
+
+    def ready(self, cfg: C) -> C:
+        """Build the tiny models ``cfg`` names, then check its inputs (raises ConfigError)."""
+        # A config naming the project's tiny-model path (data/models/tiny_bert) runs from a fresh
+        # clone: the random tiny BERT is built there on first use, before the input checks.
+        ensure_tiny_models(self.models(cfg))
+        self.check(cfg)
+        return cfg
+
+    def start(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> C | int:
+        """The checked config, or the exit status when the job ends here (``--help-config``, a
+        config or input error, a passed ``--dry-run``). Every key and input is checked before
+        any data or cluster work."""
+        if args.help_config:
+            print(describe(self.kind))
+            return 0
+        if not args.config:
+            ap.error("--config is required")
+        try:
+            cfg = self.ready(self.absolute(load_config(self.kind, args.config, args.set)))
+        except (ConfigError, FileExistsError) as e:
+            return error(e)
+        if args.dry_run:
+            return dry_run_ok(args.config)
+        return cfg

@@ -1,0 +1,106 @@
+"""The README's main job on its embedded default, run the way a cluster user runs it.
+
+    make demo                                   # creates .venv, installs, runs this
+    .venv/bin/python jobs/demo.py [--config configs/aida/tiny_cpu.yaml] [--set key=value ...]
+
+1. ``ray start --head`` on loopback (dashboard 127.0.0.1) with token authentication on: a
+   machine that has never run Ray gets a token in ``~/.ray/auth_token`` first
+   (:class:`dist_nce.cluster.head.LocalHead`);
+2. ``ray job submit --working-dir . -- python jobs/aida_finetune.py --config <config>``:
+   synthetic KILT KB + AIDA files -> prepared store -> sharded NegativeService -> Ray Train
+   + DeepSpeed finetuning with hard negatives -> dev evaluation before and after -> export;
+3. the dev summary (before vs after) from ``<output_dir>/summary.json``;
+4. the head is stopped (only this cluster: ``ray stop`` would end every Ray on the machine;
+   it also dies if this script is killed).
+
+Data, checkpoints and exports go to absolute paths under this checkout (``data/``,
+``runs/``; git-ignored), so they survive the job's temporary copy of the working dir. The
+synthetic data and prepared store (``data/<name>/``) are reused while the config's
+``data.*`` settings stay the same; every demo is a new run in ``runs/<name>/<time>/``
+(Ray Train run ``<name>-<time>``), so running it again trains again instead of resuming
+the finished run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dist_nce.cli.common import CHECKOUT as ROOT
+from dist_nce.cluster.head import LocalHead
+
+
+def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [str(bin_dir / "ray"), *args]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, env=env, cwd=ROOT, check=check)
+
+
+def _submit_and_follow(bin_dir: Path, head: str, config: str, overrides: list[str], env: dict[str, str]) -> int:
+    """``ray job submit`` (retried while the fresh head's job agent is still starting), then
+    ``ray job logs --follow`` and the final ``ray job status``; returns 0 if it SUCCEEDED."""
+    address = f"--address={head}"
+    job_id = f"dist_nce_demo_{int(time.time())}"
+    submit = ["job", "submit", address, f"--submission-id={job_id}", "--no-wait", "--working-dir", ".", "--",
+              "python", "jobs/aida_finetune.py", "--config", config]
+    for o in overrides:
+        submit += ["--set", o]
+    for attempt in range(30):
+        if _ray(bin_dir, *submit, env=env, check=False).returncode == 0:
+            break
+        print("the head's job agent is not up yet; retrying in 5 s", flush=True)
+        time.sleep(5)
+    else:
+        return 1
+    _ray(bin_dir, "job", "logs", address, "--follow", job_id, env=env, check=False)
+    status = subprocess.run([str(bin_dir / "ray"), "job", "status", address, job_id], env=env, cwd=ROOT,
+                            capture_output=True, text=True)
+    said = (status.stdout + status.stderr).strip()
+    # Ray 2.60 prints "Job '<id>' succeeded" between separator lines (older: "...: SUCCEEDED").
+    lines = [line for line in said.splitlines() if job_id in line]
+    print(lines[-1] if lines else said or "ray job status printed nothing", flush=True)
+    return 0 if any("succeeded" in line.lower() for line in lines) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/aida/tiny_cpu.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--name", default="demo", help="run name: runs/<name>, data/<name>")
+    args = ap.parse_args(argv)
+
+    runs, data = ROOT / "runs", ROOT / "data"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = runs / args.name / stamp
+    overrides = [
+        f"data.prepared_dir={data / args.name / 'prepared'}",
+        f"data.synthetic_dir={data / args.name / 'synthetic'}",
+        f"run.output_dir={out}",
+        f"run.storage_path={runs / 'ray_results'}",
+        f"run.name={args.name}-{stamp}",
+        *args.set,
+    ]
+    t0 = time.perf_counter()
+    # The job's `python` must be this environment's (LocalHead puts it first on PATH).
+    head = LocalHead(num_cpus=2, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    print("$ " + " ".join(head.command()), flush=True)
+    print(f"(token authentication on; token: {head.token_location})", flush=True)
+    with head:
+        rc = _submit_and_follow(head.bin_dir, head.address, args.config, overrides, head.env)
+    if rc != 0:
+        print(f"demo: the job failed (exit {rc}); see the log above", file=sys.stderr)
+        return rc
+    from dist_nce.train.trainer import dev_table
+
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"\n=== demo finished in {time.perf_counter() - t0:.0f} s ===")
+    print(dev_table(summary["dev_before"], summary["dev_after"]))
+    print(f"exports, TensorBoard logs and summary.json: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

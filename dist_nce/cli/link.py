@@ -1,0 +1,203 @@
+"""Link mentions in new text with a trained run: one sentence, a JSONL file, or interactively.
+
+    python jobs/link.py --run runs/demo/<time> --text "Tulsa is a city in [Oklahoma] ."
+    python jobs/link.py --run runs/demo/<time> --input docs.jsonl --output linked.jsonl
+    python jobs/link.py --run runs/demo/<time> --input data/demo/synthetic/aidayago2-dev-kilt.jsonl \\
+        --output dev_guess.jsonl --format kilt
+    python jobs/link.py --run runs/demo/<time> --interactive      # one sentence per line, [brackets]
+
+Input lines (JSONL) are ``{"text": ..., "mentions": [[start, end], ...]}`` (character spans)
+or KILT inputs ``{"id": ..., "input": "left [START_ENT] mention [END_ENT] right"}``; output
+lines are the same documents with, per mention, the top-k entities (id, title, retriever
+score, reranker score when ``--reranker`` is given). ``--format kilt`` writes KILT guess
+lines instead (one per input id: answer = top-1 title, provenance = ranked ids).
+
+The KB is searched in this process (``--searcher local``: the run's exported KB snapshot,
+or ``--kb encode``) or through the trainer's sharded NegativeService on Ray
+(``--searcher service``, for large KBs; ``--set service.num_shards=8`` etc.). Every
+LinkConfig field can come from ``--config`` YAML or ``--set key=value`` (``--help-config``).
+Exit status 2 on bad input or configuration, with ``file:line: reason``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+
+from dist_nce.cli.common import error
+from dist_nce.core.config import ConfigError, describe, from_dict, load_config, parse_overrides
+from dist_nce.link.config import LinkConfig
+
+if TYPE_CHECKING:
+    from dist_nce.link.linker import Linker
+
+CHUNK = 256  # documents linked per call in batch mode (encoder batches are LinkConfig.batch_size)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", help="run directory (runs/<name>/<time>)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--text", help='one sentence with mentions in [brackets] (or KILT markers)')
+    mode.add_argument("--input", help="JSONL of documents to link")
+    mode.add_argument("--interactive", action="store_true", help="read sentences from stdin, one per line")
+    ap.add_argument("--output", help="output JSONL (batch mode; default: stdout)")
+    ap.add_argument("--format", choices=["jsonl", "kilt"], default="jsonl", help="batch output format")
+    ap.add_argument("--config", help="YAML of LinkConfig fields")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="LinkConfig override")
+    for name, kind, what in (("k", int, "entities per mention"), ("searcher", str, "local or service"),
+                             ("kb", str, "snapshot or encode (local searcher)"), ("store", str, "prepared store"),
+                             ("reranker", str, "reranker directory"), ("device", str, "cpu, cuda, ...")):
+        ap.add_argument(f"--{name}", type=kind, help=f"LinkConfig.{name}: {what}")
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    ap.add_argument("--help-config", action="store_true", help="print every LinkConfig field and exit")
+    return ap.parse_args(argv)
+
+
+def link_config(args: argparse.Namespace) -> LinkConfig:
+    sets = list(args.set)
+    for name in ("k", "searcher", "kb", "store", "reranker", "device"):
+        value = getattr(args, name)
+        if value is not None:
+            sets.append(f"{name}={json.dumps(value) if isinstance(value, str) else value}")
+    if not args.progress:
+        sets.append("progress=false")
+    if args.config:
+        return load_config(LinkConfig, args.config, sets)
+    return from_dict(LinkConfig, parse_overrides(sets), "--set")
+
+
+def print_answer(doc: dict, out: TextIO = sys.stdout) -> None:
+    """A human-readable table of one linked document."""
+    for m in doc["mentions"]:
+        print(f"{m['mention']!r}" + (f" [{m['span'][0]}, {m['span'][1]})" if m["span"] else ""), file=out)
+        for rank, e in enumerate(m["entities"], 1):
+            rerank = f"  rerank {e['rerank_score']:9.4f}" if "rerank_score" in e else ""
+            print(f"  {rank:>3}. {e['title']:<40} id {e['id']:<12} score {e['score']:9.4f}{rerank}", file=out)
+
+
+def read_docs(path: str) -> list[tuple[int, dict]]:
+    """(line number, document) of every non-empty line; each checked, errors as file:line."""
+    from dist_nce.link.inputs import parse_docs
+
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+                parse_docs([doc])
+            except ValueError as e:  # json.JSONDecodeError is one
+                raise ValueError(f"{path}:{lineno}: {str(e).removeprefix('doc 0: ')}") from None
+            docs.append((lineno, doc))
+    return docs
+
+
+def kilt_lines(docs: list[tuple[int, dict]], linked: list[dict], path: str) -> list[dict]:
+    from dist_nce.eval.kilt import guess_record
+
+    out = []
+    for (lineno, doc), ans in zip(docs, linked):
+        if "id" not in doc or len(ans["mentions"]) != 1:
+            raise ValueError(f"{path}:{lineno}: --format kilt needs an 'id' and exactly one mention per line")
+        ents = ans["mentions"][0]["entities"]
+        out.append(guess_record(doc["id"], [e["id"] for e in ents], ents[0]["title"] if ents else ""))
+    return out
+
+
+def batch(linker: Linker, args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
+    docs = read_docs(args.input)
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    mentions = 0
+    try:
+        with tqdm(total=len(docs), desc="link", unit="doc", disable=not linker.config.progress,
+                  mininterval=1.0) as bar:
+            for a in range(0, len(docs), CHUNK):
+                chunk = docs[a:a + CHUNK]
+                linked = linker.link([d for _, d in chunk], progress=False)
+                lines = kilt_lines(chunk, linked, args.input) if args.format == "kilt" else linked
+                sink.write("".join(json.dumps(x, ensure_ascii=args.format == "kilt") + "\n" for x in lines))
+                mentions += sum(len(x["mentions"]) for x in linked)
+                bar.update(len(chunk))
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    print(f"linked {mentions} mentions in {len(docs)} documents" + (f" -> {args.output}" if args.output else ""),
+          file=sys.stderr)
+
+
+def interactive(linker: Linker) -> None:
+    from dist_nce.link.inputs import parse_brackets
+
+    tty = sys.stdin.isatty()
+    if tty:
+        print("one sentence per line, mentions in [brackets]; Ctrl-D ends", file=sys.stderr)
+    while True:
+        if tty:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if not line.strip():
+            continue
+        try:
+            print_answer(linker.link([parse_brackets(line.rstrip("\n"))], progress=False)[0])
+        except ValueError as e:  # a bad line is reported; the session goes on
+            print(f"error: {e}", file=sys.stderr)
+        sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.help_config:
+        print(describe(LinkConfig))
+        return 0
+    if not args.run:
+        return error("--run is required")
+    try:
+        cfg = link_config(args)
+        doc = None
+        if args.text is not None:
+            from dist_nce.link.inputs import parse_brackets, parse_docs
+
+            doc = parse_brackets(args.text)
+            parse_docs([doc])  # a bad sentence fails before the model loads
+        if args.input and not Path(args.input).is_file():
+            raise FileNotFoundError(f"{args.input}: input file not found")
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        return error(e)
+
+    from dist_nce.cluster.runtime import configure_process
+    from dist_nce.core.artifacts import ArtifactMismatch
+    from dist_nce.link.linker import Linker
+
+    configure_process(args.threads)
+    try:
+        linker = Linker.from_pretrained(args.run, cfg)
+    except (ArtifactMismatch, ConfigError, FileNotFoundError, ValueError) as e:
+        return error(e)
+    with linker:
+        print(f"linker: {args.run}, {linker.store.num_entities:,} entities, searcher {cfg.searcher}"
+              + (f", reranker {cfg.reranker}" if cfg.reranker else ""), file=sys.stderr)
+        try:
+            if doc is not None:
+                print_answer(linker.link([doc], progress=False)[0])
+            elif args.input:
+                batch(linker, args)
+            else:
+                interactive(linker)
+        except ValueError as e:
+            return error(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
