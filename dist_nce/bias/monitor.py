@@ -21,7 +21,7 @@ probe plus probe x draws mining queries; ``bias/seconds`` is logged beside it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ import torch
 from dist_nce.bias.gradbias import estimate, summary
 from dist_nce.modeling.scoring import Reps
 from dist_nce.sampling.keys import request_seed
-from dist_nce.sampling.samplers import Sampler
+from dist_nce.sampling.samplers import MineResult, Pending, Sampler
 
 # Gumbel keys of the monitor's replicates: replicate r of probe mention i gets
 # (r + 1) * KEY_STRIDE + i, apart from the training keys (epoch * mentions + index).
@@ -46,14 +46,25 @@ def replicate(reps: Reps, draws: int) -> Reps:
     return Reps(reps.vecs.repeat(*rep), mask)
 
 
+class BiasSource(Protocol):
+    """What the monitor asks of the KB: the run's own sampler's draws, and exact log-sum-exp and
+    gradient parts over all rows or over given rows (``NegativeService`` implements both)."""
+
+    def draw(self, sampler: Sampler, mention_reps: Reps, gold: torch.Tensor, seed: int,
+             query_keys: torch.Tensor) -> Pending[MineResult]: ...
+
+    def lse_grad(self, mention_reps: Reps, rows: torch.Tensor | None = None,
+                 version: int | None = None) -> Pending[Any]: ...
+
+
 class BiasMonitor:
     """Measure Theorem 1's bias on ``probe`` (mention indices) with ``draws`` sets each.
 
-    service: a NegativeService (``mine``, ``lse_grad``); encode: mention indices -> Reps
+    service: a :class:`BiasSource` (the NegativeService); encode: mention indices -> Reps
     (the trainer's current mention encoder); gold: int64 [P] gold rows of the probe.
     """
 
-    def __init__(self, service: Any, sampling: Sampler, encode: Callable[[np.ndarray], Reps], probe: np.ndarray,
+    def __init__(self, service: BiasSource, sampling: Sampler, encode: Callable[[np.ndarray], Reps], probe: np.ndarray,
                  gold: torch.Tensor, draws: int, seed: int):
         if draws < 2:
             raise ValueError(f"bias.draws must be >= 2 for a standard error, got {draws}")

@@ -51,7 +51,7 @@ from dist_nce.eval.metrics import recall_at_k
 from dist_nce.index.encode import state_fingerprint, store_fingerprint
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
-from dist_nce.retrieval import build_local_index, ranked_source_ids, retrieve, serve_model
+from dist_nce.retrieval import Searcher, build_local_index, ranked_source_ids, retrieve, serve_model
 from kb.prepare import AIDA_FILES
 from kb.store import EntityStore, MentionTable
 
@@ -145,7 +145,7 @@ def open_searcher(args: argparse.Namespace, retriever: Retriever, store: EntityS
     return service, {"version": plan.version, "reused": plan.reused, "dir": cfg.shard_dir}
 
 
-def evaluate_split(args: argparse.Namespace, retriever: Retriever, store: EntityStore, searcher: Any,
+def evaluate_split(args: argparse.Namespace, retriever: Retriever, store: EntityStore, searcher: Searcher,
                    mentions: MentionTable, gold_file: Path, ks: list[int]) -> dict:
     """Retrieve, write the guess file, score it if the file has answers."""
     split = mentions.split

@@ -13,7 +13,7 @@ Train controller itself takes no resources (Ray Train V2).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 from dist_nce.core.config import ConfigError
 
@@ -58,7 +58,16 @@ def check_fits(requests: Sequence[Request], cluster_resources: Mapping[str, floa
                          + "\n  lower these settings, or run on a cluster with more of these resources")
 
 
-def service_request(service: Any) -> Request:
+class ShardRequest(Protocol):
+    """What the service config (``dist_nce.actors.config.ServiceConfig``) asks Ray for."""
+
+    num_shards: int
+    num_cpus: float
+    num_gpus: float
+    resources: Mapping[str, float]
+
+
+def service_request(service: ShardRequest) -> Request:
     """The shard actors of a ``ServiceConfig`` (all of them live for the whole run)."""
     each = {"CPU": service.num_cpus, "GPU": service.num_gpus, **service.resources}
     keys = {"CPU": "service.num_cpus", "GPU": "service.num_gpus",

@@ -39,7 +39,7 @@ from dist_nce.link.inputs import Mention, parse_docs
 from dist_nce.link.run_dir import RunArtifacts, locate, snapshot_index
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps
-from dist_nce.retrieval import default_index_config, iter_mention_reps, local_search, retrieve
+from dist_nce.retrieval import Searcher, default_index_config, iter_mention_reps, local_search, retrieve
 from dist_nce.sampling.topk import ShardResult
 from kb.store import EntityStore
 
@@ -100,7 +100,7 @@ class Linker:
     """A trained retriever over its KB (and optionally a reranker): text with mentions -> entities."""
 
     def __init__(self, artifacts: RunArtifacts, config: LinkConfig, retriever: Retriever | None, tokenizer: Any,
-                 store: EntityStore, searcher: Any, reranker: Any = None):
+                 store: EntityStore, searcher: Searcher, reranker: Any = None):
         self.artifacts, self.config = artifacts, config
         self.retriever, self.tokenizer, self.store, self.searcher, self.reranker = (
             retriever, tokenizer, store, searcher, reranker)

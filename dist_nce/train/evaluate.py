@@ -18,7 +18,7 @@ import torch
 
 from dist_nce.actors.protocols import NegativeSource
 from dist_nce.eval.metrics import accuracy, recall_at_k
-from dist_nce.retrieval import retrieve
+from dist_nce.retrieval import Mentions, retrieve
 
 
 def dev_metrics(ranked: np.ndarray, gold: np.ndarray, ks: Sequence[int]) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def rank_slice(indices: np.ndarray, rank: int, world: int) -> tuple[np.ndarray, 
     return part, n_real
 
 
-def evaluate(module: torch.nn.Module, mentions: Any, indices: np.ndarray, service: NegativeSource, ks: Sequence[int],
+def evaluate(module: torch.nn.Module, mentions: Mentions, indices: np.ndarray, service: NegativeSource, ks: Sequence[int],
              batch_size: int, rank: int = 0, world: int = 1,
              all_gather: Callable[[Any], list[Any]] | None = None) -> dict[str, Any] | None:
     """Metrics of ``mentions`` (a MentionTable) at ``indices``; every rank calls it, rank 0 gets them.

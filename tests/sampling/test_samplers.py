@@ -34,8 +34,9 @@ def test_registry_is_the_config_literal():
     """The modes a config may name are exactly the registered ones: adding a mode file without
     its literal (or the reverse) fails here."""
     literal = typing.get_args(typing.get_type_hints(NegativesConfig)["mode"])
-    assert sorted(literal) == modes.modes() == ["hard", "mixed", "random"]
-    with pytest.raises(ValueError, match=r"negatives.mode: expected one of \['hard', 'mixed', 'random'\]"):
+    assert sorted(literal) == modes.modes()
+    assert {"hard", "mixed", "random"} <= set(modes.modes())  # the paper's three
+    with pytest.raises(ValueError, match=r"negatives.mode: expected one of \[.*'hard', 'mixed', 'random'.*\]"):
         sampler_for("hardest", K1)
     with pytest.raises(ValueError, match="at least one negative"):
         sampler_for("hard", 0)
