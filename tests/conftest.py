@@ -75,3 +75,19 @@ def ray_head(tmp_path_factory):
     fresh = {"HOME": str(home), "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": ""}
     with LocalHead(num_cpus=2, env=fresh) as head:
         yield {"address": head.address, "env": head.env, "home": home, "bin_dir": head.bin_dir}
+
+
+@pytest.fixture(scope="module")
+def dist_env():
+    """torch.distributed env vars for a single process outside a launcher, restored afterwards
+    (the DeepSpeed tests that build an engine in this one process: tests/worker, tests/train)."""
+    from dist_nce.cluster.runtime import single_process_dist_env
+
+    saved = {k: os.environ.get(k) for k in single_process_dist_env(0)}
+    os.environ.update(single_process_dist_env())
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
