@@ -15,7 +15,8 @@ pure function of the config, the training split and ``t``:
 So resuming at step ``t`` needs nothing but ``t``: no sampler state is checkpointed. The
 negatives of a mention are made reproducible the same way: its Gumbel noise is keyed by
 ``query_key = epoch * num_mentions + mention index`` (fresh noise every epoch, the same
-noise after a restart) and each request's seed by ``(seed, epoch, step, rank)``.
+noise after a restart) and each request's seed by ``(seed, epoch, step, rank)``
+(:mod:`dist_nce.sampling.keys`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """What every Ray Train (DeepSpeed) worker of this project shares, for the retriever and the reranker.
 
-``collectives``  torch.distributed helpers that are no-ops for one process
 ``scaffold``     the worker's story (setup, resume, steps, checkpoints, logging, end) and its
                  Ray Train entry point (device -> DeepSpeed accelerator)
+``checkpoint``   engine, RNG and loop state without pickle; trainers add their state and tensors
+``engine``       the DeepSpeed engine from a DeepSpeed JSON and the job's overrides
+``tb``           TensorBoard, metrics.jsonl, the progress bar
+``collectives``  torch.distributed helpers that are no-ops for one process
+``process_group`` how the workers meet (a file on one machine, TCP across machines)
 ``launch``       the driver side: the TorchTrainer both jobs run
 """
