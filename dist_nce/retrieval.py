@@ -238,7 +238,8 @@ def plan_snapshot(statuses: Sequence[Mapping[str, Any]], fingerprint: str) -> Sn
     return SnapshotPlan(version, reused)
 
 
-def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = True, poll_s: float = 1.0) -> SnapshotPlan:
+def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = True,
+                poll_s: float = 1.0) -> SnapshotPlan:
     """Make every shard of ``service`` serve ``retriever``'s entity embeddings.
 
     Reuses a persisted snapshot of the same weights, else encodes (``refresh``; shards that

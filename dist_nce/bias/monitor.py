@@ -6,7 +6,7 @@ Every ``bias.every_steps`` steps, on a fixed probe set of training mentions (the
 1. encode the probe with the current mention encoder (every rank: under ZeRO-3 a forward
    needs all ranks; only rank 0 goes on);
 2. draw ``bias.draws`` candidate sets per probe mention with the run's own sampler (random,
-   hard or mixed-p, through the same ``NegativeService.mine`` the trainer uses; one request,
+   hard or mixed-p, through the same ``NegativeService.draw`` the trainer uses; one request,
    each replicate with its own Gumbel keys);
 3. ask the shards, at the index version those sets were drawn from, for the exact
    d/dq LSE over the whole KB and d/dq LSE over each candidate set
@@ -64,8 +64,8 @@ class BiasMonitor:
     (the trainer's current mention encoder); gold: int64 [P] gold rows of the probe.
     """
 
-    def __init__(self, service: BiasSource, sampling: Sampler, encode: Callable[[np.ndarray], Reps], probe: np.ndarray,
-                 gold: torch.Tensor, draws: int, seed: int):
+    def __init__(self, service: BiasSource, sampling: Sampler, encode: Callable[[np.ndarray], Reps],
+                 probe: np.ndarray, gold: torch.Tensor, draws: int, seed: int):
         if draws < 2:
             raise ValueError(f"bias.draws must be >= 2 for a standard error, got {draws}")
         self.service, self.sampling, self.encode = service, sampling, encode

@@ -1,1 +1,2 @@
-"""The bottom layer: artifacts, typed configs, records, BLINK text layouts, tokenizers, model locations. Imports nothing of the project."""
+"""The bottom layer: artifacts, typed configs, records, BLINK text layouts, tokenizers, model
+locations. Imports nothing of the project."""

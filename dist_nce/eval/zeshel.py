@@ -203,7 +203,8 @@ class CandidateSet:
 
 
 def candidate_rows(
-    candidates: Mapping[str, Sequence[str]], mentions: MentionTable, store: EntityStore, k: int = 64, source: str = "candidates",
+    candidates: Mapping[str, Sequence[str]], mentions: MentionTable, store: EntityStore, k: int = 64,
+    source: str = "candidates",
 ) -> CandidateSet:
     """Map each table mention's candidate document ids to store rows ([N, k]) and find its gold.
 
@@ -237,7 +238,8 @@ def candidate_rows(
 
 
 def rerank(
-    reranker: Any, mentions: MentionTable, store: EntityStore, rows: np.ndarray, batch_size: int = 2, progress: bool = True,
+    reranker: Any, mentions: MentionTable, store: EntityStore, rows: np.ndarray, batch_size: int = 2,
+    progress: bool = True,
 ) -> np.ndarray:
     """The reranker's choice among each mention's candidate rows [N, k] -> int64 [N] rows.
 
@@ -277,7 +279,8 @@ def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, wor
 
 
 def evaluate_retriever_split(
-    retriever: Retriever, store: EntityStore, mentions: MentionTable, k: int = 64, candidates_path: str | Path | None = None,
+    retriever: Retriever, store: EntityStore, mentions: MentionTable, k: int = 64,
+    candidates_path: str | Path | None = None,
     index_config: IndexConfig | None = None, batch_size: int = 128, progress: bool = True,
 ) -> dict[str, Any]:
     """Recall of one split (own world and split union) and, with ``candidates_path``, the

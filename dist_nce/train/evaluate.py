@@ -43,8 +43,8 @@ def rank_slice(indices: np.ndarray, rank: int, world: int) -> tuple[np.ndarray, 
     return part, n_real
 
 
-def evaluate(module: torch.nn.Module, mentions: Mentions, indices: np.ndarray, service: NegativeSource, ks: Sequence[int],
-             batch_size: int, rank: int = 0, world: int = 1,
+def evaluate(module: torch.nn.Module, mentions: Mentions, indices: np.ndarray, service: NegativeSource,
+             ks: Sequence[int], batch_size: int, rank: int = 0, world: int = 1,
              all_gather: Callable[[Any], list[Any]] | None = None) -> dict[str, Any] | None:
     """Metrics of ``mentions`` (a MentionTable) at ``indices``; every rank calls it, rank 0 gets them.
 

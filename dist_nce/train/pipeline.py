@@ -127,8 +127,9 @@ class NegativePrefetcher:
     checkpoint, which the checkpoint does not hold.
     """
 
-    def __init__(self, service: NegativeSource, sampling: Sampler, encode: Encode, request: Callable[[int], StepRequest],
-                 end_step: int, depth: int, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, service: NegativeSource, sampling: Sampler, encode: Encode,
+                 request: Callable[[int], StepRequest], end_step: int, depth: int,
+                 clock: Callable[[], float] = time.perf_counter):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.service, self.sampling, self.encode, self.request = service, sampling, encode, request
@@ -222,8 +223,9 @@ class EpochNegatives(NamedTuple):
         return cls(t["ids"], t["log_q"], t["hard"].bool(), t["version"], int(t["epoch"][0]))
 
 
-def mine_epoch(service: NegativeSource, sampling: Sampler, encode: Encode, mentions: np.ndarray, gold: Callable[[np.ndarray], Tensor],
-               keys: Callable[[np.ndarray], Tensor], seed: Callable[[int], int], request_size: int,
+def mine_epoch(service: NegativeSource, sampling: Sampler, encode: Encode, mentions: np.ndarray,
+               gold: Callable[[np.ndarray], Tensor], keys: Callable[[np.ndarray], Tensor],
+               seed: Callable[[int], int], request_size: int,
                max_in_flight: int = 2, progress: Callable[[int], None] | None = None,
                clock: Callable[[], float] = time.perf_counter) -> tuple[EpochNegatives, float]:
     """Mine the negatives of ``mentions`` [S, b] (one row per step) in requests of ``request_size``.
