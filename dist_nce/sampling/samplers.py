@@ -4,7 +4,7 @@ and the bias estimator and monitor.
 A :class:`Sampler` draws the K-1 negatives of a batch of mentions from a
 :class:`SampleSource`: the sharded ``NegativeService`` in training, or :class:`FlatScores`
 (a full score matrix in one process) in the bias estimator and the reference tests. A source
-offers two things only, so a sampler is written once for both:
+offers three things only, so a sampler is written once for both:
 
 * ``live``: the row space and its tombstones (uniform draws stay in the caller);
 * ``gumbel(...)``: the exact Gumbel-top-k sample of the KB minus the gold, with the scores of
@@ -13,8 +13,8 @@ offers two things only, so a sampler is written once for both:
 
 Modes live in :mod:`dist_nce.sampling.modes`, one file each, and register themselves with
 :func:`register`; ``modes.sampler_for(mode, K-1, p)`` builds one, and the config's
-``negatives.mode`` literal names them. A new mode is one file
-there plus one literal in ``train/config.py`` (``NegativesConfig.mode``).
+``negatives.mode`` literal names them. A new mode is one file there plus one literal in
+``train/config.py`` (``NegativesConfig.mode``).
 
 Every sampler returns a :class:`Pending` answer at once (``ready()`` never blocks,
 ``result()`` finishes once and caches), so a trainer keeps several requests in flight.
