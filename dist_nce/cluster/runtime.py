@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -188,7 +189,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}
     runtime_env = {**runtime_env, "env_vars": env_vars}
     if address:
-        return ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        return _join(ray, address, runtime_env, kwargs)
     # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
     # The dashboard (on loopback, a free port) also serves the state API that Ray Train's
     # placement-group cleaner polls; without it every run logs a warning a second and
@@ -209,6 +210,31 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
 
     reap_when_driver_dies(context.address_info["session_dir"])
     return context
+
+
+# Joining a running cluster: Ray gives the driver 60 s to find its node through the head's GCS.
+# On a loaded machine (2 cores, several clusters of the test suite at once) a reachable head can
+# miss that window, so that one failure is retried; any other failure (no head there) is not.
+JOIN_ATTEMPTS = 3
+JOIN_BACKOFF_S = 5.0
+
+
+def _gcs_was_slow(error: ConnectionError) -> bool:
+    cause = error.__cause__
+    return isinstance(cause, RuntimeError) and "Failed to get node info" in str(cause)
+
+
+def _join(ray: Any, address: str, runtime_env: dict, kwargs: dict):
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        try:
+            return ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        except ConnectionError as e:
+            if attempt == JOIN_ATTEMPTS or not _gcs_was_slow(e):
+                raise
+            print(f"joining the Ray cluster at {address}: its GCS did not answer in time ({e.__cause__}); "
+                  f"trying again ({attempt + 1}/{JOIN_ATTEMPTS})", file=sys.stderr, flush=True)
+            ray.shutdown()
+            time.sleep(JOIN_BACKOFF_S * attempt)
 
 
 def forget_stopped_head(port: int) -> bool:

@@ -111,3 +111,48 @@ def test_jit_builds_are_pinned_to_this_interpreter(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     pin_jit_builds()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
+
+
+def _fake_ray(monkeypatch, failures):
+    """ray.init fails with each of ``failures`` in turn, then joins; what was called is recorded."""
+    import ray
+
+    from dist_nce.cluster import runtime
+
+    calls = []
+
+    def init(address=None, **kw):
+        calls.append(("init", address))
+        if failures:
+            cause = failures.pop(0)
+            try:
+                raise cause
+            except Exception as e:
+                raise ConnectionError(f"Failed to connect to Ray cluster at {address}") from e
+        return "joined"
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("shutdown", None)))
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: calls.append(("sleep", s)))
+    return runtime, calls
+
+
+def test_joining_a_slow_head_is_retried(monkeypatch):
+    """A head whose GCS misses Ray's node lookup window (a loaded machine) is joined again."""
+    slow = RuntimeError("Failed to get node info for possible node ids: {'ab'} when trying to resolve node")
+    runtime, calls = _fake_ray(monkeypatch, [slow, slow])
+    assert runtime.init_ray(address="127.0.0.1:1") == "joined"
+    assert [c[0] for c in calls] == ["init", "shutdown", "sleep", "init", "shutdown", "sleep", "init"]
+
+
+def test_joining_is_not_retried_forever_nor_for_other_failures(monkeypatch):
+    slow = RuntimeError("Failed to get node info for possible node ids: {'ab'}")
+    runtime, calls = _fake_ray(monkeypatch, [slow, slow, slow])
+    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+        runtime.init_ray(address="127.0.0.1:1")
+    assert [c[0] for c in calls].count("init") == runtime.JOIN_ATTEMPTS
+    runtime, calls = _fake_ray(monkeypatch, [OSError("connection refused")])  # no head there: at once
+    with pytest.raises(ConnectionError):
+        runtime.init_ray(address="127.0.0.1:1")
+    assert calls == [("init", "127.0.0.1:1")]
