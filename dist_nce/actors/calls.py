@@ -94,7 +94,7 @@ class ShardCall:
 
 
 class FanOut:
-    """One method on every shard; :meth:`results` returns answers of ONE version."""
+    """One method on every shard; :meth:`result` returns answers of ONE version."""
 
     def __init__(self, handles: Sequence[Any], method: str, args: tuple, kwargs: dict, policy: RetryPolicy):
         self.handles, self.method, self.args, self.kwargs, self.policy = handles, method, args, kwargs, policy
@@ -102,14 +102,14 @@ class FanOut:
         self._results: list | None = None
 
     def ready(self) -> bool:
-        """True when every first-round answer is in (results() may still re-ask a few shards)."""
+        """True when every first-round answer is in (result() may still re-ask a few shards)."""
         if self._results is not None:
             return True
         refs = [c.ref for c in self.calls]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         return len(ready) == len(refs)
 
-    def results(self, timeout: float | None = None) -> list:
+    def result(self, timeout: float | None = None) -> list:
         if self._results is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             answers = [c.get(deadline) for c in self.calls]

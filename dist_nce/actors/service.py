@@ -43,7 +43,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -60,37 +60,19 @@ from dist_nce.modeling.scoring import Reps, ScoreSpec, is_inner_product
 from dist_nce.sampling.live_rows import LiveRows
 from dist_nce.sampling.modes import sampler_for_split
 from dist_nce.sampling.negatives import num_hard
-from dist_nce.sampling.samplers import GumbelDraw, MineResult, Pending, Sampler
+from dist_nce.sampling.samplers import GumbelDraw, MineResult, Pending, Sampler, Then
 from dist_nce.sampling.topk import merge_results
 
 
-class _Future:
-    """A pending answer: ``ready()`` never blocks, ``result(timeout)`` merges once and caches."""
-
-    def __init__(self, fanout: FanOut | None, finish: Callable[[list | None], Any]):
-        self._fanout, self._finish = fanout, finish
-        self._value, self._done = None, False
-
-    def ready(self) -> bool:
-        return self._done or self._fanout is None or self._fanout.ready()
-
-    def result(self, timeout: float | None = None):
-        if not self._done:
-            parts = None if self._fanout is None else self._fanout.results(timeout)
-            self._value, self._done = self._finish(parts), True
-            self._fanout = None  # drop the object refs
-        return self._value
-
-
-class MineFuture(_Future):
+class MineFuture(Then):
     """``result() -> GumbelDraw`` (merged over shards; the samplers finish it into a MineResult)."""
 
 
-class TopkFuture(_Future):
+class TopkFuture(Then):
     """``result() -> ShardResult`` (merged over shards, with its version)."""
 
 
-class LseGradFuture(_Future):
+class LseGradFuture(Then):
     """``result() -> LseGradPart`` (lse, grad merged over shards, version)."""
 
 
