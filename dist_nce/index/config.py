@@ -41,11 +41,13 @@ class IndexConfig:
         "exact Gumbel-top-k sampler: dense draws one Gumbel per (query, row) (the reference); block draws "
         "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
         "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/sampling/block_gumbel.py)", "dense")
-    kernel: Literal["auto", "native", "torch"] = _help(
-        "block sampler over bf16 dual reps (score_dtype bf16): native = the fused AVX512-BF16 kernel "
-        "(dist_nce/index/native), scores never leave the core; torch = chunked GEMM then reductions; auto = "
-        "native where the CPU and a C compiler allow. Same law, different float rounding, so runs that must "
-        "repeat draws bit for bit across machines should pin it", "auto")
+    kernel: Literal["auto", "native", "triton", "torch"] = _help(
+        "exact search over dual reps. native = the fused AVX512-BF16 CPU kernel of the block sampler "
+        "(score_dtype bf16; dist_nce/kernels/native), scores never leave the core; triton = one GEMM and one "
+        "fused Triton reduction per chunk for the block sampler and top-k (dist_nce/sampling/block_fused.py; "
+        "interpreted on a CPU, for tests); torch = chunked GEMM then torch reductions; auto = triton on CUDA "
+        "devices, native where the CPU and a C compiler allow, else torch. Same law, different float "
+        "rounding, so runs that must repeat draws bit for bit across machines should pin it", "auto")
     block_rows: int = _help(
         "rows per block of the block sampler, on a global grid; must divide chunk_rows. sqrt(N/(K-1)) "
         "minimises the noise drawn. Sharded == flat bit for bit when every shard starts on this grid", 128,
@@ -55,7 +57,8 @@ class IndexConfig:
                              AT_LEAST_1)
     chunk_rows: int = _help(
         "entities per block on the exact path; blocks follow a global grid, so keep it equal across shards "
-        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d)", 8192, AT_LEAST_1)
+        "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d). 0 = auto: 8192 on "
+        "a CPU, on a GPU a [B, chunk] fp32 score chunk of ~512 MB (index.exact.auto_chunk_rows)", 0, AT_LEAST_0)
     nlist: int = _help("IVF lists", 1024, AT_LEAST_1)
     nprobe: int = _help("IVF lists probed per query", 32, AT_LEAST_1)
     ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0, AT_LEAST_0)
@@ -76,7 +79,7 @@ class IndexConfig:
                 raise ValueError("index.score_dtype bf16 sets the storage (bf16) and the GEMM (bf16 values, fp32 "
                                  f"sums): leave index.storage and index.compute at fp32, got {self.storage}/"
                                  f"{self.compute}")
-        if self.sampler == "block" and self.chunk_rows % self.block_rows:
+        if self.sampler == "block" and self.chunk_rows and self.chunk_rows % self.block_rows:
             raise ValueError(f"index.block_rows ({self.block_rows}) must divide index.chunk_rows "
                              f"({self.chunk_rows}) with sampler 'block'")
 

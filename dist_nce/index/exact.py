@@ -14,8 +14,10 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from dist_nce.kernels import block_reduce
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
 from dist_nce.sampling import block_native
+from dist_nce.sampling.block_fused import FusedBlockStream
 from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
 from dist_nce.sampling.negatives import gumbel_topk_dense
 from dist_nce.sampling.topk import ShardResult, mask_gold_, merge_results
@@ -100,6 +102,25 @@ def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | 
     return scores
 
 
+# bytes of one score chunk on a GPU: large enough that the per-chunk launches are noise next
+# to the GEMM, small enough to sit beside 12 GB of KILT embeddings and the trainer
+_GPU_CHUNK_BYTES = 1 << 29
+_CPU_CHUNK_ROWS = 8192
+
+
+def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int) -> int:
+    """``index.chunk_rows: 0`` (auto): 8192 rows on a CPU (the chunk stays in cache); on a GPU
+    the power of two that keeps a [B, chunk] float32 score chunk near 512 MB (1M rows at
+    B = 128, 128k at B = 1024), between 64k and 4M rows. A multiple of ``block_rows``. It
+    depends on the device type and B only, so the shards and the flat search of one call
+    use the same grid."""
+    if torch.device(device).type != "cuda":
+        rows = _CPU_CHUNK_ROWS
+    else:
+        rows = 1 << max(16, min(22, (_GPU_CHUNK_BYTES // (4 * max(batch, 1))).bit_length() - 1))
+    return -(-rows // block_rows) * block_rows
+
+
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                  query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
@@ -140,6 +161,16 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
         raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
     q = Reps(queries.vecs.to(compute), queries.mask)
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
+    if not chunk_rows:
+        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows)
+    if (seed is None or sampler == "block") and kernel in ("auto", "triton"):
+        why = _fused_usable(spec, q, pieces, chunk_rows, block_rows, kernel)
+        if why is None:
+            return _fused_search(q, pieces, k, gold, chunk_rows, seed, query_keys, version, block_rows, dead)
+        if kernel == "triton":
+            raise ValueError(f"index.kernel 'triton': {why}")
+        if q.vecs.is_cuda:
+            _say_once(f"index.kernel auto: the exact search on the GPU runs on torch here: {why}")
     if seed is not None and sampler == "block":
         if kernel != "torch":
             why = block_native.usable(_is_dot(spec, q, pieces), q.vecs, pieces[0].reps.vecs, block_rows)
@@ -148,9 +179,7 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
                                             dead)
             if kernel == "native":
                 raise ValueError(f"index.kernel 'native': {why}")
-            if why not in _TOLD:  # say once per process why the fast path is not taken
-                _TOLD.add(why)
-                log.info("index.kernel auto: the block sampler runs on torch here: %s", why)
+            _say_once(f"index.kernel auto: the block sampler runs on torch here: {why}")
         return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
                                    block_rows, dead)
     result = None
@@ -196,6 +225,96 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: in
         log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
         stream.add(blocks[:, j0:j1], log_mass, counters)
     return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
+
+
+def _say_once(why: str) -> None:
+    """Log once per process why a fast path is not taken."""
+    if why not in _TOLD:
+        _TOLD.add(why)
+        log.info("%s", why)
+
+
+def _fused_usable(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], chunk_rows: int, block_rows: int,
+                  kernel: str) -> str | None:
+    """None when :func:`_fused_search` can run, else why not. ``kernel`` auto takes it on CUDA
+    devices only (on a CPU the native kernel or torch is faster than the interpreter)."""
+    if kernel == "auto" and not q.vecs.is_cuda:
+        return "not a CUDA device"
+    if not _is_dot(spec, q, pieces):
+        return "the fused path scores single-vector (dual) reps only"
+    if block_rows & (block_rows - 1) or chunk_rows % block_rows:
+        return f"block_rows ({block_rows}) must be a power of two dividing chunk_rows ({chunk_rows})"
+    return block_reduce.available(q.vecs.device)
+
+
+def _chunk_scores(q: Tensor, ents: Tensor, bf16_gemm: bool) -> Tensor:
+    """[B, C] scores of queries q [B, d] against ents [C, d], in q's dtype.
+
+    ``bf16_gemm``: bf16 rows against queries holding bf16 values (``score_dtype: bf16``):
+    products exact, sums and output fp32, in one bf16 GEMM with fp32 output on CUDA
+    (``torch.mm(..., out_dtype=)``); elsewhere the rows are upcast, as the torch path does."""
+    if bf16_gemm and q.is_cuda:
+        return torch.mm(q.to(torch.bfloat16), ents.t(), out_dtype=torch.float32)
+    return q @ ents.to(q.dtype).t()
+
+
+def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int,
+                  seed: int | None, query_keys: Tensor | None, version: int, block_rows: int,
+                  dead: Tensor | None) -> ShardResult:
+    """Top-k (``seed`` None) or the block sampler over the grid of :func:`exact_search`, steps
+    1-2 in :class:`block_fused.FusedBlockStream`: per chunk one GEMM, one fused reduction and a
+    few small operations, nothing read back to the host until the end.
+
+    Rows that no piece covers in a chunk, and dead rows, are set to -inf in the chunk's scores
+    (the gold inside the reduction); a chunk the shard holds whole is scored in place, any
+    other is copied into its padded grid layout, so every chunk has the GEMM shape of the
+    flat search's (bit-identical scores)."""
+    vecs = q.vecs
+    ent_dtype = pieces[0].reps.vecs.dtype
+    # one host check per call: are the fp32 queries bf16 values (score_dtype bf16)?
+    bf16_gemm = (ent_dtype == torch.bfloat16 and vecs.dtype == torch.float32
+                 and torch.equal(vecs.to(torch.bfloat16).float(), vecs))
+    plan = _grid_plan(pieces, chunk_rows)
+    counters, spans = [], []
+    for b0, parts in plan:
+        lo, hi = parts[0][1], parts[-1][2]
+        j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)
+        counters.append((b0 + block_rows * torch.arange(j0, j1)).clamp(min=lo))
+        spans.append((j0, j1))
+    device = vecs.device
+    stream = FusedBlockStream(k, gold, block_rows, torch.cat(counters) if counters else
+                              torch.zeros(0, dtype=torch.int64), seed, query_keys, batch=vecs.shape[0], device=device)
+    dead_host = None if dead is None or not dead.numel() else dead.cpu()
+    for (b0, parts), (j0, j1) in zip(plan, spans):
+        lo, hi = parts[0][1], parts[-1][2]
+        piece = pieces[parts[0][0]]
+        if len(parts) == 1 and lo == b0 and hi == b0 + chunk_rows:  # held whole: read in place
+            ents = piece.reps.vecs[b0 - piece.row_start:b0 - piece.row_start + chunk_rows]
+        else:
+            ents = _padded_chunk(pieces, parts, b0, chunk_rows, ent_dtype).vecs
+        scores = _chunk_scores(vecs, ents, bf16_gemm)
+        out = _left_out(parts, dead_host, b0, chunk_rows)
+        if out is not None:
+            scores.index_fill_(1, out.to(device, non_blocking=True), float("-inf"))
+        stream.add(scores, b0, j0, j1)
+    return stream.finish(version)
+
+
+def _left_out(parts: list[tuple[int, int, int]], dead: Tensor | None, b0: int, width: int) -> Tensor | None:
+    """Columns [n] int64 of the chunk at ``b0`` that no part covers, and its dead rows (host
+    tensors only: no device round trip); None when there are none."""
+    dead_here = None
+    if dead is not None:
+        a, b = torch.searchsorted(dead, torch.tensor([b0, b0 + width])).tolist()
+        dead_here = dead[a:b] - b0 if b > a else None
+    if dead_here is None and sum(hi - lo for _, lo, hi in parts) == width:
+        return None
+    own = torch.zeros(width, dtype=torch.bool)
+    for _, lo, hi in parts:
+        own[lo - b0:hi - b0] = True
+    if dead_here is not None:
+        own[dead_here] = False
+    return (~own).nonzero().squeeze(1)
 
 
 def _is_dot(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece]) -> bool:

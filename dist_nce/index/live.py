@@ -121,7 +121,7 @@ class LiveIndex:
         for p in self.pieces:
             if rows is None:
                 dead = p._local_dead(self._dead())
-                parts.append(lse_grad_all(self.spec, q, p.entities, self.config.chunk_rows, dtype,
+                parts.append(lse_grad_all(self.spec, q, p.entities, self.config.chunk_rows or 4096, dtype,
                                           None if dead is None else dead.to(p.device)))
             else:
                 local = rows - p.row_start

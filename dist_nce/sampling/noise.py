@@ -66,7 +66,8 @@ def gumbel_noise(seed: int, query_keys: Tensor, rows: Tensor) -> Tensor:
     r = _mix(rows.to(query_keys.device) ^ _ROW_SALT)[None, :] if shared else rows.to(query_keys.device)
     n = r.shape[1]
     out = torch.empty((q.shape[0], n), dtype=torch.float64, device=q.device)
-    step = max(1, _NOISE_BLOCK // max(q.shape[0], 1))
+    # On a CPU, blocks that stay in cache; on a GPU one pass (each op is a kernel launch)
+    step = max(1, n if q.is_cuda else _NOISE_BLOCK // max(q.shape[0], 1))
     tmp = None
     for a in range(0, n, step):  # in place per block: the ~10 integer passes stay in cache
         h = torch.bitwise_xor(q, r[:, a:a + step]) if shared else torch.bitwise_xor(r[:, a:a + step], _ROW_SALT)

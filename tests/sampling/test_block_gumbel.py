@@ -268,7 +268,7 @@ def test_block_matches_the_flat_reference_function():
 
 def test_sampler_config_is_validated():
     with pytest.raises(ValueError, match=r"block_rows \(48\) must divide index.chunk_rows \(8192\)"):
-        IndexConfig(sampler="block", block_rows=48).validate()
+        IndexConfig(sampler="block", block_rows=48, chunk_rows=8192).validate()
     IndexConfig(sampler="dense", block_rows=48).validate()  # block_rows only matters for the block sampler
     cfg = from_dict(IndexConfig, {"sampler": "block", "block_rows": 64}, "configs/x.yaml")
     assert cfg.sampler == "block" and cfg.block_rows == 64

@@ -20,6 +20,7 @@ from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling import negatives as ng
 from dist_nce.sampling import block_native
 from dist_nce.sampling.topk import merge_results
+from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native block kernel unavailable "
                                 "(needs AVX512-BF16 and a C compiler)")
@@ -97,18 +98,6 @@ def test_gold_dead_and_piece_bounds_are_excluded():
     assert float((got[finite] - blocks[finite]).abs().max()) < 2e-6
 
 
-def chi2_p(observed: torch.Tensor, expected: torch.Tensor, pool_below: float = 5.0) -> float:
-    """Pearson chi-square p-value, cells expecting fewer than ``pool_below`` pooled into one."""
-    small = expected < pool_below
-    obs = torch.cat([observed[~small], observed[small].sum().view(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("layout", [[(0, 40)], [(0, 16), (16, 24), (24, 40)], [(0, 13), (13, 40)]],
                          ids=["flat", "sharded-on-grid", "unaligned"])
 def test_native_sampler_draws_the_exact_law(layout):
@@ -137,29 +126,9 @@ def test_native_sampler_draws_the_exact_law(layout):
     assert chi2_p(counts, draws * (tempered[:, None] * tempered[None, :] / (1 - tempered[:, None]))
                   .fill_diagonal_(0).flatten()) < 1e-6
     freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(n - 1)])
-    pi = _inclusion_fast(p, k)
+    pi = inclusion3(p)
     z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
     assert float(z.max()) < 5.0
-
-
-def _inclusion_fast(p: torch.Tensor, k: int) -> torch.Tensor:
-    """Inclusion probabilities of k = 3 successive draws without replacement, exactly:
-    P(i, j, l) = p_i p_j / (1 - p_i) p_l / (1 - p_i - p_j) summed over the orders."""
-    assert k == 3
-    n = p.numel()
-    pi = torch.zeros(n, dtype=torch.float64)
-    for i in range(n):
-        pi[i] += p[i]
-        for j in range(n):
-            if j == i:
-                continue
-            pj = p[i] * p[j] / (1 - p[i])
-            pi[j] += pj
-            rest = 1 - p[i] - p[j]
-            third = p / rest * pj
-            third[i] = third[j] = 0
-            pi += third
-    return pi
 
 
 def test_native_and_dense_samplers_agree_on_ordered_pairs():
@@ -171,15 +140,7 @@ def test_native_and_dense_samplers_agree_on_ordered_pairs():
     native_ids = ShardIndex(DUAL, Reps(torch.diag(s)), 0, cfg).gumbel_topk(torch.ones(draws, n), 2, gold, 3,
                                                                            torch.arange(draws)).ids
     dense_ids = ng.sample_hard(s.expand(draws, n), 2, gold, 4, torch.arange(draws)).ids
-    a = torch.bincount(native_ids[:, 0] * n + native_ids[:, 1], minlength=n * n).double()
-    b = torch.bincount(dense_ids[:, 0] * n + dense_ids[:, 1], minlength=n * n).double()
-    cells = (a + b) >= 10
-    rest_a, rest_b = a[~cells].sum(), b[~cells].sum()
-    a, b = torch.cat([a[cells], rest_a.view(1)]), torch.cat([b[cells], rest_b.view(1)])
-    stat = float(((a - b) ** 2 / (a + b).clamp(min=1)).sum())
-    dof = int(cells.sum())
-    assert float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64))) > 1e-4
+    assert two_sample_p(native_ids[:, 0] * n + native_ids[:, 1], dense_ids[:, 0] * n + dense_ids[:, 1], n * n) > 1e-4
 
 
 def _data(n=3000, d=32, batch=45, seed=7):

@@ -1,0 +1,190 @@
+"""The GPU path of the exact search (kernels/block_reduce.py, sampling/block_fused.py,
+index.exact._fused_search), run here through Triton's interpreter on CPU tensors: the fused
+reduction against torch, top-k against the dense reference (ties included), the sampler's law
+(first draw, ordered pairs, inclusion, against the dense sampler), sharded == flat bit for bit
+with pieces, dead rows and gold, the chunk grid and the kernel choice. The same tests run on a
+GPU through benchmarks/gpu.py (``--law``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.exact import Piece, auto_chunk_rows, exact_search, exact_search_pieces
+from dist_nce.index.search import ShardIndex
+from dist_nce.kernels import block_reduce as br
+from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.sampling import negatives as ng
+from dist_nce.sampling.block_fused import ordered_key
+from dist_nce.sampling.block_gumbel import block_log_mass
+from dist_nce.sampling.topk import mask_gold, merge_results
+from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
+
+pytestmark = pytest.mark.skipif(br.available("cpu") is not None, reason=f"{br.available('cpu')}")
+DUAL = ScoreSpec.preset("dual")
+INF = float("-inf")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_reduce_is_the_masked_block_logsumexp(dtype):
+    s = (torch.randn(19, 256, generator=gen(1)) * 4).to(dtype)
+    s[3, :64] = INF  # an empty block
+    s[4, 70] = INF
+    gold = torch.full((19, 2), -1)
+    gold[0, 0], gold[1] = 1000 + 5, torch.tensor([1000 + 64, 1000 + 255])
+    gold[2, 0] = 999  # outside the chunk: ignored
+    top, mass = br.block_reduce(s, gold, 1000, 64)
+    ref = mask_gold(s.float(), gold, 1000).view(19, 4, 64)
+    assert torch.equal(top, ref.amax(-1))
+    got = mass.double().log() + top.double()
+    want = block_log_mass(ref)
+    assert torch.equal(got == INF * 1, want == INF)
+    assert float((got - want).nan_to_num(0.0, 0.0, 0.0).abs().max()) < 1e-6
+    top0, _ = br.block_reduce(s, gold[:, :0], 1000, 64)  # no gold column
+    assert torch.equal(top0, s.float().view(19, 4, 64).amax(-1))
+    with pytest.raises(ValueError, match="power of two"):
+        br.block_reduce(s, gold, 0, 48)
+
+
+def test_ordered_key_ranks_maxima_then_positions():
+    top = torch.tensor([[1.0, -2.0, 1.0, INF * -1, -0.0, 0.0, INF]])
+    order = torch.topk(ordered_key(top), 7).indices[0].tolist()
+    assert order == [3, 0, 2, 4, 5, 1, 6]  # inf, the two 1.0 (lower first), -0.0 == 0.0, -2, -inf
+
+
+def _data(n=3000, d=32, batch=45, seed=7, ties=False):
+    e = (torch.randn(n, d, generator=gen(seed)) * 0.4).bfloat16()
+    if ties:  # integer scores: many exact ties across blocks, shards and chunks
+        e = torch.randint(-2, 3, (n, d), generator=gen(seed)).bfloat16()
+    q = (e[torch.randint(0, n, (batch,), generator=gen(seed + 1))].float()
+         + 0.2 * torch.randn(batch, d, generator=gen(seed + 2))).bfloat16().float()
+    if ties:
+        q = torch.randint(-1, 2, (batch, d), generator=gen(seed + 2)).float()
+    gold = torch.randint(0, n, (batch, 2), generator=gen(seed + 3))
+    gold[::3, 1] = -1
+    return e, q, gold
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_equals_the_dense_reference(ties):
+    e, q, gold = _data(n=1000, ties=ties)
+    dead = torch.tensor([3, 64, 65, 999])
+    kw = dict(chunk_rows=128, block_rows=16, dead=dead)
+    want = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, kernel="torch", **kw)
+    got = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, kernel="triton", **kw)
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.scores, want.scores)
+    assert torch.equal(got.keys, want.keys)
+    torch.testing.assert_close(got.log_z, want.log_z, rtol=1e-6, atol=1e-6)
+    parts = [exact_search(DUAL, Reps(q), Reps(e[a:b]), a, 20, gold, kernel="triton", **kw)
+             for a, b in [(0, 200), (200, 203), (203, 1000)]]  # off the block grid: still exact
+    merged = merge_results(parts, 20)
+    assert torch.equal(merged.ids, want.ids) and torch.equal(merged.scores, want.scores)
+
+
+def test_sharded_pieces_equal_flat_bit_for_bit():
+    e, q, gold = _data()
+    keys = torch.arange(q.shape[0]) * 5 + 1
+    kw = dict(chunk_rows=64, seed=9, query_keys=keys, sampler="block", block_rows=16, kernel="triton")
+    dead = torch.tensor([5, 700, 701, 2999])
+    flat = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **kw)
+    parts = [exact_search_pieces(DUAL, Reps(q), [Piece(0, Reps(e[:992])), Piece(1008, Reps(e[1008:1024]))], 20,
+                                 gold, dead=dead, **kw),
+             exact_search_pieces(DUAL, Reps(q), [Piece(992, Reps(e[992:1008])), Piece(1024, Reps(e[1024:2048]))],
+                                 20, gold, dead=dead, **kw),
+             exact_search(DUAL, Reps(q), Reps(e[2048:]), 2048, 20, gold, dead=dead, **kw)]
+    merged = merge_results(parts, 20)
+    assert torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
+    assert torch.equal(merged.scores, flat.scores)
+    torch.testing.assert_close(merged.log_z, flat.log_z, rtol=1e-12, atol=0)
+    assert not torch.isin(flat.ids, dead).any() and not (flat.ids[:, :, None] == gold[:, None, :]).any()
+    assert (flat.ids >= 0).all() and (flat.ids.sort(1).values.diff(dim=1) != 0).all()  # no duplicates
+    # the torch block sampler: same counters and noise, L_B within float32 rounding
+    ref = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **{**kw, "kernel": "torch"})
+    assert float((ref.ids == flat.ids).double().mean()) > 0.99
+    assert float((ref.log_z - flat.log_z).abs().max()) < 1e-5
+
+
+def test_short_kbs_empty_blocks_and_more_negatives_than_rows():
+    e, q, gold = _data(n=40, batch=6)
+    gold[:, 0] = torch.arange(6)
+    kw = dict(chunk_rows=32, block_rows=8, kernel="triton", seed=1, query_keys=torch.arange(6), sampler="block")
+    res = exact_search(DUAL, Reps(q), Reps(e[:5]), 30, 9, gold + 30, **kw)  # 5 rows, partial block
+    assert res.ids.shape == (6, 9)
+    for b in range(6):
+        got = set(res.ids[b][res.ids[b] >= 0].tolist())
+        assert got == set(range(30, 35)) - set((gold[b] + 30).tolist())
+    assert (res.keys[res.ids < 0] == INF).all()
+    top = exact_search(DUAL, Reps(q), Reps(e[:5]), 30, 9, gold + 30, **{**kw, "seed": None})
+    assert torch.equal(top.ids.sort(1).values, res.ids.sort(1).values)
+
+
+@pytest.mark.parametrize("layout", [[(0, 40)], [(0, 16), (16, 24), (24, 40)], [(0, 13), (13, 40)]],
+                         ids=["flat", "sharded-on-grid", "unaligned"])
+def test_sampler_draws_the_exact_law(layout):
+    # 40 rows in blocks of 8, K-1 = 3: only 3 of the 5 blocks are kept per draw. Entity i scores
+    # s_i against the all-ones query (one non-zero coordinate), row 0 is the gold.
+    n, draws, k = 40, 30_000, 3
+    s = torch.linspace(-1.5, 2.0, n)[torch.randperm(n, generator=gen(5))].bfloat16().float()
+    q, gold = torch.ones(draws, n), torch.zeros(draws, dtype=torch.int64)
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
+                      kernel="triton")
+    res = merge_results([ShardIndex(DUAL, Reps(torch.diag(s)[a:b]), a, cfg).gumbel_topk(q, k, gold, 17,
+                                                                                       torch.arange(draws))
+                         for a, b in layout], k)
+    assert torch.equal(res.scores, s[res.ids]) and not (res.ids == 0).any()
+    p = torch.softmax(s[1:].double(), 0)
+    first = torch.bincount(res.ids[:, 0] - 1, minlength=n - 1).double()
+    assert chi2_p(first, draws * p) > 1e-4
+    pair = (res.ids[:, 0] - 1) * (n - 1) + (res.ids[:, 1] - 1)  # successive sampling: p_i p_j / (1 - p_i)
+    counts = torch.bincount(pair, minlength=(n - 1) ** 2).double()
+    law = (p[:, None] * p[None, :] / (1 - p[:, None])).fill_diagonal_(0).flatten()
+    assert chi2_p(counts, draws * law) > 1e-4
+    tempered = torch.softmax(s[1:].double() / 1.15, 0)  # negative control: a wrong temperature is rejected
+    assert chi2_p(counts, draws * (tempered[:, None] * tempered[None, :] / (1 - tempered[:, None]))
+                  .fill_diagonal_(0).flatten()) < 1e-6
+    freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(n - 1)])
+    pi = inclusion3(p)
+    z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
+    assert float(z.max()) < 5.0
+
+
+def test_sampler_and_dense_sampler_agree_on_ordered_pairs():
+    n, draws = 48, 40_000
+    s = torch.randn(n, generator=gen(6)).mul(1.2).bfloat16().float()
+    gold = torch.full((draws,), 7)
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
+                      kernel="triton")
+    fused = ShardIndex(DUAL, Reps(torch.diag(s)), 0, cfg).gumbel_topk(torch.ones(draws, n), 2, gold, 3,
+                                                                      torch.arange(draws)).ids
+    dense = ng.sample_hard(s.expand(draws, n), 2, gold, 4, torch.arange(draws)).ids
+    assert two_sample_p(fused[:, 0] * n + fused[:, 1], dense[:, 0] * n + dense[:, 1], n * n) > 1e-4
+
+
+def test_chunk_grid_is_chosen_for_the_device():
+    assert auto_chunk_rows("cpu", 128, 128) == 8192
+    assert auto_chunk_rows("cuda", 128, 128) == 1 << 20  # 128 x 1M x 4 B = 512 MB
+    assert auto_chunk_rows("cuda", 1024, 128) == 1 << 17
+    assert auto_chunk_rows("cuda", 1, 128) == 1 << 22 and auto_chunk_rows("cuda", 1 << 20, 128) == 1 << 16
+    assert auto_chunk_rows("cuda", 1024, 48) % 48 == 0
+    # chunk_rows 0 (the default) searches on the auto grid: the same answer as naming it
+    e, q, gold = _data(n=9000, batch=4)
+    kw = dict(seed=3, query_keys=torch.arange(4), sampler="block", block_rows=128, kernel="torch")
+    assert torch.equal(exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=0, **kw).keys,
+                       exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=8192, **kw).keys)
+
+
+def test_kernel_choice():
+    e, q, gold = _data(n=300, batch=4)
+    poly = ScoreSpec.preset("poly", m=2)
+    with pytest.raises(ValueError, match="index.kernel 'triton': the fused path scores single-vector"):
+        exact_search(poly, Reps(q.view(4, 2, 16)), Reps(e), 0, 5, gold, chunk_rows=64, kernel="triton")
+    with pytest.raises(ValueError, match="power of two"):
+        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=96, block_rows=24, kernel="triton")
+    # auto keeps the CPU paths on a CPU (the interpreter is for tests)
+    from dist_nce.index import exact as ex
+    assert ex._fused_usable(DUAL, Reps(q), [Piece(0, Reps(e))], 64, 16, "auto") == "not a CUDA device"
+    assert ex._fused_usable(DUAL, Reps(q), [Piece(0, Reps(e))], 64, 16, "triton") is None
