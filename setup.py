@@ -52,7 +52,9 @@ setup(
         # the files of the `faiss` module, so installing both and uninstalling one deletes
         # files the other needs. scripts/install.sh picks one (a GPU if nvidia-smi sees one);
         # a bare `pip install -e .` has no faiss, and dist_nce.cluster.runtime.require_faiss says so.
-        "cpu": ["faiss-cpu>=1.8"],
+        # triton on CPU machines: the GPU kernels' logic runs in its interpreter in the tests
+        # (dist_nce/kernels/block_reduce.py); CUDA builds of torch bring their own pinned triton.
+        "cpu": ["faiss-cpu>=1.8", "triton==3.6.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "gpu": ["faiss-gpu>=1.8"],
         # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config
         # tests validate pod templates offline; import-linter checks the layering (.importlinter,

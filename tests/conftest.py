@@ -12,6 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+if not os.path.exists("/dev/nvidiactl"):
+    # No GPU: the Triton kernels run in Triton's interpreter (dist_nce/kernels/block_reduce.py);
+    # set before anything imports triton, since triton reads it when its language is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -253,9 +253,16 @@ def _chunk_scores(q: Tensor, ents: Tensor, bf16_gemm: bool) -> Tensor:
     ``bf16_gemm``: bf16 rows against queries holding bf16 values (``score_dtype: bf16``):
     products exact, sums and output fp32, in one bf16 GEMM with fp32 output on CUDA
     (``torch.mm(..., out_dtype=)``); elsewhere the rows are upcast, as the torch path does."""
-    if bf16_gemm and q.is_cuda:
-        return torch.mm(q.to(torch.bfloat16), ents.t(), out_dtype=torch.float32)
+    if bf16_gemm and q.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(q.to(torch.bfloat16), ents.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as exc:  # an older torch: upcast instead
+            _MM_OUT_DTYPE[0] = False
+            _say_once(f"torch.mm(out_dtype=float32) unavailable ({exc}); bf16 rows are upcast per chunk")
     return q @ ents.to(q.dtype).t()
+
+
+_MM_OUT_DTYPE = [True]  # does this torch have torch.mm(..., out_dtype=) on CUDA (2.8+)?
 
 
 def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int,

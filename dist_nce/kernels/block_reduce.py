@@ -95,10 +95,13 @@ def block_reduce(scores: Tensor, gold: Tensor, col0: int, block_rows: int) -> tu
     gold = gold.to(device=scores.device, dtype=torch.int64).contiguous()
     ng = gold.shape[1]
     gold_arg = gold if ng else torch.full((batch, 1), -1, dtype=torch.int64, device=scores.device)
-    # 16 queries x 128 rows: 8 KB of fp32 per program, full 16-byte loads along a block's row
-    qt = 16 if block_rows <= 256 else 4
+    if scores.device.type == "cuda":  # 16 queries x 128 rows: 8 KB of fp32 registers per program
+        qt = 16 if block_rows <= 256 else 4
+    else:  # the interpreter runs a program as numpy arrays: few large programs (same per-row result)
+        qt = min(1 << (batch - 1).bit_length(), max(1, (1 << 18) // block_rows))
     grid = (-(-batch // qt), nb)
-    _block_reduce[grid](
-        scores, scores.stride(0), gold_arg, gold_arg.stride(0), int(col0), batch, top, mass, top.stride(0),
-        QT=qt, BR=block_rows, NG=ng, num_warps=4)
+    with torch.profiler.record_function("dist_nce::block_reduce"):  # one launch, counted as one operator
+        _block_reduce[grid](
+            scores, scores.stride(0), gold_arg, gold_arg.stride(0), int(col0), batch, top, mass, top.stride(0),
+            QT=qt, BR=block_rows, NG=ng, num_warps=4)
     return top, mass

@@ -1,0 +1,348 @@
+"""The GPU benchmark (issue 23): exact hard negatives at top-k cost, the refresh's encode rate and
+the DeepSpeed step, on one GPU, with only torch and Triton needed for the first two.
+
+Sections, each written to ``<out>/gpu_<section>.json`` as soon as it ends (a run cut short keeps
+what it finished), with the device name and the torch, CUDA and Triton versions:
+
+* ``law``: the new path's correctness on the device at small size: sharded == flat bit for bit
+  (block sampler; pieces, dead rows, two golds per query), top-k equal to the torch path's,
+  and the sampler's law (first draw, ordered pairs, inclusion probabilities; chi-square
+  against the exact successive-sampling law, with a negative control that must be rejected).
+* ``mining``: 5,903,530 x 1024 bf16 random entity rows (12.1 GB), B in {128, 1024}, K-1 = 63,
+  ``ShardIndex`` with the torch backend, ``score_dtype: bf16``, ``sampler: block`` and every
+  other option at its default (``device: auto``, ``chunk_rows: 0`` = auto, ``kernel: auto``),
+  against a plain chunked bf16 GEMM + ``torch.topk`` (1M-row chunks) in the same run,
+  interleaved, after a warm-up; the old defaults (``chunk_rows: 8192``, ``kernel: torch``) once
+  each for reference; one read of the embeddings (an ``amax`` over them) and the copy rate;
+  the operators and host synchronisations of one call, counted with torch.profiler.
+* ``encode``: :mod:`benchmarks.gpu_encode` (BERT-large T = 128 through the shard's encode path).
+* ``train``: :mod:`benchmarks.gpu_train` (the retriever step, plain torch vs the project's
+  DeepSpeed engine; skipped where DeepSpeed is not installed).
+
+``peak``: a bf16 8192^3 GEMM in the same run, the denominator of every MFU.
+
+    python -m benchmarks.gpu --out /tmp/gpu                 # the full run on a GPU
+    python -m benchmarks.gpu --quick --device cpu --out /tmp/q   # tiny sizes, CPU (Triton interpreted)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import RESULTS_DIR, compare, interleaved, print_table, save_results, spread
+from dist_nce.index.config import IndexConfig
+from dist_nce.index.exact import Piece, auto_chunk_rows, exact_search, exact_search_pieces
+from dist_nce.index.search import ShardIndex
+from dist_nce.modeling.scoring import Reps, ScoreSpec
+from dist_nce.sampling import negatives as ng
+from dist_nce.sampling.topk import merge_results
+
+DUAL = ScoreSpec.preset("dual")
+KILT_ROWS = 5_903_530
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, sm_count=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2 ** 30, 1))
+    else:
+        info.update(name=platform.processor() or platform.machine(), triton_interpret=os.environ.get("TRITON_INTERPRET"))
+    return info
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> dict:
+    """:func:`benchmarks.common.spread` of ``fn`` run to completion on the device."""
+    def run():
+        fn()
+        sync(device)
+    return interleaved({"x": run}, repeats, warmup)["x"]
+
+
+# --------------------------------------------------------------------------- peak and bandwidth
+
+
+def gemm_peak(device: torch.device, size: int, repeats: int = 10) -> dict:
+    """bf16 GEMM rate (TFLOP/s) of a size^3 product: best and median of ``repeats``."""
+    a = torch.randn(size, size, device=device).bfloat16()
+    b = torch.randn(size, size, device=device).bfloat16()
+    for _ in range(3):
+        a @ b
+    sync(device)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        rates.append(2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
+    rates.sort()
+    return {"size": size, "tflops_best": rates[-1], "tflops_median": rates[len(rates) // 2]}
+
+
+# --------------------------------------------------------------------------- counting operators
+
+
+def op_counts(fn: Callable[[], Any], device: torch.device) -> dict:
+    """Operators one call of ``fn`` runs, from torch.profiler: top-level operators (all, and less
+    views and allocations), device kernels (CUDA), host synchronisations (CUDA stream/device
+    syncs, ``aten::_local_scalar_dense`` i.e. ``.item()``/``bool()`` of a device value), host
+    copy calls, and Triton launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    # top-level operators only (an aten op's own sub-ops are one operator; what Triton's
+    # interpreter runs inside a launch on a CPU sits below the launch's record_function)
+    top = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    return {"operators": len(top),
+            "operators_not_views": sum(1 for e in top if e.name not in _VIEWS),
+            "device_kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+            "host_syncs": sum(1 for e in cpu if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                            "aten::_local_scalar_dense")),
+            "memcpy_calls": sum(1 for e in cpu if e.name in ("cudaMemcpyAsync", "cudaMemcpy")),
+            "triton_launches": sum(1 for e in top if e.name == "dist_nce::block_reduce")}
+
+
+_VIEWS = {"aten::alias", "aten::slice", "aten::view", "aten::unsqueeze", "aten::expand", "aten::t", "aten::select",
+          "aten::as_strided", "aten::reshape", "aten::transpose", "aten::permute", "aten::squeeze", "aten::empty",
+          "aten::empty_like", "aten::empty_strided"}
+
+
+# --------------------------------------------------------------------------- law section
+
+
+def law(device: torch.device, quick: bool) -> dict:
+    """Correctness of the fused path on ``device`` (module docstring)."""
+    from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
+
+    kernel = "auto" if device.type == "cuda" else "triton"
+    out: dict[str, Any] = {"kernel": kernel}
+    g = torch.Generator().manual_seed(7)
+    n, d, batch = (6_000, 32, 24) if quick else (300_000, 128, 64)
+    e = (torch.randn(n, d, generator=g) * 0.3).bfloat16().to(device)
+    q = (torch.randn(batch, d, generator=g)).bfloat16().float().to(device)
+    gold = torch.randint(0, n, (batch, 2), generator=g).to(device)
+    gold[::3, 1] = -1
+    dead = torch.tensor([5, 700, 701, n - 1])
+    chunk, block = (1024, 64) if quick else (65_536, 128)
+    kw = dict(chunk_rows=chunk, seed=9, query_keys=torch.arange(batch, device=device) * 5 + 1, sampler="block",
+              block_rows=block, kernel=kernel, dead=dead)
+    flat = exact_search(DUAL, Reps(q), Reps(e), 0, 63, gold, **kw)
+    cut = [0, chunk * 2 - block, chunk * 2, n // 2 // block * block, n]  # a shard of one block; pieces
+    parts = [exact_search_pieces(DUAL, Reps(q), [Piece(cut[0], Reps(e[cut[0]:cut[1]])),
+                                                 Piece(cut[2], Reps(e[cut[2]:cut[3]]))], 63, gold, **kw),
+             exact_search(DUAL, Reps(q), Reps(e[cut[1]:cut[2]]), cut[1], 63, gold, **kw),
+             exact_search(DUAL, Reps(q), Reps(e[cut[3]:]), cut[3], 63, gold, **kw)]
+    merged = merge_results(parts, 63)
+    out["sharded_equals_flat"] = bool(torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
+                                      and torch.equal(merged.scores, flat.scores))
+    out["gold_never_drawn"] = not bool((flat.ids[:, :, None] == gold[:, None, :]).any())
+    out["dead_never_drawn"] = not bool(torch.isin(flat.ids.cpu(), dead).any())
+    ids = flat.ids.cpu()
+    out["no_duplicates"] = bool((ids.sort(1).values.diff(dim=1) != 0).all())
+    ref = exact_search(DUAL, Reps(q), Reps(e), 0, 63, gold, **{**kw, "kernel": "torch"})
+    out["same_sample_as_torch_path"] = float((ref.ids.cpu() == ids).double().mean())
+    top = exact_search(DUAL, Reps(q), Reps(e), 0, 63, gold, **{**kw, "seed": None})
+    top_ref = exact_search(DUAL, Reps(q), Reps(e), 0, 63, gold, **{**kw, "seed": None, "kernel": "torch"})
+    out["topk_ids_equal_torch_path"] = float((top.ids.cpu() == top_ref.ids.cpu()).double().mean())
+    out["topk_max_score_diff"] = float((top.scores.cpu() - top_ref.scores.cpu()).abs().max())
+    # the law: 40 rows in blocks of 8, K-1 = 3 (3 of 5 blocks kept per draw), row 0 the gold
+    rows, draws, k = 40, (20_000 if quick else 200_000), 3
+    s = torch.linspace(-1.5, 2.0, rows)[torch.randperm(rows, generator=torch.Generator().manual_seed(5))]
+    s = s.bfloat16().float()
+    cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
+                      kernel="auto" if device.type == "cuda" else "triton", device=str(device))
+    qd = torch.ones(draws, rows, device=device)
+    golds = torch.zeros(draws, dtype=torch.int64, device=device)
+    res = merge_results([ShardIndex(DUAL, Reps(torch.diag(s)[a:b]), a, cfg).gumbel_topk(
+        qd, k, golds, 17, torch.arange(draws, device=device)) for a, b in [(0, 16), (16, 24), (24, 40)]], k)
+    p = torch.softmax(s[1:].double(), 0)
+    first = torch.bincount(res.ids[:, 0] - 1, minlength=rows - 1).double()
+    pair = (res.ids[:, 0] - 1) * (rows - 1) + (res.ids[:, 1] - 1)
+    counts = torch.bincount(pair, minlength=(rows - 1) ** 2).double()
+
+    def pairs(pp: torch.Tensor) -> torch.Tensor:
+        return (pp[:, None] * pp[None, :] / (1 - pp[:, None])).fill_diagonal_(0).flatten()
+    out["first_draw_p"] = chi2_p(first, draws * p)
+    out["ordered_pairs_p"] = chi2_p(counts, draws * pairs(p))
+    out["wrong_temperature_p"] = chi2_p(counts, draws * pairs(torch.softmax(s[1:].double() / 1.1, 0)))
+    freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(rows - 1)])
+    pi = inclusion3(p)
+    out["inclusion_max_z"] = float(((freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)).max())
+    dense = ng.sample_hard(s.expand(draws, rows), 2, golds.cpu(), 4, torch.arange(draws)).ids
+    out["vs_dense_sampler_p"] = two_sample_p(res.ids[:, 0] * rows + res.ids[:, 1],
+                                             dense[:, 0] * rows + dense[:, 1], rows * rows)
+    out["draws"] = draws
+    control = 1e-2 if quick else 1e-6  # the negative control's power grows with the draws
+    out["passed"] = bool(out["sharded_equals_flat"] and out["gold_never_drawn"] and out["dead_never_drawn"]
+                         and out["no_duplicates"] and out["first_draw_p"] > 1e-4 and out["ordered_pairs_p"] > 1e-4
+                         and out["wrong_temperature_p"] < control and out["inclusion_max_z"] < 5
+                         and out["vs_dense_sampler_p"] > 1e-4 and out["topk_ids_equal_torch_path"] > 0.99)
+    return out
+
+
+# --------------------------------------------------------------------------- mining section
+
+
+def plain_topk(q: torch.Tensor, ents: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The baseline: chunked bf16 GEMM + torch.topk per chunk, then a top-k of the candidates."""
+    vals, ids = [], []
+    for a in range(0, ents.shape[0], chunk):
+        v, i = torch.topk(q @ ents[a:a + chunk].t(), k, dim=1)
+        vals.append(v)
+        ids.append(i + a)
+    v, i = torch.cat(vals, 1), torch.cat(ids, 1)
+    top = torch.topk(v, k, dim=1)
+    return i.gather(1, top.indices).cpu(), top.values.float().cpu()
+
+
+def make_entities(n: int, d: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """n x d bf16 rows, filled in slices (no fp32 copy of the whole matrix)."""
+    ents = torch.empty((n, d), dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    step = 1 << 19
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        ents[a:b] = torch.randn((b - a, d), generator=g, device=device).mul_(d ** -0.5)
+    return ents
+
+
+def mining(device: torch.device, quick: bool) -> dict:
+    n, d = (40_000, 64) if quick else (KILT_ROWS, 1024)
+    batches = (8, 64) if quick else (128, 1024)
+    k, repeats = 63, (2 if quick else 5)
+    ents = make_entities(n, d, device)
+    sync(device)
+    out: dict[str, Any] = {"rows": n, "dim": d, "k": k, "bytes": ents.numel() * 2, "rows_by_batch": []}
+    # one read of the embeddings, and the copy rate (bytes read + written per second)
+    out["one_read"] = timed(lambda: ents.amax(), device, repeats)
+    part = ents[: n // 3]
+    dst = torch.empty_like(part)
+    copy = timed(lambda: dst.copy_(part), device, repeats)
+    out["copy_tb_per_s"] = 2 * part.numel() * 2 / copy["min"] / 1e12
+    out["one_read_at_copy_rate_s"] = ents.numel() * 2 / (out["copy_tb_per_s"] * 1e12 / 2)
+    del dst
+    kernel = "auto" if device.type == "cuda" else "triton"
+    new = IndexConfig(backend="torch", score_dtype="bf16", sampler="block", kernel=kernel, device=str(device))
+    old = IndexConfig(backend="torch", score_dtype="bf16", sampler="block", kernel="torch", chunk_rows=8192,
+                      device=str(device))
+    idx_new, idx_old = ShardIndex(DUAL, Reps(ents), 0, new), ShardIndex(DUAL, Reps(ents), 0, old)
+    for batch in batches:
+        g = torch.Generator().manual_seed(batch)
+        q = torch.randn(batch, d, generator=g).bfloat16().to(device)
+        gold = torch.randint(0, n, (batch,), generator=g)
+        keys = torch.arange(batch)
+        plain_chunk = min(1 << 20, n)
+        methods = {
+            "plain GEMM + topk": lambda: plain_topk(q, ents, k, plain_chunk),
+            "exact top-k": lambda: idx_new.topk(q.float(), k, gold),
+            "exact block Gumbel-top-k": lambda: idx_new.gumbel_topk(q.float(), k, gold, 3, keys),
+        }
+        runs = interleaved({name: (lambda f=f: (f(), sync(device))) for name, f in methods.items()}, repeats, 1)
+        row: dict[str, Any] = {"batch": batch, "chunk_rows": auto_chunk_rows(device, batch, 128)}
+        row["chunks"] = -(-n // row["chunk_rows"])
+        for name, r in runs.items():
+            row[name] = r
+        base = runs["plain GEMM + topk"]
+        row["topk_vs_plain"] = compare(runs["exact top-k"], base)
+        row["sampler_vs_plain"] = compare(runs["exact block Gumbel-top-k"], base)
+        row["sampler_vs_one_read"] = runs["exact block Gumbel-top-k"]["median"] / out["one_read"]["median"]
+        row["old defaults (chunk 8192, torch), block sampler"] = timed(
+            lambda: idx_old.gumbel_topk(q.float(), k, gold, 3, keys), device, 1, warmup=1)
+        row["ops_sampler"] = op_counts(lambda: idx_new.gumbel_topk(q.float(), k, gold, 3, keys), device)
+        row["ops_topk"] = op_counts(lambda: idx_new.topk(q.float(), k, gold), device)
+        # the same call over twice the chunks: what one more chunk adds
+        half = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(
+            backend="torch", score_dtype="bf16", sampler="block", kernel=kernel, device=str(device),
+            chunk_rows=row["chunk_rows"] // 2))
+        row["ops_sampler_half_chunks"] = op_counts(lambda: half.gumbel_topk(q.float(), k, gold, 3, keys), device)
+        extra = -(-n // (row["chunk_rows"] // 2)) - row["chunks"]
+        row["ops_per_chunk"] = {key: (row["ops_sampler_half_chunks"][key] - row["ops_sampler"][key]) / max(extra, 1)
+                                for key in row["ops_sampler"]}
+        out["rows_by_batch"].append(row)
+        print_table([{"path": name, **{x: r[x] * 1e3 for x in ("min", "median", "max")}}
+                     for name, r in runs.items()],
+                    [("path", f"B = {batch}", "<28s"), ("min", "min ms", ">9.2f"), ("median", "median ms", ">9.2f"),
+                     ("max", "max ms", ">9.2f")])
+        sys.stdout.flush()
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU tests)")
+    ap.add_argument("--sections", default="law,mining,encode,train")
+    ap.add_argument("--out", default=str(RESULTS_DIR), help="folder for gpu_<section>.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    info = device_info(device)
+    print(json.dumps(info))
+    peak = gemm_peak(device, 512 if args.quick else 8192)
+    print(f"bf16 GEMM peak: {peak['tflops_best']:.1f} TFLOP/s (median {peak['tflops_median']:.1f})")
+    sections = [s for s in args.sections.split(",") if s]
+    failed = []
+    for name in sections:
+        t0 = time.perf_counter()
+        try:
+            if name == "law":
+                data = law(device, args.quick)
+            elif name == "mining":
+                data = mining(device, args.quick)
+            elif name == "encode":
+                from benchmarks import gpu_encode
+                data = gpu_encode.run(str(device), args.quick, peak["tflops_best"])
+            elif name == "train":
+                from benchmarks import gpu_train
+                data = gpu_train.run(str(device), args.quick, peak["tflops_best"])
+            else:
+                raise ValueError(f"unknown section {name!r}")
+            ok = True
+        except Exception as exc:  # keep the other sections' results
+            data = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            ok = False
+            failed.append(name)
+            print(data["traceback"], file=sys.stderr)
+        data = {"section": name, "quick": args.quick, "seconds": time.perf_counter() - t0, "peak": peak,
+                "info": info, **data}
+        path = save_results(f"gpu_{name}", data, Path(args.out) / f"gpu_{name}.json")
+        print(f"{name}: {'ok' if ok else 'FAILED'} in {data['seconds']:.1f} s -> {path}")
+        sys.stdout.flush()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
