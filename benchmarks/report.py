@@ -310,10 +310,70 @@ def attention(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpu_line(data: dict) -> str:
+    i = data["info"]
+    return (f"Run: {i.get('name', i['device'])}, torch {i['torch']}, CUDA {i.get('cuda')}, Triton {i.get('triton')}; "
+            f"bf16 GEMM peak {data['peak']['tflops_best']:.0f} TFLOP/s ({data['peak']['size']}^3) in the same run; "
+            f"host load average {data.get('load_average_before', float('nan')):.1f} (limit {data.get('load_limit')}).")
+
+
+def gpu_mining(data: dict) -> str:
+    rows = data["rows_by_batch"]
+    read = data["one_read"]
+    names = [("plain GEMM + topk", "plain chunked bf16 GEMM + `torch.topk` (1M-row chunks)", None),
+             ("exact top-k", "exact top-k, defaults", "topk_vs_plain"),
+             ("exact block Gumbel-top-k", "exact block Gumbel-top-k, defaults", "sampler_vs_plain"),
+             ("old defaults (chunk 8192, torch), block sampler", "block sampler, old defaults (8192-row chunks, "
+              "torch reductions; one timing)", None)]
+    header = ["path"] + [h for r in rows for h in (f"B = {r['batch']}: ms (min-max)", "x plain")]
+    table = []
+    for key, label, ratio in names:
+        cells = [label]
+        for r in rows:
+            cells += [_ms(r[key]), _x(r[ratio]) if ratio else ""]
+        table.append(cells)
+    table.append(["one read of the embeddings (`amax`)"] + [c for _ in rows for c in (_ms(read), "")])
+    lines = [f"Mining over {data['rows']:,} x {data['dim']} bf16 random rows ({data['bytes'] / 1e9:.1f} GB), "
+             f"K-1 = {data['k']}, `ShardIndex` (torch backend, `score_dtype: bf16`, `sampler: block`, every other "
+             "option at its default: `device: auto`, `chunk_rows: 0`, `kernel: auto`). Median of "
+             f"{rows[0]['plain GEMM + topk']['repeats']} interleaved calls after a warm-up, results on the host.", ""]
+    lines += _table(header, table)
+    lines.append("")
+    for r in rows:
+        pc = r["ops_per_chunk"]
+        lines.append(f"- B = {r['batch']}: {r['chunks']} chunks of {r['chunk_rows']:,} rows; the sampler is "
+                     f"{r['sampler_vs_one_read']:.2f}x one read of the embeddings; one call runs "
+                     f"{r['ops_sampler']['device_kernels']} device kernels and {r['ops_sampler']['host_syncs']} host "
+                     f"synchronisations, {pc['device_kernels']:.0f} kernels and {pc['host_syncs']:.0f} "
+                     f"synchronisations per extra chunk (torch.profiler; top-k: {r['ops_topk']['device_kernels']} "
+                     "kernels).")
+    lines += ["", f"Copy rate {data['copy_tb_per_s']:.2f} TB/s (bytes read + written); one read of the embeddings at "
+              f"that rate: {1e3 * data['one_read_at_copy_rate_s']:.1f} ms.", _gpu_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_law(data: dict) -> str:
+    ok = "passed" if data["passed"] else "FAILED"
+    lines = [f"The fused path's checks on the GPU ({ok}): sharded == flat bit for bit (ids, keys, scores; pieces, "
+             f"dead rows, two golds per query): {data['sharded_equals_flat']}; gold drawn: "
+             f"{not data['gold_never_drawn']}; dead rows drawn: {not data['dead_never_drawn']}; duplicates: "
+             f"{not data['no_duplicates']}. Against the torch path: the same sample for "
+             f"{100 * data['same_sample_as_torch_path']:.1f}% of draws, top-k ids equal for "
+             f"{100 * data['topk_ids_equal_torch_path']:.1f}% (scores within {data['topk_max_score_diff']:.2g}).", ""]
+    lines += _table(["law test ({:,} draws, 39 rows, K-1 = 3)".format(data["draws"]), "p / z"],
+                    [["first draw vs softmax (chi-square p)", f"{data['first_draw_p']:.3f}"],
+                     ["ordered pairs vs successive sampling (p)", f"{data['ordered_pairs_p']:.3f}"],
+                     ["the same at temperature 1.1 (must reject)", f"{data['wrong_temperature_p']:.2g}"],
+                     ["inclusion probabilities, largest z-score", f"{data['inclusion_max_z']:.2f}"],
+                     ["ordered pairs vs the dense sampler (two-sample p)", f"{data['vs_dense_sampler_p']:.3f}"]])
+    return "\n".join(lines + ["", _gpu_line(data)]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
-                                                "update": update, "attention": attention}
+                                                "update": update, "attention": attention,
+                                                "gpu_mining": gpu_mining, "gpu_law": gpu_law}
 
 
 def sources(name: str) -> tuple[str, ...]:

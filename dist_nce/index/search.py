@@ -43,6 +43,12 @@ of fp32 scoring. The torch path upcasts each chunk and runs the fp32 GEMM (torch
 GEMM rounds its output to bf16); the block sampler over single-vector rows runs the native
 kernel instead where the CPU has AVX512-BF16 (``IndexConfig.kernel``, ``block_native``),
 which sums the same products in its own fixed order.
+
+On a GPU (``kernel: auto`` on a CUDA device, or ``triton``) the block sampler and the exact
+top-k over single-vector rows run ``block_fused``: per chunk one GEMM (bf16 with fp32 output
+for ``score_dtype: bf16``), one fused Triton reduction to block maxima and log-masses, and a
+few small operations, nothing read back to the host before the end; chunks of ~512 MB of
+scores (``chunk_rows: 0``, ``exact.auto_chunk_rows``). Same law, counters and tie rules.
 """
 from __future__ import annotations
 
