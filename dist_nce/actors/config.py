@@ -41,10 +41,16 @@ class ServiceConfig:
     encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _help(
         "Autocast dtype of re-encoding: auto = bf16 where the device supports it fast, else fp32.",
         default="auto")
-    encode_compile: bool = _help(
+    encode_weights: Literal["auto", "fp32", "bf16"] = _help(
+        "Dtype of the weights of each shard's entity encoder: fp32 = autocast to encode_dtype (weights cast "
+        "in every GEMM, layer norms and residual sums in fp32); bf16 = weights held in bf16 and the whole "
+        "forward in bf16, no autocast (needs encode_dtype auto or bf16); auto = bf16 on CUDA when "
+        "encode_dtype resolves to bf16 there, else fp32. Refreshes cast the new weights on load.",
+        default="auto")
+    encode_compile: bool | Literal["auto"] = _help(
         "torch.compile each shard's entity encoder (index/encode.py compile_encoder): faster re-encoding "
         "after a one-time compile on the shard's first encode; weights of later refreshes are swapped in "
-        "without recompiling. Needs a C++ compiler on CPUs.", default=False)
+        "without recompiling. Needs a C++ compiler on CPUs. auto = on CUDA only.", default="auto")
     encode_attention: Literal["auto", "native", "model"] = _help(
         "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
         "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "
@@ -61,3 +67,6 @@ class ServiceConfig:
     def validate(self) -> None:
         # The loader has checked the ranges already; direct constructions reach here unchecked.
         check_fields(self, "service")
+        if self.encode_weights == "bf16" and self.encode_dtype not in ("auto", "bf16"):
+            raise ValueError(f"service.encode_weights bf16 runs the encode in bf16, but encode_dtype is "
+                             f"{self.encode_dtype!r}; set encode_dtype auto or bf16, or encode_weights fp32")

@@ -42,8 +42,8 @@ from torch import Tensor
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.cluster.runtime import configure_process, ray_runtime_env_vars
 from dist_nce.core.artifacts import ArtifactMismatch
-from dist_nce.index.encode import (autocast_dtype, choose_attention, compile_encoder, encode_rows, state_fingerprint,
-                                   store_fingerprint)
+from dist_nce.index.encode import (Precision, compile_wanted, encode_precision, encode_rows, prepare_encoder,
+                                   state_fingerprint, store_fingerprint)
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
@@ -219,15 +219,18 @@ class EntityShard:
                              f"created for d={self.dim}")
         fingerprint = fingerprint or state_fingerprint(state)
         if self._encoder is None:
-            self._encoder = EntityEncoder.from_state(state).to(self.device)
-            self._attention = choose_attention(self._encoder, self.config.encode_attention, self.device,
-                                               autocast_dtype(self.config.encode_dtype, self.device))
-            if self.config.encode_compile:
-                compile_encoder(self._encoder)
-        elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place, no rebuild
+            encoder = EntityEncoder.from_state(state)
+            self._attention = prepare_encoder(encoder, self._precision(), self.config.encode_attention,
+                                              compile_wanted(self.config.encode_compile, self.device), self.device)
+            self._encoder = encoder
+        elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place (cast to their dtype)
             self._encoder.load_state(state)
         self._encoder_fp = fingerprint
         return self._encoder
+
+    def _precision(self) -> Precision:
+        """Weights dtype and autocast of this shard's encodes (service.encode_dtype, encode_weights)."""
+        return encode_precision(self.config.encode_dtype, self.config.encode_weights, self.device)
 
     def _encoder_with(self, fingerprint: str, state: Any) -> EntityEncoder | None:
         """The encoder holding the weights ``fingerprint``: the one this actor holds, else one
@@ -323,7 +326,8 @@ class EntityShard:
 
     def _encode(self, state: dict[str, Any], version: int, fingerprint: str, origin: str | None) -> LiveIndex:
         encoder = self._encoder_for(state, fingerprint)
-        autocast = autocast_dtype(self.config.encode_dtype, self.device)
+        precision = self._precision()
+        autocast = precision.autocast
         kb_version, appended = self._layout()
         t0 = time.perf_counter()
         reps = encode_rows(encoder, self.store, self.config.encode_batch_size, self.device, autocast,
@@ -333,7 +337,8 @@ class EntityShard:
         # Persist before the swap: every version a query can see survives a restart.
         self.versions.save(version, reps, pieces, encoder_fingerprint=fingerprint, origin_fingerprint=origin,
                            encode_seconds=round(seconds, 3), kb_version=kb_version,
-                           encode_dtype=str(autocast or torch.float32).removeprefix("torch."),
+                           encode_dtype=precision.label,
+                           encode_weights=str(precision.weights).removeprefix("torch."),
                            encode_attention=self._attention,
                            device=str(self.device))
         self.versions.prune(self.config.keep_versions, protect=frozenset({self._served, version}))
@@ -393,7 +398,7 @@ class EntityShard:
                     return version
             except ArtifactMismatch:
                 pass
-        autocast = autocast_dtype(self.config.encode_dtype, self.device)
+        autocast = self._precision().autocast
         t0 = time.perf_counter()
         new = self._encode_ranges(encoder, new_ranges, kb_version, autocast) if new_ranges else []
         base = held.manifest or self.versions.manifest(self._served)

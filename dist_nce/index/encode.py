@@ -6,6 +6,9 @@ batch pads to its own longest row rather than to the store's ``max_len``: on KIL
 where most descriptions are far shorter than 128 tokens, that is most of the work
 saved. Results are scattered back to row order.
 
+On CUDA a batch without padding (on KILT nearly every batch: most pages fill the 128 tokens) goes to
+the transformer with no attention mask, so sdpa may run its flash kernel (:func:`encode_batch`).
+
 Reps come out with a fixed shape per row, whatever batch a row fell in: dual/poly
 ``[n, d]``; multi-m/genpoly-m ``[n, m, d]`` + mask; SOM ``[n, max_len, d]`` + mask (padded
 back to the store width). Padded positions are zeroed, so the stored reps do not depend
@@ -16,17 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from dist_nce.core.artifacts import MANIFEST, file_sha256
 from dist_nce.modeling.retriever import EntityEncoder, to_storage
-from dist_nce.modeling.scoring import Reps
+from dist_nce.modeling.scoring import Reps, entity_reps
 from kb.store import EntityStore
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WEIGHTS = ("auto", "fp32", "bf16")
 log = logging.getLogger(__name__)
 _TOLD: set[str] = set()
 
@@ -51,6 +55,74 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     if name not in _AUTOCAST:
         raise ValueError(f"encode_dtype must be one of auto, {', '.join(_AUTOCAST)}; got {name!r}")
     return _AUTOCAST[name]
+
+
+class Precision(NamedTuple):
+    """How a shard's encoder runs: the dtype its weights are held in, and the autocast dtype
+    ``encode_rows`` runs under (None = off). From :func:`encode_precision`."""
+
+    weights: torch.dtype
+    autocast: torch.dtype | None
+
+    @property
+    def compute(self) -> torch.dtype | None:
+        """The dtype of the matmuls (None = fp32): the autocast dtype, or that of the weights."""
+        return self.autocast or (None if self.weights == torch.float32 else self.weights)
+
+    @property
+    def label(self) -> str:
+        """``bfloat16``, ``float32``, ...: what a version's manifest records as ``encode_dtype``."""
+        return str(self.compute or torch.float32).removeprefix("torch.")
+
+
+def encode_precision(dtype: str, weights: str, device: torch.device) -> Precision:
+    """``ServiceConfig.encode_dtype`` and ``encode_weights`` -> the :class:`Precision` of encodes on ``device``.
+
+    ``encode_weights``: ``fp32`` keeps fp32 weights and autocasts to ``encode_dtype`` (every
+    GEMM casts its weight, layer norms and residual sums stay fp32); ``bf16`` holds the weights
+    in bf16 and runs the whole forward in bf16 without autocast (no casts; layer norms, GELU and
+    residual sums read and write half the bytes); it needs ``encode_dtype`` auto or bf16.
+    ``auto`` = bf16 on CUDA when ``encode_dtype`` resolves to bf16 there, else fp32: on a
+    GPU the elementwise work between the GEMMs is memory bound, and fp32 activations double it.
+    """
+    if weights not in _WEIGHTS:
+        raise ValueError(f"encode_weights must be one of {', '.join(_WEIGHTS)}; got {weights!r}")
+    autocast = autocast_dtype(dtype, device)
+    if weights == "bf16":
+        if dtype not in ("auto", "bf16"):
+            raise ValueError(f"encode_weights bf16 runs the encode in bf16, but encode_dtype is {dtype!r}; "
+                             "set encode_dtype auto or bf16, or encode_weights fp32")
+        return Precision(torch.bfloat16, None)
+    if weights == "auto" and device.type == "cuda" and autocast is torch.bfloat16:
+        return Precision(torch.bfloat16, None)
+    return Precision(torch.float32, autocast)
+
+
+def compile_wanted(setting: bool | str, device: torch.device) -> bool:
+    """``ServiceConfig.encode_compile`` on ``device``: true, false, or ``auto`` = on CUDA only."""
+    if setting == "auto":
+        return device.type == "cuda"
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"encode_compile must be true, false or auto; got {setting!r}")
+
+
+def prepare_encoder(encoder: EntityEncoder, precision: Precision, attention: str, compile: bool,
+                    device: torch.device) -> str:
+    """Ready an encoder built for encoding, in place, the way a shard runs it: on ``device``, its
+    weights in ``precision.weights``, the attention of :func:`choose_attention`, compiled
+    (:func:`compile_encoder`) if ``compile``. Returns the attention implementation.
+
+    Call it outside inference mode (tensors made inside it cannot be updated in place later).
+    ``EntityEncoder.load_state`` copies a refresh's weights into the held tensors, casting them
+    to their dtype, so bf16 weights take later refreshes like fp32 ones (and a compiled graph
+    sees them, its weights being graph inputs).
+    """
+    encoder.to(device=device, dtype=precision.weights)  # floating tensors only: ids buffers stay int64
+    name = choose_attention(encoder, attention, device, precision.compute)
+    if compile:
+        compile_encoder(encoder)
+    return name
 
 
 def length_sorted_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -95,6 +167,7 @@ def compile_encoder(encoder: EntityEncoder) -> EntityEncoder:
 def choose_attention(encoder: EntityEncoder, mode: str, device: torch.device, autocast: torch.dtype | None) -> str:
     """Apply ``ServiceConfig.encode_attention`` (auto | native | model) to an encoder built for
     encoding; returns the attention implementation its forward now uses (for manifests).
+    ``autocast``: the dtype the encode computes in (``Precision.compute``; None = fp32).
 
     The native kernel (index/attention.py) only pays where encodes run in bf16 on a CPU; auto
     keeps the model's own attention elsewhere and logs why once per process.
@@ -116,11 +189,29 @@ def choose_attention(encoder: EntityEncoder, mode: str, device: torch.device, au
     return str(encoder.encoder.model.config._attn_implementation)
 
 
+def encode_batch(encoder: EntityEncoder, ids: torch.Tensor, real: torch.Tensor, padded: bool = True) -> Reps:
+    """``encoder(ids, real)`` for one batch; ``padded=False`` promises that ``real`` is all True
+    and then gives the transformer no attention mask at all.
+
+    Why: sdpa's flash kernel takes no mask, so a mask sends it to the memory-efficient kernel
+    (CUDA). transformers drops an all-True mask itself in eager mode (after a device-to-host
+    check), but not while ``torch.compile`` traces: a compiled encoder would run every batch
+    masked. Same reps as ``encoder(ids, real)`` (the rows are unpadded, trimming is a no-op).
+    """
+    if padded:
+        return encoder(ids, real)
+    states = encoder.encoder.model(input_ids=ids.long()).last_hidden_state
+    return entity_reps(encoder.spec, states, real)
+
+
 @torch.inference_mode()
 def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, device: torch.device,
                 autocast: torch.dtype | None, storage_dtype: str,
                 progress: Callable[[int], None] | None = None) -> Reps:
     """Entity reps of every row of ``store`` (an ``EntityStore`` or a slice), in row order.
+
+    ``store`` needs only ``num_entities``, ``max_len``, ``lengths(rows)`` and ``token_ids(rows)``.
+    ``autocast``: ``Precision.autocast`` (None for fp32, and for an encoder holding bf16 weights).
 
     Returns Reps in ``storage_dtype`` on the CPU: vecs [n, d], [n, m, d] or [n, max_len, d]
     (see the module docstring), mask None or [n, m] / [n, max_len] bool. ``progress(k)`` is
@@ -135,8 +226,10 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
         longest = max(int(lengths[pos].max()), 1)
         ids = torch.from_numpy(store.token_ids(pos)[:, :longest]).to(device)
         real = torch.arange(longest, device=device)[None, :] < torch.from_numpy(lengths[pos]).to(device)[:, None]
+        # no mask for a batch without padding, on CUDA where it decides the attention kernel
+        padded = device.type != "cuda" or int(lengths[pos].min()) < longest
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            reps = encoder(ids, real)
+            reps = encode_batch(encoder, ids, real, padded)
         reps = to_storage(_fixed_width(Reps(reps.vecs.float(), reps.mask), width), storage_dtype)
         if vecs is None:
             vecs = torch.empty((n, *reps.vecs.shape[1:]), dtype=reps.vecs.dtype)

@@ -4,7 +4,39 @@ The JSONs leave the batch geometry as ``"auto"`` (the Hugging Face Trainer conve
 so one file serves every cluster size: the trainer fills in the micro batch from
 ``optim.batch_size / num_workers``. The optimizer and scheduler are plain torch objects
 handed to DeepSpeed: naming an optimizer inside the JSON would compile fused_adam on
-first use (a minute here, and a frequent installation failure elsewhere).
+first use (a minute here, and a frequent installation failure elsewhere). On a GPU the torch
+AdamW is ``fused=True`` (one kernel over each flat fp32 partition DeepSpeed hands it, no build).
+
+Where a DeepSpeed step spends time beyond the plain torch step (issue 23: one H100, ZeRO-2 1.3x and
+ZeRO-3 2.5x the plain step; read from DeepSpeed 0.19.8's ``runtime/zero/stage_1_and_2.py`` and
+``stage3.py`` and counted on a CPU; ``benchmarks/gpu_train.py`` measures it on a GPU) and what the
+JSONs and this module do about it. DeepSpeed's costs are per parameter tensor (398 in a BERT-base
+pair), paid on the host: a GPU step stays at the plain step's speed while the host issues them
+faster than the GPU computes and nothing makes the host wait for the GPU.
+
+* ``bf16.check_grad_overflow`` (DeepSpeed's default: true) makes every ZeRO-1/2 step test each
+  gradient tensor for inf/NaN (amax, amin, two isfinite, and/not, an add: ~2,800 tiny kernels)
+  and then wait for the answer (``.item()``): the GPU idles while the host issues them, after a
+  backward it had to finish first. bf16 has fp32's exponent range and no loss scale, so there
+  is no overflow to skip; the plain torch step (``clip_grad_norm_`` + AdamW) does not check
+  either. The bf16 JSONs set it false (DeepSpeed's bf16 behaviour before it was configurable).
+* ``overlap_comm`` reduces gradients on a side stream and ends the backward with a device
+  ``synchronize()``: the host cannot queue the optimizer step (a gradient norm per tensor, ~800
+  small kernels, and the copies into and out of the flat fp32 partitions) while the GPU finishes
+  the backward. With one worker there is nothing to overlap: :func:`load_deepspeed_config` turns
+  it off at ``world_size == 1`` (the JSONs keep it for several workers).
+* ZeRO-3 runs hooks before and after the forward and backward of every submodule (fetch, release,
+  trace and prefetch bookkeeping: 460 modules in a BERT-base pair). ``zero_optimization.
+  leaf_module`` names ``BertLayer`` (by class name; add a model's own layer class to extend it):
+  a transformer layer is fetched and released as one unit, one coalesced gather, one hook pair
+  per layer instead of ~14. ``memory_efficient_linear: false`` keeps torch's own ``F.linear``:
+  the default replaces it process-wide (every model in the worker, not just the engine's) with an
+  autograd Function whose backward rounds differently from ZeRO-1/2's (with it off, ZeRO-3's
+  losses equal ZeRO-2's). What stays: the step releases every parameter and re-gathers the
+  persistent ones (``stage3_param_persistence_threshold``), and the backward ends waiting for
+  its reduce stream.
+* Gradient buckets of 2e8 elements (were 5e7): one or two reductions per backward for a BERT-base
+  pair instead of ~5 (400 MB of bf16 staging per bucket).
 """
 from __future__ import annotations
 
@@ -34,6 +66,7 @@ def load_deepspeed_config(
 
     Raises ConfigError naming the file for a missing file, invalid JSON, an optimizer
     or scheduler section (we pass torch objects instead), or an inconsistent batch.
+    With one worker (``world_size == 1``) ZeRO's ``overlap_comm`` is turned off (module docstring).
     """
     path = Path(path)
     if not path.exists():
@@ -68,6 +101,10 @@ def load_deepspeed_config(
         cfg.setdefault("zero_optimization", {})["stage"] = zero_stage
     if bf16 is not None:
         cfg.setdefault("bf16", {})["enabled"] = bool(bf16)
+    zero = cfg.get("zero_optimization", {})
+    if world_size == 1 and zero.get("stage", 0) >= 1:
+        # One worker: nothing to overlap, and overlapping costs a device synchronize per backward.
+        zero["overlap_comm"] = False
     return cfg
 
 
@@ -95,6 +132,8 @@ def build_engine(
     """``deepspeed.initialize`` with a torch AdamW and a LambdaLR; returns (engine, optimizer, scheduler).
 
     ``dist_init_required=False`` inside Ray Train, which has already made the process group.
+    The AdamW is fused (torch's own kernel, nothing compiled) when every trainable parameter is on
+    a CUDA device, as the engine's fp32 master partitions then are too.
     """
     from dist_nce.cluster.runtime import pin_jit_builds
 
@@ -109,7 +148,8 @@ def build_engine(
          "weight_decay": 0.0},
     ]
     params = [g for g in params if g["params"]]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    fused = bool(params) and all(p.is_cuda for g in params for p in g["params"])
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=True) if fused else torch.optim.AdamW(params, lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(total_steps, warmup_proportion))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,

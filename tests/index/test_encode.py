@@ -1,0 +1,191 @@
+"""index/encode.py: the precision of a shard's encodes (service.encode_weights, encode_dtype), compile auto,
+encoders readied as a shard readies them, and batches without padding given no attention mask.
+
+The encode loop itself is covered in tests/actors/test_shard.py (as the shard runs it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.actors.config import ServiceConfig
+from dist_nce.core.config import ConfigError, from_dict
+from dist_nce.index.encode import (Precision, autocast_dtype, compile_wanted, encode_batch, encode_precision,
+                                   encode_rows, prepare_encoder)
+from dist_nce.modeling.encoder import Encoder
+from dist_nce.modeling.retriever import EntityEncoder
+from dist_nce.modeling.scoring import ScoreSpec
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def bf16_tolerance(layers: int) -> float:
+    """Relative L2 error per row allowed for a bf16 forward (the bound benchmarks/gpu_encode.py checks on
+    the GPU): bf16 keeps 8 significant bits (unit roundoff 2^-8), and the residual stream is rounded to
+    bf16 after the embeddings and after each of the 2 L sub-layers, roundings that add in quadrature;
+    1.5x that for the worst of a few dozen rows."""
+    return 1.5 * 2.0 ** -8 * (2 * layers + 1) ** 0.5
+
+
+class Rows:
+    """What encode_rows reads of a store (num_entities, max_len, lengths, token_ids): rows of varied
+    length, some batches with padding and some without."""
+
+    def __init__(self, lengths: list[int], width: int, vocab: int = 1000, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.max_len = width
+        self._lengths = np.asarray(lengths, dtype=np.int32)
+        self.ids = np.zeros((len(lengths), width), dtype=np.int32)
+        for i, n in enumerate(lengths):
+            self.ids[i, :n] = rng.integers(1000, vocab, size=n) if vocab > 1000 else rng.integers(3, vocab, size=n)
+
+    @property
+    def num_entities(self) -> int:
+        return len(self._lengths)
+
+    def lengths(self, rows) -> np.ndarray:
+        return self._lengths[np.asarray(rows)]
+
+    def token_ids(self, rows) -> np.ndarray:
+        return self.ids[np.asarray(rows)]
+
+
+# 8 rows of 16 tokens (batches of 4 without padding), then 8 of varied length
+ROWS = Rows([16] * 8 + [16, 12, 9, 9, 5, 16, 3, 7], 16, vocab=30000)
+
+
+def entity_state(model_dir: str, noise: float = 0.0, seed: int = 0, preset: str = "dual", m: int | None = None) -> dict:
+    state = EntityEncoder(Encoder.from_pretrained(model_dir), ScoreSpec.preset(preset, m=m)).state()
+    if noise:
+        g = torch.Generator().manual_seed(seed)
+        state["weights"] = {k: v + noise * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                            for k, v in state["weights"].items()}
+    return state
+
+
+def ready(state: dict, precision: Precision) -> EntityEncoder:
+    encoder = EntityEncoder.from_state(state)
+    prepare_encoder(encoder, precision, "model", False, CPU)
+    return encoder
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want.double()).norm(dim=1) / want.double().norm(dim=1)).max())
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_encode_precision_resolves_the_settings(monkeypatch):
+    assert encode_precision("bf16", "fp32", CPU) == Precision(FP32, BF16)  # autocast over fp32 weights
+    assert encode_precision("fp32", "fp32", CPU) == Precision(FP32, None)
+    for dtype in ("auto", "bf16"):  # bf16 weights: the whole forward in bf16, no autocast
+        assert encode_precision(dtype, "bf16", CPU) == Precision(BF16, None)
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, autocast_dtype("auto", CPU))  # CPUs keep fp32
+    assert encode_precision("bf16", "auto", CPU) == Precision(FP32, BF16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert encode_precision("auto", "auto", CUDA) == Precision(BF16, None)  # a GPU holds bf16 weights
+    assert encode_precision("bf16", "auto", CUDA) == Precision(BF16, None)
+    assert encode_precision("fp16", "auto", CUDA) == Precision(FP32, torch.float16)
+    assert encode_precision("fp32", "auto", CUDA) == Precision(FP32, None)
+    assert encode_precision("bf16", "fp32", CUDA) == Precision(FP32, BF16)
+    # what manifests record
+    assert Precision(BF16, None).compute is BF16 and Precision(BF16, None).label == "bfloat16"
+    assert Precision(FP32, BF16).label == "bfloat16" and Precision(FP32, None).label == "float32"
+    with pytest.raises(ValueError, match="encode_weights bf16 runs the encode in bf16, but encode_dtype is 'fp32'"):
+        encode_precision("fp32", "bf16", CPU)
+    with pytest.raises(ValueError, match="encode_weights must be one of auto, fp32, bf16; got 'fp8'"):
+        encode_precision("auto", "fp8", CPU)
+
+
+def test_compile_auto_compiles_on_cuda_only():
+    assert compile_wanted("auto", CUDA) is True and compile_wanted("auto", CPU) is False
+    assert compile_wanted(True, CPU) is True and compile_wanted(False, CUDA) is False
+    with pytest.raises(ValueError, match="encode_compile must be true, false or auto"):
+        compile_wanted("always", CPU)
+
+
+def test_service_config_checks_the_encode_settings():
+    config = from_dict(ServiceConfig, {})
+    assert config.encode_weights == "auto" and config.encode_compile == "auto"
+    assert from_dict(ServiceConfig, {"encode_compile": True}).encode_compile is True
+    assert from_dict(ServiceConfig, {"encode_weights": "bf16", "encode_dtype": "bf16"}).encode_weights == "bf16"
+    with pytest.raises(ConfigError, match="encode_weights: 'fp8' is not one of"):
+        from_dict(ServiceConfig, {"encode_weights": "fp8"})
+    with pytest.raises(ConfigError, match="encode_compile: value 'always' matches none of"):
+        from_dict(ServiceConfig, {"encode_compile": "always"})
+    with pytest.raises(ConfigError, match="encode_weights bf16 runs the encode in bf16, but encode_dtype is 'fp16'"):
+        from_dict(ServiceConfig, {"encode_weights": "bf16", "encode_dtype": "fp16"})
+    with pytest.raises(ValueError, match="encode_dtype is 'fp32'"):
+        ServiceConfig(encode_weights="bf16", encode_dtype="fp32").validate()
+
+
+# --------------------------------------------------------------------------- bf16 weights
+
+
+def test_bf16_weights_encode_like_autocast_within_bf16_rounding(tiny_model_dir):
+    state = entity_state(tiny_model_dir)
+    exact = encode_rows(ready(state, Precision(FP32, None)), ROWS, 4, CPU, None, "float32").vecs
+    autocast = encode_rows(ready(state, Precision(FP32, BF16)), ROWS, 4, CPU, BF16, "float32").vecs
+    held = ready(state, encode_precision("auto", "bf16", CPU))
+    assert all(p.dtype == BF16 for p in held.parameters())
+    assert held.encoder.model.embeddings.position_ids.dtype == torch.int64  # index buffers stay integers
+    bf16 = encode_rows(held, ROWS, 4, CPU, None, "float32").vecs
+    assert bf16.dtype == FP32 and bf16.shape == exact.shape
+    tol = bf16_tolerance(held.encoder.model.config.num_hidden_layers)
+    assert 0 < rel_error(bf16, exact) <= tol, "bf16 was applied, within bf16 rounding of fp32"
+    assert rel_error(bf16, autocast) <= tol
+    cos = torch.nn.functional.cosine_similarity(bf16, exact, dim=1)
+    assert float(cos.min()) > 1 - tol ** 2
+
+
+def test_a_refresh_swaps_weights_into_a_bf16_encoder_in_place(tiny_model_dir):
+    first, second = entity_state(tiny_model_dir), entity_state(tiny_model_dir, noise=0.05, seed=1)
+    precision = encode_precision("auto", "bf16", CPU)
+    held = ready(first, precision)
+    before = encode_rows(held, ROWS, 4, CPU, None, "float32").vecs
+    tensors = {name: p.data_ptr() for name, p in held.named_parameters()}
+    held.load_state(second)  # outside inference mode, as a shard's refresh does
+    assert {name: p.data_ptr() for name, p in held.named_parameters()} == tensors  # the same tensors, new values
+    assert all(p.dtype == BF16 for p in held.parameters())
+    after = encode_rows(held, ROWS, 4, CPU, None, "float32").vecs
+    fresh = encode_rows(ready(second, precision), ROWS, 4, CPU, None, "float32").vecs
+    assert torch.equal(after, fresh), "the next encode sees the swapped weights, as a freshly built encoder"
+    assert rel_error(after, before) > 10 * bf16_tolerance(2)  # and the two states are far apart
+
+
+# --------------------------------------------------------------------------- batches without padding
+
+
+@pytest.mark.parametrize("preset,m", [("dual", None), ("multi", 3), ("som", None)])
+def test_a_batch_without_padding_encodes_alike_without_the_mask(tiny_model_dir, preset, m):
+    encoder = EntityEncoder.from_state(entity_state(tiny_model_dir, preset=preset, m=m))
+    ids = torch.from_numpy(ROWS.token_ids(np.arange(8)))
+    real = torch.ones(ids.shape, dtype=torch.bool)
+    seen = []
+    hf = encoder.encoder.model
+    hook = hf.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("attention_mask")),
+                                        with_kwargs=True)
+    with torch.inference_mode():
+        masked = encode_batch(encoder, ids, real)
+        unmasked = encode_batch(encoder, ids, real, padded=False)
+    hook.remove()
+    assert seen[0] is not None and seen[1] is None  # the transformer got no mask at all
+    torch.testing.assert_close(unmasked.vecs, masked.vecs, rtol=1e-5, atol=1e-6)
+    assert (unmasked.mask is None) == (masked.mask is None)
+    if masked.mask is not None:
+        assert torch.equal(unmasked.mask, masked.mask)
+
+
+def test_encode_rows_keeps_the_mask_off_cuda(tiny_model_dir, monkeypatch):
+    # the mask decides sdpa's kernel on CUDA only; CPUs keep today's path (hooks, native attention)
+    import dist_nce.index.encode as encode_mod
+
+    calls = []
+    real_batch = encode_mod.encode_batch
+    monkeypatch.setattr(encode_mod, "encode_batch", lambda e, ids, real, padded=True:
+                        calls.append(padded) or real_batch(e, ids, real, padded))
+    encoder = EntityEncoder.from_state(entity_state(tiny_model_dir))
+    encode_rows(encoder, ROWS, 4, CPU, None, "float32")
+    assert calls == [True] * 4
