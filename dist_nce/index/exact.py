@@ -303,7 +303,7 @@ def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
         out = _left_out(parts, dead_host, b0, chunk_rows)
         if out is not None:
             scores.index_fill_(1, out.to(device, non_blocking=True), float("-inf"))
-        stream.add(scores, b0, j0, j1)
+        stream.add(scores, b0, j0, j1, lo)
     return stream.finish(version)
 
 

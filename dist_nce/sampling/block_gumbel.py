@@ -223,18 +223,22 @@ def keep_best_blocks(kept: BlockSet | None, new: BlockSet, k: int) -> BlockSet:
 
 
 def rows_from_blocks(kept: BlockSet, k: int, seed: int, query_keys: Tensor, log_z: Tensor,
-                     version: int = 0) -> ShardResult:
+                     version: int = 0, noise=None, filter_rows: bool = True) -> ShardResult:
     """Top k rows of the kept blocks, each key drawn given its block's maximum (eq. 23).
 
     Returns a ShardResult [B, k] like ``gumbel_topk_dense``'s: ids global rows, scores float32,
-    keys float64, ``log_z`` as given; noise is drawn for c x b rows per query only.
+    keys float64, ``log_z`` as given; noise is drawn for c x b rows per query only. ``noise``:
+    the function drawing it (None: ``gumbel_noise``; or the fused kernel's); ``filter_rows``: take
+    eq. 23's logs only for rows that can make the top k (:func:`truncated_keys`, fewer
+    transcendentals, one host round trip) or for every row (:func:`truncated_gumbel`, a fixed
+    dozen elementwise kernels: the GPU's choice). Both give the same answer.
     """
     batch, c, b = kept.scores.shape
     starts = torch.where(kept.counters >= 0, kept.counters // b * b, 0)
     rows = (starts[:, :, None] + torch.arange(b, device=starts.device)).reshape(batch, c * b)
-    phi = kept.scores.double() + gumbel_noise(seed, query_keys, rows).view(batch, c, b)
+    phi = kept.scores.double() + (noise or gumbel_noise)(seed, query_keys, rows).view(batch, c, b)
     phi = phi.masked_fill(kept.scores == NEG_INF, NEG_INF)
-    keys = truncated_keys(phi, kept.top, k).reshape(batch, c * b)
+    keys = (truncated_keys(phi, kept.top, k) if filter_rows else truncated_gumbel(phi, kept.top)).reshape(batch, c * b)
     return result_from_keys(keys, kept.scores.reshape(batch, c * b), rows, k, log_z=log_z, version=version)
 
 

@@ -1,6 +1,6 @@
-"""The GPU path of the exact search (kernels/block_reduce.py, sampling/block_fused.py,
-index.exact._fused_search), run here through Triton's interpreter on CPU tensors: the fused
-reduction against torch, top-k against the dense reference (ties included), the sampler's law
+"""The GPU path of the exact search (kernels/block_reduce.py, kernels/gumbel.py,
+sampling/block_fused.py, index.exact._fused_search), run here through Triton's interpreter on
+CPU tensors: the fused block keys and noise against torch, top-k against the dense reference (ties included), the sampler's law
 (first draw, ordered pairs, inclusion, against the dense sampler), sharded == flat bit for bit
 with pieces, dead rows and gold, the chunk grid and the kernel choice. The same tests run on a
 GPU through benchmarks/gpu.py (``--law``)."""
@@ -15,12 +15,16 @@ from dist_nce.index.search import ShardIndex
 from dist_nce.kernels import block_reduce as br
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling import negatives as ng
-from dist_nce.sampling.block_fused import ordered_key
+from dist_nce.kernels.gumbel import gumbel_noise_fused
+from dist_nce.sampling import block_gumbel as bg
+from dist_nce.sampling.noise import gumbel_noise
 from dist_nce.sampling.block_gumbel import block_log_mass
 from dist_nce.sampling.topk import mask_gold, merge_results
 from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
 
-pytestmark = pytest.mark.skipif(br.available("cpu") is not None, reason=f"{br.available('cpu')}")
+pytestmark = [pytest.mark.skipif(br.available("cpu") is not None, reason=f"{br.available('cpu')}"),
+              # empty blocks take log 0 = -inf on purpose; the interpreter's numpy warns
+              pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")]
 DUAL = ScoreSpec.preset("dual")
 INF = float("-inf")
 
@@ -30,30 +34,41 @@ def gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_reduce_is_the_masked_block_logsumexp(dtype):
+def test_block_keys_are_the_masked_log_masses_and_maxima(dtype):
     s = (torch.randn(19, 256, generator=gen(1)) * 4).to(dtype)
     s[3, :64] = INF  # an empty block
     s[4, 70] = INF
     gold = torch.full((19, 2), -1)
     gold[0, 0], gold[1] = 1000 + 5, torch.tensor([1000 + 64, 1000 + 255])
     gold[2, 0] = 999  # outside the chunk: ignored
-    top, mass = br.block_reduce(s, gold, 1000, 64)
     ref = mask_gold(s.float(), gold, 1000).view(19, 4, 64)
-    assert torch.equal(top, ref.amax(-1))
-    got = mass.double().log() + top.double()
     want = block_log_mass(ref)
-    assert torch.equal(got == INF * 1, want == INF)
-    assert float((got - want).nan_to_num(0.0, 0.0, 0.0).abs().max()) < 1e-6
-    top0, _ = br.block_reduce(s, gold[:, :0], 1000, 64)  # no gold column
-    assert torch.equal(top0, s.float().view(19, 4, 64).amax(-1))
+    keys = torch.arange(19) * 3 + 1
+    lm, t = torch.empty(19, 3, dtype=torch.float64), torch.empty(19, 3, dtype=torch.float64)
+    br.block_keys(s, gold, 1000, 64, 1, 4, lm, t, seed=5, query_keys=keys, lo=1010)  # blocks 1-3 only
+    assert torch.equal(lm == INF * 1, want[:, 1:] == INF)
+    assert float((lm - want[:, 1:]).nan_to_num(0.0, 0.0, 0.0).abs().max()) < 1e-6
+    counters = torch.tensor([1064, 1128, 1192])  # max(first row, lo)
+    noise = bg.block_noise(5, keys, counters)
+    assert float((t - lm - noise).nan_to_num(0.0, 0.0, 0.0).abs().max()) < 1e-12  # T = L + G, the same G
+    assert torch.equal(t == INF * 1, lm == INF * 1)
+    # no seed: (max desc, position asc) as one integer, -0.0 == 0.0
+    s2 = torch.tensor([[1.0, -2.0, 1.0, 7.0, -0.0, 0.0, INF]]).repeat_interleave(4, dim=1)
+    packed = torch.empty(1, 7, dtype=torch.int64)
+    br.block_keys(s2, gold[:1, :0], 0, 4, 0, 7, torch.empty(1, 7, dtype=torch.float64), packed, pos0=100)
+    assert torch.topk(packed, 7).indices[0].tolist() == [3, 0, 2, 4, 5, 1, 6]
     with pytest.raises(ValueError, match="power of two"):
-        br.block_reduce(s, gold, 0, 48)
+        br.block_keys(s, gold, 0, 48, 0, 1, lm[:, :1], t[:, :1], seed=1, query_keys=keys)
 
 
-def test_ordered_key_ranks_maxima_then_positions():
-    top = torch.tensor([[1.0, -2.0, 1.0, INF * -1, -0.0, 0.0, INF]])
-    order = torch.topk(ordered_key(top), 7).indices[0].tolist()
-    assert order == [3, 0, 2, 4, 5, 1, 6]  # inf, the two 1.0 (lower first), -0.0 == 0.0, -2, -inf
+def test_fused_noise_is_gumbel_noise():
+    keys = torch.tensor([0, 1, 5, -7, 2 ** 40, 123456789])
+    for seed in (0, 7, -3, 2 ** 62 + 5):
+        for rows in (torch.arange(1000) * 37 - 5, torch.randint(0, 10 ** 9, (6, 300), generator=gen(seed % 97))):
+            want = gumbel_noise(seed, keys, rows)
+            got = gumbel_noise_fused(seed, keys, rows)
+            # the same integers; the logs are numpy's here (libdevice's on a GPU): last-bit differences
+            assert float((got - want).abs().max()) < 1e-14
 
 
 def _data(n=3000, d=32, batch=45, seed=7, ties=False):
