@@ -10,21 +10,24 @@ host in fp32 every batch) over rows of T = 128 real tokens each (KILT pages near
 tokens), held by :class:`FullRows`, an in-memory stand-in for the ``EntityStore`` (``encode_rows`` reads
 only ``num_entities``, ``max_len``, ``lengths`` and ``token_ids``), so no Arrow store is built.
 
-Variants (``ServiceConfig`` settings in brackets), timed interleaved (A B C D A B C D ...) after warm-up:
+Variants (``ServiceConfig`` settings in brackets), timed interleaved (A B C A B C ...) after warm-up. By default
+(:data:`DEFAULT_VARIANTS`, for the next H100 run, ~1-1.5 min):
 
-* ``a_eager_fp32w_autocast``: today's default before this change: fp32 weights, bf16 autocast, eager, sdpa
-  [encode_dtype bf16, encode_weights fp32, encode_compile false];
-* ``b_compiled_fp32w_autocast``: the same, ``torch.compile`` as ``compile_encoder`` does [encode_compile true];
-* ``c_eager_bf16w``: weights held in bf16, the whole forward in bf16, no autocast (no weight casts; layer
-  norms, GELU and residual sums read and write bf16) [encode_weights bf16];
-* ``d_compiled_bf16w``: (c) compiled [encode_weights bf16, encode_compile true] -- what a CUDA shard runs by
-  default now (``encode_weights: auto``, ``encode_compile: auto``);
-* then, as time allows (``budget_s``): the fastest of them at batch 1024 against batch 512, and the fastest
-  compiled one with the attention mask passed for full batches (how ``encode_rows`` ran before: a compiled
-  graph keeps transformers' all-True mask, which keeps sdpa off its flash kernel).
+* ``c_eager_bf16w``: weights held in bf16, the whole forward in bf16, no autocast [encode_weights bf16, which
+  ``auto`` is on CUDA; encode_compile false, which ``auto`` is now] -- the CUDA shard default, the reference;
+* ``c_eager_bf16w_batch2x``: the same at twice the batch (1024);
+* ``e_compiled_layers_bf16w``: (c) with each transformer layer compiled, ``dynamic=False``, the attention
+  mask built eagerly (``compile_encoder(layers=True)``, what ``encode_compile: true`` does on CUDA): the
+  compiled variant that keeps the fused attention kernel (see ``compile_encoder``).
 
-On CUDA ``encode_rows`` now gives a batch without padding no attention mask (``encode_batch``), so sdpa may
-run flash attention; each variant's attention backend is read off a profiled batch (the aten sdpa op and the
+Measured already (H100, torch 2.11, transformers 5.17, batch 512, 733 TFLOP/s peak; rerun by name with
+``variants``): ``a_eager_fp32w_autocast`` (fp32 weights, bf16 autocast: 4460/s, 48.0%),
+``b_compiled_fp32w_autocast`` (that, the whole model compiled: 3409/s, 36.7%), ``c_eager_bf16w`` (5445/s,
+58.6%) and ``d_compiled_bf16w`` ((c), the whole model compiled: 3628/s, 39.0%; its graph built the all-True
+mask and ran the math attention with fp32 GEMMs).
+
+On CUDA ``encode_rows`` gives a batch without padding no attention mask (``encode_batch``), so sdpa may
+run a flash kernel; each variant's attention backend is read off a profiled batch (the aten sdpa op and the
 CUDA kernel names), and ``sdpa_probe`` times the attention alone per backend (flash without a mask,
 memory-efficient and cuDNN with/without an all-True mask) at the timed shape, 24 layers' worth.
 
@@ -34,7 +37,7 @@ of the first call (for compiled variants: the compile, paid once per shard proce
 and the busiest kernels. ``numerics``: the reps of every variant against an fp32 encode of the same rows
 (relative L2 error per row, min cosine), and whether bf16 weights stay within bf16 tolerance of autocast.
 
-    .venv/bin/python -m benchmarks.gpu_encode                   # BERT-large on cuda; ~2.5-3 min on an H100
+    .venv/bin/python -m benchmarks.gpu_encode                   # BERT-large on cuda; ~1-1.5 min on an H100
     .venv/bin/python -m benchmarks.gpu_encode --quick --device cpu   # tiny sizes (tests/benchmarks)
 """
 from __future__ import annotations
@@ -51,7 +54,6 @@ import numpy as np
 import torch
 
 from benchmarks.common import interleaved
-from dist_nce.index import encode as encode_mod
 from dist_nce.index.encode import compile_wanted, encode_precision, encode_rows, prepare_encoder
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder
@@ -62,15 +64,22 @@ BERT_LARGE = {"model_type": "bert", "hidden_size": 1024, "num_hidden_layers": 24
 TINY_BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 64}
 # every call of a compiled encoder uses the timed batch shape (numerics and profile included): no recompiles
-FULL = {"T": 128, "batch": 512, "batches": 4, "warmup": 1, "repeats": 5}
+FULL = {"T": 128, "batch": 512, "batches": 8, "warmup": 1, "repeats": 7}
 QUICK = {"T": 32, "batch": 16, "batches": 2, "warmup": 1, "repeats": 2}
-# name -> (encode_dtype, encode_weights, compiled, description): ServiceConfig settings of each variant
+# name -> (encode_dtype, encode_weights, compile, batch multiple, description): the ServiceConfig settings of
+# each variant; compile: None (eager), "model" (the whole model, dynamic) or "layers" (compile_encoder)
 VARIANTS = {
-    "a_eager_fp32w_autocast": ("bf16", "fp32", False, "fp32 weights, bf16 autocast, eager (the old default)"),
-    "b_compiled_fp32w_autocast": ("bf16", "fp32", True, "fp32 weights, bf16 autocast, torch.compile"),
-    "c_eager_bf16w": ("bf16", "bf16", False, "bf16 weights, no autocast, eager"),
-    "d_compiled_bf16w": ("bf16", "bf16", True, "bf16 weights, no autocast, torch.compile (the CUDA default now)"),
+    "a_eager_fp32w_autocast": ("bf16", "fp32", None, 1, "fp32 weights, bf16 autocast, eager (the old default)"),
+    "b_compiled_fp32w_autocast": ("bf16", "fp32", "model", 1, "fp32 weights, bf16 autocast, whole model compiled"),
+    "c_eager_bf16w": ("bf16", "bf16", None, 1, "bf16 weights, no autocast, eager (the CUDA default)"),
+    "c_eager_bf16w_batch2x": ("bf16", "bf16", None, 2, "bf16 weights, no autocast, eager, twice the batch"),
+    "d_compiled_bf16w": ("bf16", "bf16", "model", 1, "bf16 weights, no autocast, whole model compiled"),
+    "e_compiled_layers_bf16w": ("bf16", "bf16", "layers", 1,
+                                "bf16 weights, no autocast, each layer compiled (dynamic=False), mask eager"),
 }
+DEFAULT_VARIANTS = ("c_eager_bf16w", "c_eager_bf16w_batch2x", "e_compiled_layers_bf16w")
+MEASURED = ("a_eager_fp32w_autocast, b_compiled_fp32w_autocast, c_eager_bf16w at batch 512 and d_compiled_bf16w "
+            "were measured on an H100 (torch 2.11, transformers 5.17): 48.0%, 36.7%, 58.6%, 39.0% of 733 TFLOP/s")
 KILT_ROWS = 5_903_530
 GPUS = 8
 FLOP_FORMULA = ("per entity: 2 x (matmul weights of the transformer layers: L x (4 d^2 + 2 d d_ff)) x T "
@@ -145,19 +154,6 @@ def measure_peak(device: torch.device, size: int, repeats: int = 10) -> float:
         _sync(device)
         best = max(best, 2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
     return best
-
-
-def _masked_batches():
-    """Within the block, ``encode_rows`` passes the attention mask even for batches without padding
-    (its behaviour before ``encode_batch``): a compiled graph then keeps transformers' all-True mask."""
-    class Patch:
-        def __enter__(self):
-            self.orig = encode_mod.encode_batch
-            encode_mod.encode_batch = lambda enc, ids, real, padded=True: self.orig(enc, ids, real, True)
-
-        def __exit__(self, *exc):
-            encode_mod.encode_batch = self.orig
-    return Patch()
 
 
 class _NoPatch:
@@ -275,18 +271,15 @@ def _rates(seconds: dict[str, Any], rows: int, flops: float, peak: float) -> dic
 
 
 def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = None, *,
-        budget_s: float | None = None, compile: bool = True, variants: Sequence[str] | None = None,
+        compile: bool = True, variants: Sequence[str] | None = None,
         repeats: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure the encode variants of the module docstring on ``device``; returns a JSON-able dict.
 
     ``quick``: a tiny BERT (2 layers, hidden 64), T = 32, batch 16, for CPU tests. ``peak_tflops``: the
-    bf16 GEMM peak measured by the caller in the same run (else measured here, 8192^3). ``budget_s``
-    (default 170 s on full runs, none on quick ones): the optional rows (batch 1024, the masked compiled
-    variant) run only while the time spent plus their expected cost (a compile: the longest one seen)
-    stays under it. ``compile=False`` skips the compiled variants; ``variants`` picks some of
-    :data:`VARIANTS` by name (e.g. drop ``b_compiled_fp32w_autocast``, which issue 23 measured already, to
-    save a compile). A variant that fails (an out-of-memory, a compile error) is recorded with its error and
-    the others go on.
+    bf16 GEMM peak measured by the caller in the same run (else measured here, 8192^3). ``variants``: some
+    of :data:`VARIANTS` by name (default :data:`DEFAULT_VARIANTS`); ``compile=False`` drops the compiled
+    ones. A variant that fails (an out-of-memory, a compile error) is recorded with its error and the
+    others go on.
     """
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
@@ -296,17 +289,16 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     shape = dict(QUICK if quick else FULL)
     if repeats is not None:
         shape["repeats"] = int(repeats)
-    budget_s = budget_s if budget_s is not None else (None if quick else 170.0)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is fp32 (restored at the end)
     try:
-        return _run(dev, quick, peak_tflops, budget_s, compile, variants, shape, seed, log)
+        return _run(dev, quick, peak_tflops, compile, tuple(variants or DEFAULT_VARIANTS), shape, seed, log)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: float | None, compile: bool,
-         variants: Sequence[str] | None, shape: dict[str, int], seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: bool, variants: tuple[str, ...],
+         shape: dict[str, int], seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     t_start = time.perf_counter()
     cfg = TINY_BERT if quick else BERT_LARGE
     T, B = shape["T"], shape["batch"]
@@ -320,7 +312,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
                      "transformers": __import__("transformers").__version__},
         "model": {"bert": cfg, "spec": "dual", "T": T, "init": "random (seeded)"},
         "rows": {"per_timing": rows, "batch": B, "all_full_length": True, "store": "FullRows (in memory)"},
-        "rounds": {"warmup": shape["warmup"], "timed": shape["repeats"], "order": "interleaved A B C D A B C D ..."},
+        "rounds": {"warmup": shape["warmup"], "timed": shape["repeats"], "order": "interleaved A B C A B C ..."},
         "flops": flops, "tolerance": TOLERANCE, "variants": {}, "skipped": [],
     }
     if is_cuda:
@@ -340,43 +332,48 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
     store = FullRows(rows, T, cfg["vocab_size"], seed)
     log(f"gpu_encode: model built ({time.perf_counter() - t_start:.1f} s); {rows} rows of T={T} per timing")
 
-    specs = {k: v for k, v in VARIANTS.items() if variants is None or k in variants}
+    specs = {k: VARIANTS[k] for k in variants}
     if not compile:
         specs = {k: v for k, v in specs.items() if not v[2]}
         result["skipped"].append("compiled variants (compile=False)")
+    if set(specs) != set(VARIANTS):
+        result["skipped"].append(f"not run: {', '.join(k for k in VARIANTS if k not in specs)} ({MEASURED})")
     default = (encode_precision("auto", "auto", dev), compile_wanted("auto", dev))
     encoders: dict[str, EntityEncoder] = {}
+    batch = {name: B * spec[3] for name, spec in specs.items()}
     entries: dict[str, dict[str, Any]] = result["variants"]
-    compile_costs: list[float] = []
 
-    def encode(enc: EntityEncoder, autocast, data, batch: int = B, masked: bool = False):
-        with (_masked_batches() if masked else _NoPatch()):
-            out = encode_rows(enc, data, batch, dev, autocast, "float32")
+    def encode(enc: EntityEncoder, autocast, data, size: int = B):
+        out = encode_rows(enc, data, size, dev, autocast, "float32")
         _sync(dev)
         return out
 
-    for name, (dtype, weights, compiled, what) in specs.items():
+    for name, (dtype, weights, compiled, _, what) in specs.items():
         precision = encode_precision(dtype, weights, dev)
         entry = entries[name] = {"description": what, "encode_dtype": dtype, "encode_weights": weights,
                                  "weights": str(precision.weights).removeprefix("torch."),
                                  "autocast": None if precision.autocast is None else str(precision.autocast)
-                                 .removeprefix("torch."), "compile": compiled, "batch": B,
-                                 "shard_default": (precision, compiled) == default}
+                                 .removeprefix("torch."), "compile": compiled is not None,
+                                 "compile_scope": compiled, "batch": batch[name],
+                                 "shard_default": (precision, compiled is not None) == default
+                                 and batch[name] == B}
         try:
             enc = copy.deepcopy(base)
-            entry["attention"] = prepare_encoder(enc, precision, "auto", compiled, dev)
+            # the shard's prepare_encoder; the compile scope named (CUDA shards compile the layers)
+            entry["attention"] = prepare_encoder(enc, precision, "auto", compiled is not None, dev,
+                                                 layers=compiled == "layers")
+            sample = store.head(batch[name])
             t0 = time.perf_counter()
-            encode(enc, precision.autocast, store.head(B))
+            encode(enc, precision.autocast, sample, batch[name])
             entry["first_call_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            encode(enc, precision.autocast, store.head(B))
+            encode(enc, precision.autocast, sample, batch[name])
             entry["second_call_s"] = time.perf_counter() - t0
             if compiled:
                 entry["compile_s"] = entry["first_call_s"] - entry["second_call_s"]
-                compile_costs.append(entry["compile_s"])
             try:
                 entry["sdpa"] = _attention_profile(
-                    lambda e=enc, p=precision: encode(e, p.autocast, store.head(B)), dev)
+                    lambda e=enc, p=precision, d=sample, b=batch[name]: encode(e, p.autocast, d, b), dev)
             except Exception as e:  # noqa: BLE001 - the profile is a diagnostic only
                 entry["sdpa"] = {"error": f"{type(e).__name__}: {e}"}
             encoders[name] = enc
@@ -388,8 +385,8 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
             if is_cuda:
                 torch.cuda.empty_cache()
 
-    # numerics: every variant against an fp32 encode of the same rows
-    check = store.head(B)
+    # numerics: every variant against an fp32 encode of the same rows (at its own batch: no recompile)
+    check = store.head(max(batch.values(), default=B))
     try:
         ref_enc = copy.deepcopy(base)
         prepare_encoder(ref_enc, encode_precision("fp32", "fp32", dev), "model", False, dev)
@@ -397,22 +394,25 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
         del ref_enc
         got = {}
         for name, enc in encoders.items():
-            v = encode(enc, encode_precision(*specs[name][:2], dev).autocast, check).vecs.double()
+            v = encode(enc, encode_precision(*specs[name][:2], dev).autocast, check, batch[name]).vecs.double()
             rel = (v - ref).norm(dim=1) / ref.norm(dim=1)
             cos = torch.nn.functional.cosine_similarity(v, ref, dim=1)
             got[name] = v
             entries[name]["vs_fp32"] = {"rel_l2_max": float(rel.max()), "rel_l2_median": float(rel.median()),
                                         "cos_min": float(cos.min())}
-        num: dict[str, Any] = {"rows": B}
+        num: dict[str, Any] = {"rows": len(check)}
         a, c = "a_eager_fp32w_autocast", "c_eager_bf16w"
-        if a in got and c in got:
+        if c in got:
             tol = bf16_tolerance(cfg["num_hidden_layers"])
-            num["bf16w_vs_autocast_rel_l2_max"] = float(((got[c] - got[a]).norm(dim=1) / got[a].norm(dim=1)).max())
+            worst = entries[c]["vs_fp32"]["rel_l2_max"]
+            if a in got:
+                num["bf16w_vs_autocast_rel_l2_max"] = float(
+                    ((got[c] - got[a]).norm(dim=1) / got[a].norm(dim=1)).max())
+                worst = max(worst, num["bf16w_vs_autocast_rel_l2_max"])
             num["tolerance_rel_l2"] = tol
-            num["bf16w_within_tolerance"] = max(entries[c]["vs_fp32"]["rel_l2_max"],
-                                                num["bf16w_vs_autocast_rel_l2_max"]) <= tol
-        for name in ("b_compiled_fp32w_autocast", "d_compiled_bf16w"):
-            eager = a if name.startswith("b") else c
+            num["bf16w_within_tolerance"] = worst <= tol
+        for name, eager in (("b_compiled_fp32w_autocast", a), ("d_compiled_bf16w", c), ("e_compiled_layers_bf16w", c),
+                            ("c_eager_bf16w_batch2x", c)):
             if name in got and eager in got:
                 num[f"{name}_vs_eager_rel_l2_max"] = float(
                     ((got[name] - got[eager]).norm(dim=1) / got[eager].norm(dim=1)).max())
@@ -423,7 +423,8 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
 
     # the timed rounds, interleaved
     ac = {name: encode_precision(*specs[name][:2], dev).autocast for name in encoders}
-    methods = {name: (lambda e=enc, a=ac[name]: encode(e, a, store)) for name, enc in encoders.items()}
+    methods = {name: (lambda e=enc, a=ac[name], b=batch[name]: encode(e, a, store, b))
+               for name, enc in encoders.items()}
     if methods:
         timed = _timed(methods, shape["repeats"], shape["warmup"], entries, log)
         for name, spread in timed.items():
@@ -432,56 +433,6 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
     log(f"gpu_encode: timed rounds done ({time.perf_counter() - t_start:.1f} s): " + "; ".join(
         f"{n} {e['entities_per_s']['median']:.0f}/s MFU {e['mfu']['median']:.1%}" for n, e in entries.items()
         if "entities_per_s" in e))
-
-    def fits(cost: float) -> bool:
-        return budget_s is None or time.perf_counter() - t_start + cost < budget_s
-
-    ranked = sorted((n for n in encoders if "seconds" in entries[n]),
-                    key=lambda n: -entries[n]["entities_per_s"]["median"])
-    round_s = sum(entries[n]["seconds"]["median"] for n in ranked) / max(len(ranked), 1)
-    if ranked:  # the fastest at twice the batch (1024) against itself at 512, in the same rounds
-        top, big = ranked[0], 2 * B
-        if rows % big:
-            result["skipped"].append(f"batch {big} ({rows} rows per timing is not a multiple)")
-        elif not fits(8 * 2 * round_s + 5):
-            result["skipped"].append(f"batch {big} (budget_s)")
-        else:
-            name = f"{top}_batch{big}"
-            try:
-                m = {top: methods[top], name: lambda e=encoders[top], a=ac[top]: encode(e, a, store, big)}
-                timed = interleaved(m, max(3, shape["repeats"] - 2), 1)
-                entries[name] = {**{k: v for k, v in entries[top].items()
-                                    if k in ("description", "encode_dtype", "encode_weights", "weights", "autocast",
-                                             "compile", "attention")}, "batch": big,
-                                 "seconds": timed[name], **_rates(timed[name], rows, flops["per_entity"], peak),
-                                 f"against_batch_{B}_same_rounds": _rates(timed[top], rows, flops["per_entity"], peak)}
-            except Exception as e:  # noqa: BLE001
-                entries[name] = {"batch": big, "error": f"{type(e).__name__}: {e}"}
-            if is_cuda:
-                torch.cuda.empty_cache()
-    compiled_ranked = [n for n in ranked if entries[n]["compile"]]
-    if compiled_ranked:  # a compiled encoder given the all-True mask (flash off; the same on a CPU)
-        top = compiled_ranked[0]
-        cost = (max(compile_costs) if compile_costs else 60.0) + 6 * round_s
-        if not fits(cost):
-            result["skipped"].append(f"{top} with the mask passed (budget_s: ~{cost:.0f} s more)")
-        else:
-            name = f"{top}_mask_passed"
-            try:
-                t0 = time.perf_counter()
-                encode(encoders[top], ac[top], store.head(B), masked=True)  # compiles the masked graph
-                first = time.perf_counter() - t0
-                prof = _attention_profile(lambda: encode(encoders[top], ac[top], store.head(B),
-                                                         masked=True), dev)
-                m = {top: methods[top], name: lambda: encode(encoders[top], ac[top], store, masked=True)}
-                timed = interleaved(m, 3, 1)
-                entries[name] = {"description": entries[top]["description"] + ", all-True mask passed (as before)",
-                                 "not_a_shard_path": True,
-                                 "batch": B, "compile": True, "first_call_s": first, "sdpa": prof,
-                                 "seconds": timed[name], **_rates(timed[name], rows, flops["per_entity"], peak),
-                                 "against_no_mask_same_rounds": _rates(timed[top], rows, flops["per_entity"], peak)}
-            except Exception as e:  # noqa: BLE001
-                entries[name] = {"error": f"{type(e).__name__}: {e}"}
     try:
         result["sdpa_probe"] = sdpa_probe(dev, B, T, cfg["num_attention_heads"],
                                           cfg["hidden_size"] // cfg["num_attention_heads"], cfg["num_hidden_layers"])
@@ -489,14 +440,15 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
         result["sdpa_probe"] = {"error": f"{type(e).__name__}: {e}"}
 
     # summary
-    timed_names = [n for n, e in entries.items() if "entities_per_s" in e and not e.get("not_a_shard_path")]
+    timed_names = [n for n, e in entries.items() if "entities_per_s" in e]
     if timed_names:
         best = max(timed_names, key=lambda n: entries[n]["entities_per_s"]["median"])
         e = entries[best]
         result["best"] = {"variant": best, "entities_per_s_median": e["entities_per_s"]["median"],
                           "mfu_median": e["mfu"]["median"], "mfu_best": e["mfu"]["max"],
                           "refresh_kilt_8gpu_min_median": e["refresh_kilt_8gpu_min"]["median"],
-                          "meets_60pct_median": e["mfu"]["median"] >= 0.60}
+                          "meets_60pct_median": e["mfu"]["median"] >= 0.60,
+                          "ranking": sorted(timed_names, key=lambda n: -entries[n]["entities_per_s"]["median"])}
     shard = [n for n in specs if entries[n].get("shard_default")]
     result["shard_default"] = {
         "settings": "encode_dtype auto, encode_weights auto, encode_compile auto",
@@ -510,7 +462,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, budget_s: fl
             refresh_kilt_8gpu_min_median=e["refresh_kilt_8gpu_min"]["median"],
             first_refresh_extra_s=e.get("compile_s", 0.0), meets_60pct_median=e["mfu"]["median"] >= 0.60)
     for eager, compiled in (("a_eager_fp32w_autocast", "b_compiled_fp32w_autocast"),
-                            ("c_eager_bf16w", "d_compiled_bf16w")):
+                            ("c_eager_bf16w", "d_compiled_bf16w"), ("c_eager_bf16w", "e_compiled_layers_bf16w")):
         ee, ce = entries.get(eager, {}), entries.get(compiled, {})
         if "entities_per_s" in ee and "entities_per_s" in ce:
             re_, rc = ee["entities_per_s"]["median"], ce["entities_per_s"]["median"]
@@ -530,11 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU tests)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 GEMM peak (default: measured here)")
-    ap.add_argument("--budget-s", type=float, default=None, help="time for the optional rows (default 170 s)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
-    ap.add_argument("--variants", default=None, help=f"comma-separated, some of {','.join(VARIANTS)} (default all)")
+    ap.add_argument("--variants", default=None, help=f"comma-separated, some of {','.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
     args = ap.parse_args(argv)
-    out = run(args.device, args.quick, args.peak_tflops, budget_s=args.budget_s, compile=not args.no_compile,
+    out = run(args.device, args.quick, args.peak_tflops, compile=not args.no_compile,
               variants=args.variants.split(",") if args.variants else None)
     print(json.dumps(out, indent=1, default=str))
     for name, e in out["variants"].items():

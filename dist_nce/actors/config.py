@@ -48,9 +48,11 @@ class ServiceConfig:
         "encode_dtype resolves to bf16 there, else fp32. Refreshes cast the new weights on load.",
         default="auto")
     encode_compile: bool | Literal["auto"] = _help(
-        "torch.compile each shard's entity encoder (index/encode.py compile_encoder): faster re-encoding "
-        "after a one-time compile on the shard's first encode; weights of later refreshes are swapped in "
-        "without recompiling. Needs a C++ compiler on CPUs. auto = on CUDA only.", default="auto")
+        "torch.compile each shard's entity encoder (index/encode.py compile_encoder; on CUDA layer by layer, "
+        "the attention mask built eagerly): a compile on the shard's first encode; weights of later refreshes "
+        "are swapped in without recompiling. Needs a C++ compiler on CPUs. auto = whichever measured faster "
+        "on the device: off everywhere for now (H100, BERT-large: eager bf16 58.6% of the bf16 peak, the "
+        "whole model compiled 39.0%; benchmarks/gpu_encode.py).", default="auto")
     encode_attention: Literal["auto", "native", "model"] = _help(
         "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
         "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "

@@ -99,19 +99,27 @@ def encode_precision(dtype: str, weights: str, device: torch.device) -> Precisio
 
 
 def compile_wanted(setting: bool | str, device: torch.device) -> bool:
-    """``ServiceConfig.encode_compile`` on ``device``: true, false, or ``auto`` = on CUDA only."""
+    """``ServiceConfig.encode_compile`` on ``device``: true, false, or ``auto`` = whichever measured faster
+    there, which is off on every device for now.
+
+    CUDA (benchmarks/gpu_encode.py, H100, BERT-large T = 128, batch 512, torch 2.11, transformers 5.17):
+    eager bf16 weights 5445 entities/s (58.6% of the bf16 peak) against 3628/s (39.0%) with the whole
+    model compiled, whose graph ran the math attention over an in-graph all-True mask (see
+    :func:`compile_encoder`); the per-layer compile is measured next. CPUs: compiling needs a C++ compiler.
+    """
     if setting == "auto":
-        return device.type == "cuda"
+        return False
     if isinstance(setting, bool):
         return setting
     raise ValueError(f"encode_compile must be true, false or auto; got {setting!r}")
 
 
 def prepare_encoder(encoder: EntityEncoder, precision: Precision, attention: str, compile: bool,
-                    device: torch.device) -> str:
+                    device: torch.device, layers: bool | None = None) -> str:
     """Ready an encoder built for encoding, in place, the way a shard runs it: on ``device``, its
     weights in ``precision.weights``, the attention of :func:`choose_attention`, compiled
-    (:func:`compile_encoder`) if ``compile``. Returns the attention implementation.
+    (:func:`compile_encoder`) if ``compile``: layer by layer (``layers``; default: on CUDA) or whole.
+    Returns the attention implementation.
 
     Call it outside inference mode (tensors made inside it cannot be updated in place later).
     ``EntityEncoder.load_state`` copies a refresh's weights into the held tensors, casting them
@@ -121,7 +129,7 @@ def prepare_encoder(encoder: EntityEncoder, precision: Precision, attention: str
     encoder.to(device=device, dtype=precision.weights)  # floating tensors only: ids buffers stay int64
     name = choose_attention(encoder, attention, device, precision.compute)
     if compile:
-        compile_encoder(encoder)
+        compile_encoder(encoder, layers=device.type == "cuda" if layers is None else layers)
     return name
 
 
@@ -150,17 +158,48 @@ def _fixed_width(reps: Reps, width: int) -> Reps:
     return Reps(vecs, mask)
 
 
-def compile_encoder(encoder: EntityEncoder) -> EntityEncoder:
+def transformer_layers(encoder: EntityEncoder) -> torch.nn.ModuleList | None:
+    """The stack of transformer layers of ``encoder`` (BERT: ``model.encoder.layer``): its longest
+    ``ModuleList``; None if it has none."""
+    lists = [m for m in encoder.encoder.model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return max(lists, key=len) if lists else None
+
+
+def compile_encoder(encoder: EntityEncoder, layers: bool = False) -> EntityEncoder:
     """``torch.compile`` the transformer of ``encoder`` in place (``ServiceConfig.encode_compile``).
 
-    Inductor fuses the elementwise work between the GEMMs (bias, GELU, layer norm, the
-    autocast casts), which is what keeps a small encoder such as MiniLM well below the GEMM
-    rate on a CPU. ``dynamic=True``: one graph for every batch length. The weights stay graph
-    inputs (no freezing), so ``EntityEncoder.load_state`` swapping them in place is seen by
-    the next forward without recompiling; ``state_dict`` keys are unchanged. The first
-    forward pays the compile (seconds to a minute; needs a C++ compiler on CPUs).
+    Inductor fuses the elementwise work between the GEMMs (bias, GELU, residual add + layer norm,
+    the autocast casts), which is what keeps a small encoder such as MiniLM well below the GEMM
+    rate on a CPU. The weights stay graph inputs (no freezing), so ``EntityEncoder.load_state``
+    swapping them in place is seen by the next forward without recompiling; ``state_dict`` keys
+    are unchanged. The first forward pays the compile (needs a C++ compiler on CPUs).
+
+    ``layers=False`` (CPUs): the whole model, ``dynamic=True``: one graph for every batch length.
+
+    ``layers=True`` (what a CUDA shard does): each transformer layer (:func:`transformer_layers`)
+    compiled with ``dynamic=False``, the embeddings, the attention mask and the pooler left eager.
+    Why: (1) transformers (5.17) drops an all-True or absent mask for sdpa only outside tracing
+    (``masking_utils._ignore_bidirectional_mask_sdpa``: ``is_tracing`` is true whenever dynamo
+    compiles), so a whole-model graph builds the all-True mask itself and its sdpa ran the math
+    backend (H100: a fused ``_safe_softmax ... arange ... ge`` kernel and fp32 GEMMs, 39% of the
+    peak against 58.6% eager). Built eagerly, the mask of a batch without padding is None, and the
+    compiled layers get none. (2) Inductor keeps the fused sdpa ops as extern kernels
+    (``_inductor/lowering.py``: ``make_fallback(aten._scaled_dot_product_{flash,efficient,cudnn}_attention,
+    sdpa_constraint)``; only ``_scaled_dot_product_flash_attention_for_cpu`` is decomposed,
+    ``_inductor/decomposition.py``); which one is fixed when ``aten.scaled_dot_product_attention``
+    is traced, from the sizes it sees: static sizes are the ones eager sees, so the compiled layer
+    gets eager's kernel (cuDNN flash on an H100). (3) The layers share one graph (same code, weights
+    as inputs: PyTorch's regional compilation), a compile of seconds rather than the whole model's
+    47 s. Each new (batch, length) shape compiles again, up to dynamo's ``recompile_limit`` (8;
+    shapes past it run eagerly): a refresh visits its rows longest first, so full-length batches,
+    nearly all of a KILT shard, come first and share one graph.
     """
-    encoder.encoder.model.compile(dynamic=True)
+    stack = transformer_layers(encoder) if layers else None
+    if stack is None:
+        encoder.encoder.model.compile(dynamic=True)
+        return encoder
+    for layer in stack:
+        layer.compile(dynamic=False)
     return encoder
 
 

@@ -50,6 +50,35 @@ def test_zero0_fp32_and_zero2_bf16_train_and_agree(dist_env):
     assert bf16[-1] == pytest.approx(fp32[-1], rel=0.15, abs=1e-2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg_name", ["zero2_bf16.json", "zero3_bf16.json"])
+def test_foreach_grad_norm_equals_deepspeeds(dist_env, cfg_name):
+    """build_engine's one-call clipping norm (engine docstring) gives DeepSpeed's per-tensor fp64 norm."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    _, engine = _train(cfg_name, steps=1)
+    opt = engine.optimizer
+    assert opt._foreach_grad_norm and "get_grad_norm_direct" in vars(opt)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    engine.backward(engine(x.to(torch.bfloat16)).float().pow(2).mean())
+
+    def norm():
+        if hasattr(opt, "scaled_global_norm"):  # ZeRO-1/2
+            return float(opt.scaled_global_norm())
+        return float(combine_grad_norm_groups(opt._get_norm_groups()))  # ZeRO-3
+
+    ours = norm()
+    del opt.get_grad_norm_direct  # back to DeepSpeed's own
+    assert ours > 0 and ours == pytest.approx(norm(), rel=1e-5)
+
+
+def test_one_worker_zero3_keeps_every_parameter():
+    one = load_deepspeed_config(os.path.join(DS_DIR, "zero3_bf16.json"), micro_batch=2, world_size=1, grad_clip=1.0)
+    two = load_deepspeed_config(os.path.join(DS_DIR, "zero3_bf16.json"), micro_batch=2, world_size=2, grad_clip=1.0)
+    assert one["zero_optimization"]["stage3_param_persistence_threshold"] >= 2 ** 62
+    assert two["zero_optimization"]["stage3_param_persistence_threshold"] == 100000
+
+
 def test_auto_fields_and_overrides():
     cfg = load_deepspeed_config(os.path.join(DS_DIR, "zero0_fp32.json"), micro_batch=2, world_size=2,
                                 grad_clip=0.5, zero_stage=3, bf16=True)
