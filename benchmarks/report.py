@@ -11,7 +11,8 @@ their min-max spread, ratios with the range their spreads allow, the load averag
 started at); the prose between the blocks is written by hand. ``tests/test_benchmarks_report.py``
 fails when a block differs from what the committed JSON renders, or when a result has no block on
 the page, so a table cannot drift from its measurement. The README quotes a few headline figures
-and links here.
+and links here, and carries one generated block of its own (the GPU mining table), rewritten and
+checked with the page's.
 
     .venv/bin/python -m benchmarks.report            # rewrite the page's blocks from the JSON
     .venv/bin/python -m benchmarks.report --check    # exit 1 if any block is stale or missing
@@ -341,12 +342,18 @@ def gpu_mining(data: dict) -> str:
     lines.append("")
     for r in rows:
         pc = r["ops_per_chunk"]
-        lines.append(f"- B = {r['batch']}: {r['chunks']} chunks of {r['chunk_rows']:,} rows; the sampler is "
-                     f"{r['sampler_vs_one_read']:.2f}x one read of the embeddings; one call runs "
-                     f"{r['ops_sampler']['device_kernels']} device kernels and {r['ops_sampler']['host_syncs']} host "
-                     f"synchronisations, {pc['device_kernels']:.0f} kernels and {pc['host_syncs']:.0f} "
-                     f"synchronisations per extra chunk (torch.profiler; top-k: {r['ops_topk']['device_kernels']} "
-                     "kernels).")
+        lines.append(f"- B = {r['batch']}: {r['chunks']} chunks of {r['chunk_rows']:,} rows; the sampler takes "
+                     f"{r['sampler_vs_one_read']:.2f}x one read of the embeddings. One call: "
+                     f"{r['ops_sampler']['operators']} operators ({r['ops_topk']['operators']} for top-k), "
+                     f"{r['ops_sampler']['host_syncs']} host synchronisations; each chunk more adds "
+                     f"{pc['operators']:.0f} operators ({pc['operators_not_views']:.0f} that are not views or "
+                     f"allocations, one Triton launch) and {pc['host_syncs']:.0f} synchronisations (torch.profiler, "
+                     "the same call on half-size chunks).")
+    if data.get("first_version"):
+        lines += ["", "The first fused version (" + data["first_version"]["note"].split(": ", 1)[1] + "), an earlier run: "
+                  + "; ".join(f"B = {r['batch']}: top-k {_ms(r['exact top-k'])} ms, sampler "
+                              f"{_ms(r['exact block Gumbel-top-k'])} ms, plain {_ms(r['plain GEMM + topk'])} ms"
+                              for r in data["first_version"]["rows"]) + "."]
     lines += ["", f"Copy rate {data['copy_tb_per_s']:.2f} TB/s (bytes read + written); one read of the embeddings at "
               f"that rate: {1e3 * data['one_read_at_copy_rate_s']:.1f} ms.", _gpu_line(data)]
     return "\n".join(lines) + "\n"
@@ -369,11 +376,71 @@ def gpu_law(data: dict) -> str:
     return "\n".join(lines + ["", _gpu_line(data)]) + "\n"
 
 
+def gpu_encode(data: dict) -> str:
+    rows = []
+    best = data["best"]
+    runs = [("this run", data["variants"])] + [("first run", v) for v in [data.get("first_run", {}).get("variants")] if v]
+    for label, variants in runs:
+        for name, v in (variants.items() if isinstance(variants, dict) else enumerate(variants)):
+            what = v["description"].split(" (the")[0]  # labels of the run's own default, stale once measured
+            rows.append([what + (" (first run)" if label != "this run" else
+                                 " **(the CUDA default)**" if name == best["variant"] else ""),
+                         str(v["batch"]),
+                         f"{v['entities_per_s']['median']:,.0f} ({v['entities_per_s']['min']:,.0f}-"
+                         f"{v['entities_per_s']['max']:,.0f})", f"{100 * v['mfu']['median']:.1f}%",
+                         f"{v['refresh_kilt_8gpu_min']['median']:.2f}", v["sdpa"].get("backend", "?")])
+    first_num = data.get("first_run", {}).get("numerics", {})
+    lines = [f"BERT-large entity encoder (dual), every row 128 tokens, {data['rows']['per_timing']:,} rows per timing, "
+             "through the shard's encode path (`encode_rows`), inference; entities/s median (min-max) of "
+             "interleaved rounds; MFU against the same run's bf16 GEMM peak; the 5,903,530-row KILT refresh on "
+             "8 such GPUs computed from the per-GPU rate.", ""]
+    lines += _table(["variant", "batch", "entities/s", "MFU", "KILT on 8 GPUs, min", "sdpa kernel"], rows)
+    lines += ["", f"Best: {best['variant']} at {100 * best['mfu_median']:.1f}% of the peak; a 5.9M refresh on 8 GPUs "
+              f"in {best['refresh_kilt_8gpu_min_median']:.2f} min. The shard's default on CUDA (bf16 weights, "
+              "layers compiled) is that variant. Largest relative L2 distance of the reps: bf16 weights against fp32 "
+              f"weights under autocast {first_num.get('bf16w_vs_autocast_rel_l2_max', float('nan')):.3f} (first run), "
+              f"layers compiled against eager {data['numerics'].get('e_compiled_layers_bf16w_vs_eager_rel_l2_max', float('nan')):.3f} "
+              f"(tolerance {data['numerics']['tolerance_rel_l2']:.3f}). FLOPs {data['flops'].get('formula', '')}.",
+              _gpu_line(data)]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_train(data: dict) -> str:
+    rows = []
+    first = data.get("first_run", {}).get("modes", {})
+    modes = [(name, m) for name, m in data["modes"].items()] + [(f"{name} (first run)", m) for name, m in first.items()]
+    for name, m in modes:
+        if "step_seconds" not in m:
+            rows.append([name, "failed: " + str(m.get("error", "?"))[:80], "", "", "", ""])
+            continue
+        st = m["step_seconds"]
+        ph = m.get("phases_median_ms", {}).get("device_ms", {})
+        conf = m.get("config")
+        rows.append([name + ("" if conf in (None, "inline") else f" (`{Path(conf).name}`)"),
+                     f"{1e3 * st['median']:.0f} ({1e3 * st['min']:.0f}-{1e3 * st['max']:.0f})",
+                     f"{m['ratio_to_plain']:.2f}x", f"{100 * m['mfu']:.1f}%", f"{m['peak_memory_gib']:.1f}",
+                     " / ".join(f"{ph.get(k, float('nan')):.0f}" for k in ("forward", "backward", "optimizer"))])
+    b = data["batch"]
+    lines = [f"One dual-retriever training step, BERT-base on both sides, {b['mentions']} mentions x {b['candidates']} "
+             f"candidates of {b['cand_len']} tokens (mentions {b['mention_len']}), bf16, gradient clipping "
+             f"{data['optim']['grad_clip']}: a plain torch step (fp32 weights, autocast, fused AdamW) against the "
+             "project's `build_engine` with the DeepSpeed JSONs, same weights and batches, interleaved.", ""]
+    lines += _table(["mode", "step ms (min-max)", "x plain", "MFU", "peak GiB", "forward / backward / optimizer ms"],
+                    rows)
+    tg = data["targets"]
+    lines += ["", "Targets: " + "; ".join(f"{k} {v['ratio_to_plain']:.2f}x (limit {v['max_ratio_to_plain']}x, "
+                                          f"{'met' if v['met'] else 'NOT met'}; loss within tolerance: "
+                                          f"{v['losses_within_bf16_tolerance']})" for k, v in tg.items()) + ".",
+              _gpu_line(data)]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
                                                 "update": update, "attention": attention,
-                                                "gpu_mining": gpu_mining, "gpu_law": gpu_law}
+                                                "gpu_mining": gpu_mining, "gpu_law": gpu_law,
+                                                "gpu_encode": gpu_encode, "gpu_train": gpu_train}
 
 
 def sources(name: str) -> tuple[str, ...]:
@@ -388,6 +455,10 @@ def render(name: str, results: Path = RESULTS) -> str:
         raise KeyError(f"docs/benchmarks.md: bench block '{name}' has no renderer in benchmarks/report.py "
                        f"(known: targets, {', '.join(sorted(RENDERERS))})")
     return RENDERERS[name](_load(results, name))
+
+
+# The README carries a generated block too (its GPU table); the page must carry every block.
+README = REPO / "README.md"
 
 
 def rewrite(text: str, results: Path = RESULTS) -> str:
@@ -418,15 +489,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     page = PAGE.relative_to(REPO)
     text = PAGE.read_text(encoding="utf-8")
+    readme = README.read_text(encoding="utf-8")
     if args.check:
-        stale = stale_blocks(text)
+        stale = stale_blocks(text) + [f"README.md {n}" for n, body in blocks(readme).items()
+                                       if body != blocks(rewrite(readme))[n]]
         print(f"stale {page} blocks: " + ", ".join(stale) if stale else f"{page}: benchmark blocks match the JSON")
         return 1 if stale else 0
     new = rewrite(text)
     if new != text:
         PAGE.write_text(new, encoding="utf-8")
+    new_readme = rewrite(readme)
+    if new_readme != readme:
+        README.write_text(new_readme, encoding="utf-8")
     missing = [n for n in names() if n not in blocks(new)]
-    print(f"rendered {len(blocks(new))} blocks of {page}: {', '.join(blocks(new))}"
+    print(f"rendered {len(blocks(new))} blocks of {page}: {', '.join(blocks(new))}; README.md: "
+          f"{', '.join(blocks(new_readme)) or 'none'}"
           + (f"; no block for {', '.join(missing)}: add a <!-- bench:NAME --> pair" if missing else ""))
     return 1 if missing else 0
 

@@ -51,8 +51,8 @@ class ServiceConfig:
         "torch.compile each shard's entity encoder (index/encode.py compile_encoder; on CUDA layer by layer, "
         "the attention mask built eagerly): a compile on the shard's first encode; weights of later refreshes "
         "are swapped in without recompiling. Needs a C++ compiler on CPUs. auto = whichever measured faster "
-        "on the device: off everywhere for now (H100, BERT-large: eager bf16 58.6% of the bf16 peak, the "
-        "whole model compiled 39.0%; benchmarks/gpu_encode.py).", default="auto")
+        "on the device: on CUDA (H100, BERT-large: layers compiled 66.5% of the bf16 peak, eager 61.3%; "
+        "benchmarks/results/gpu_encode.json), off on CPUs.", default="auto")
     encode_attention: Literal["auto", "native", "model"] = _help(
         "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
         "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "
