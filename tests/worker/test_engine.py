@@ -77,6 +77,8 @@ def test_one_worker_zero3_keeps_every_parameter():
     two = load_deepspeed_config(os.path.join(DS_DIR, "zero3_bf16.json"), micro_batch=2, world_size=2, grad_clip=1.0)
     assert one["zero_optimization"]["stage3_param_persistence_threshold"] >= 2 ** 62
     assert two["zero_optimization"]["stage3_param_persistence_threshold"] == 100000
+    assert one["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert "stage3_prefetch_bucket_size" not in two["zero_optimization"]
 
 
 def test_auto_fields_and_overrides():
@@ -103,3 +105,46 @@ def test_bad_deepspeed_configs(tmp_path):
 def test_linear_warmup_decay():
     f = linear_warmup_decay(total_steps=10, warmup_proportion=0.2)
     assert [round(f(s), 3) for s in range(10)] == [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
+
+
+@pytest.mark.slow
+def test_zero3_step_keeps_resident_parameters_and_trains_the_same(dist_env):
+    """One worker: ZeRO-3's step leaves persistent parameters that are their own partition gathered (engine
+    docstring), and the training is the same as with DeepSpeed's release + re-gather."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    ours, engine = _train("zero3_bf16.json")
+    opt = engine.optimizer
+    assert opt._keep_resident_parameters
+    assert engine.zero_optimization_stage() == 3
+    params = list(engine.module.parameters())
+    assert all(p.ds_persist and p.ds_status == ZeroParamStatus.AVAILABLE for p in params)
+    assert all(p.data.data_ptr() == p.ds_tensor.data_ptr() for p in params)  # the weights are the partitions
+    before = [p.data.clone() for p in params]
+    released = []
+    coordinator = opt.parameter_offload.get_param_coordinator()
+    release = coordinator._PartitionedParameterCoordinator__release_param
+    coordinator._PartitionedParameterCoordinator__release_param = lambda p, *a, **k: (released.append(p),
+                                                                                       release(p, *a, **k))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    engine.backward(engine(x.to(torch.bfloat16)).float().pow(2).mean())
+    for group in opt.param_groups:
+        group["lr"] = 1e-2  # the schedule has decayed to 0 after _train's steps
+    engine.step()
+    del coordinator._PartitionedParameterCoordinator__release_param
+    assert not released
+    assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in params)
+    assert any(not torch.equal(b, p.data) for b, p in zip(before, params))  # the step updated them in place
+    assert all(p.data.data_ptr() == p.ds_tensor.data_ptr() for p in params)
+
+    import dist_nce.worker.engine as engine_mod
+    original = engine_mod.keep_resident_parameters
+    engine_mod.keep_resident_parameters = lambda opt: False  # DeepSpeed's own release + re-gather
+    try:
+        theirs, engine2 = _train("zero3_bf16.json")
+    finally:
+        engine_mod.keep_resident_parameters = original
+    assert not getattr(engine2.optimizer, "_keep_resident_parameters", False)
+    assert ours == theirs
+    for a, b in zip(engine.module.parameters(), engine2.module.parameters()):
+        assert a.shape == b.shape
