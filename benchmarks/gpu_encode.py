@@ -11,14 +11,15 @@ tokens), held by :class:`FullRows`, an in-memory stand-in for the ``EntityStore`
 only ``num_entities``, ``max_len``, ``lengths`` and ``token_ids``), so no Arrow store is built.
 
 Variants (``ServiceConfig`` settings in brackets), timed interleaved (A B C A B C ...) after warm-up. By default
-(:data:`DEFAULT_VARIANTS`, for the next H100 run, ~1-1.5 min):
+(:data:`DEFAULT_VARIANTS`, ~1 min on an H100):
 
 * ``c_eager_bf16w``: weights held in bf16, the whole forward in bf16, no autocast [encode_weights bf16, which
-  ``auto`` is on CUDA; encode_compile false, which ``auto`` is now] -- the CUDA shard default, the reference;
+  ``auto`` is on CUDA; encode_compile false] -- the reference;
 * ``c_eager_bf16w_batch2x``: the same at twice the batch (1024);
 * ``e_compiled_layers_bf16w``: (c) with each transformer layer compiled, ``dynamic=False``, the attention
-  mask built eagerly (``compile_encoder(layers=True)``, what ``encode_compile: true`` does on CUDA): the
-  compiled variant that keeps the fused attention kernel (see ``compile_encoder``).
+  mask built eagerly (``compile_encoder(layers=True)``, what ``encode_compile: auto`` or ``true`` does on
+  CUDA): the compiled variant that keeps the fused attention kernel (see ``compile_encoder``) -- the CUDA
+  shard default since it measured fastest (66.5% against 61.3% for (c), benchmarks/results/gpu_encode.json).
 
 Measured already (H100, torch 2.11, transformers 5.17, batch 512, 733 TFLOP/s peak; rerun by name with
 ``variants``): ``a_eager_fp32w_autocast`` (fp32 weights, bf16 autocast: 4460/s, 48.0%),
@@ -71,11 +72,12 @@ QUICK = {"T": 32, "batch": 16, "batches": 2, "warmup": 1, "repeats": 2}
 VARIANTS = {
     "a_eager_fp32w_autocast": ("bf16", "fp32", None, 1, "fp32 weights, bf16 autocast, eager (the old default)"),
     "b_compiled_fp32w_autocast": ("bf16", "fp32", "model", 1, "fp32 weights, bf16 autocast, whole model compiled"),
-    "c_eager_bf16w": ("bf16", "bf16", None, 1, "bf16 weights, no autocast, eager (the CUDA default)"),
+    "c_eager_bf16w": ("bf16", "bf16", None, 1, "bf16 weights, no autocast, eager"),
     "c_eager_bf16w_batch2x": ("bf16", "bf16", None, 2, "bf16 weights, no autocast, eager, twice the batch"),
     "d_compiled_bf16w": ("bf16", "bf16", "model", 1, "bf16 weights, no autocast, whole model compiled"),
     "e_compiled_layers_bf16w": ("bf16", "bf16", "layers", 1,
-                                "bf16 weights, no autocast, each layer compiled (dynamic=False), mask eager"),
+                                "bf16 weights, no autocast, each layer compiled (dynamic=False), mask eager "
+                                "(the CUDA default)"),
 }
 DEFAULT_VARIANTS = ("c_eager_bf16w", "c_eager_bf16w_batch2x", "e_compiled_layers_bf16w")
 MEASURED = ("a_eager_fp32w_autocast, b_compiled_fp32w_autocast, c_eager_bf16w at batch 512 and d_compiled_bf16w "
