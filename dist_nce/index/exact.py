@@ -14,10 +14,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from dist_nce.kernels import block_reduce
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
 from dist_nce.sampling import block_native
-from dist_nce.sampling.block_fused import FusedBlockStream
 from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
 from dist_nce.sampling.negatives import gumbel_topk_dense
 from dist_nce.sampling.topk import ShardResult, mask_gold_, merge_results
@@ -244,7 +242,9 @@ def _fused_usable(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], chunk_rows:
         return "the fused path scores single-vector (dual) reps only"
     if block_rows & (block_rows - 1) or chunk_rows % block_rows:
         return f"block_rows ({block_rows}) must be a power of two dividing chunk_rows ({chunk_rows})"
-    return block_reduce.available(q.vecs.device)
+    from dist_nce.kernels.triton_base import available  # imports triton: only where the fused path may run
+
+    return available(q.vecs.device)
 
 
 def _chunk_scores(q: Tensor, ents: Tensor, bf16_gemm: bool) -> Tensor:
@@ -276,6 +276,8 @@ def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
     (the gold inside the reduction); a chunk the shard holds whole is scored in place, any
     other is copied into its padded grid layout, so every chunk has the GEMM shape of the
     flat search's (bit-identical scores)."""
+    from dist_nce.sampling.block_fused import FusedBlockStream
+
     vecs = q.vecs
     ent_dtype = pieces[0].reps.vecs.dtype
     # one host check per call: are the fp32 queries bf16 values (score_dtype bf16)?
