@@ -324,6 +324,8 @@ def gpu_mining(data: dict) -> str:
     names = [("plain GEMM + topk", "plain chunked bf16 GEMM + `torch.topk` (1M-row chunks)", None),
              ("exact top-k", "exact top-k, defaults", "topk_vs_plain"),
              ("exact block Gumbel-top-k", "exact block Gumbel-top-k, defaults", "sampler_vs_plain"),
+             ("exact top-k, bf16 scores", "exact top-k, `storage`/`compute: bf16` (bf16 scores)", "topk_bf16_vs_plain"),
+             ("exact block Gumbel-top-k, bf16 scores", "exact block Gumbel-top-k, bf16 scores", "sampler_bf16_vs_plain"),
              ("old defaults (chunk 8192, torch), block sampler", "block sampler, old defaults (8192-row chunks, "
               "torch reductions; one timing)", None)]
     header = ["path"] + [h for r in rows for h in (f"B = {r['batch']}: ms (min-max)", "x plain")]
@@ -336,7 +338,9 @@ def gpu_mining(data: dict) -> str:
     table.append(["one read of the embeddings (`amax`)"] + [c for _ in rows for c in (_ms(read), "")])
     lines = [f"Mining over {data['rows']:,} x {data['dim']} bf16 random rows ({data['bytes'] / 1e9:.1f} GB), "
              f"K-1 = {data['k']}, `ShardIndex` (torch backend, `score_dtype: bf16`, `sampler: block`, every other "
-             "option at its default: `device: auto`, `chunk_rows: 0`, `kernel: auto`). Median of "
+             "option at its default: `device: auto`, `chunk_rows: 0`, `kernel: auto`): fp32 sums of the bf16 "
+             "products, as scores; the bf16-score rows keep the GEMM's bf16 output instead, as the plain path does. "
+             "Median of "
              f"{rows[0]['plain GEMM + topk']['repeats']} interleaved calls after a warm-up, results on the host.", ""]
     lines += _table(header, table)
     lines.append("")
@@ -349,6 +353,11 @@ def gpu_mining(data: dict) -> str:
                      f"{pc['operators']:.0f} operators ({pc['operators_not_views']:.0f} that are not views or "
                      f"allocations, one Triton launch) and {pc['host_syncs']:.0f} synchronisations (torch.profiler, "
                      "the same call on half-size chunks).")
+    if data.get("earlier_run"):
+        lines += ["", "The same code on another H100 machine, an earlier run: "
+                  + "; ".join(f"B = {r['batch']}: top-k {_ms(r['exact top-k'])} ms, sampler "
+                              f"{_ms(r['exact block Gumbel-top-k'])} ms, plain {_ms(r['plain GEMM + topk'])} ms"
+                              for r in data["earlier_run"]["rows"]) + "."]
     if data.get("first_version"):
         lines += ["", "The first fused version (" + data["first_version"]["note"].split(": ", 1)[1] + "), an earlier run: "
                   + "; ".join(f"B = {r['batch']}: top-k {_ms(r['exact top-k'])} ms, sampler "
