@@ -39,7 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import LOAD_LIMIT, RESULTS_DIR, compare, interleaved, load_guard, print_table, save_results
+from benchmarks.common import (LOAD_LIMIT, RESULTS_DIR, compare, gemm_peak, interleaved, load_guard, print_table,
+                               save_results, sync)
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.exact import Piece, auto_chunk_rows, exact_search, exact_search_pieces
 from dist_nce.index.search import ShardIndex
@@ -49,11 +50,6 @@ from dist_nce.sampling.topk import merge_results
 
 DUAL = ScoreSpec.preset("dual")
 KILT_ROWS = 5_903_530
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def device_info(device: torch.device) -> dict:
@@ -79,26 +75,6 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int
         fn()
         sync(device)
     return interleaved({"x": run}, repeats, warmup)["x"]
-
-
-# --------------------------------------------------------------------------- peak and bandwidth
-
-
-def gemm_peak(device: torch.device, size: int, repeats: int = 10) -> dict:
-    """bf16 GEMM rate (TFLOP/s) of a size^3 product: best and median of ``repeats``."""
-    a = torch.randn(size, size, device=device).bfloat16()
-    b = torch.randn(size, size, device=device).bfloat16()
-    for _ in range(3):
-        a @ b
-    sync(device)
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        rates.append(2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
-    rates.sort()
-    return {"size": size, "tflops_best": rates[-1], "tflops_median": rates[len(rates) // 2]}
 
 
 # --------------------------------------------------------------------------- counting operators
@@ -141,7 +117,7 @@ _VIEWS = {"aten::alias", "aten::slice", "aten::view", "aten::unsqueeze", "aten::
 
 def law(device: torch.device, quick: bool) -> dict:
     """Correctness of the fused path on ``device`` (module docstring)."""
-    from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
+    from tests.sampling.laws import successive_law, two_sample_p
 
     kernel = "auto" if device.type == "cuda" else "triton"
     out: dict[str, Any] = {"kernel": kernel}
@@ -184,19 +160,7 @@ def law(device: torch.device, quick: bool) -> dict:
     golds = torch.zeros(draws, dtype=torch.int64, device=device)
     res = merge_results([ShardIndex(DUAL, Reps(torch.diag(s)[a:b]), a, cfg).gumbel_topk(
         qd, k, golds, 17, torch.arange(draws, device=device)) for a, b in [(0, 16), (16, 24), (24, 40)]], k)
-    p = torch.softmax(s[1:].double(), 0)
-    first = torch.bincount(res.ids[:, 0] - 1, minlength=rows - 1).double()
-    pair = (res.ids[:, 0] - 1) * (rows - 1) + (res.ids[:, 1] - 1)
-    counts = torch.bincount(pair, minlength=(rows - 1) ** 2).double()
-
-    def pairs(pp: torch.Tensor) -> torch.Tensor:
-        return (pp[:, None] * pp[None, :] / (1 - pp[:, None])).fill_diagonal_(0).flatten()
-    out["first_draw_p"] = chi2_p(first, draws * p)
-    out["ordered_pairs_p"] = chi2_p(counts, draws * pairs(p))
-    out["wrong_temperature_p"] = chi2_p(counts, draws * pairs(torch.softmax(s[1:].double() / 1.1, 0)))
-    freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(rows - 1)])
-    pi = inclusion3(p)
-    out["inclusion_max_z"] = float(((freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)).max())
+    out.update(successive_law(res.ids, s, 1.1))
     dense = ng.sample_hard(s.expand(draws, rows), 2, golds.cpu(), 4, torch.arange(draws)).ids
     out["vs_dense_sampler_p"] = two_sample_p(res.ids[:, 0] * rows + res.ids[:, 1],
                                              dense[:, 0] * rows + dense[:, 1], rows * rows)

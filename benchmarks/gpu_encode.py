@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common import interleaved
+from benchmarks.common import gemm_peak, interleaved, sync
 from dist_nce.index.encode import compile_wanted, encode_precision, encode_rows, prepare_encoder
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder
@@ -137,27 +137,6 @@ def flops_per_entity(cfg: dict[str, Any], T: int) -> dict[str, float]:
             "formula": FLOP_FORMULA}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_peak(device: torch.device, size: int, repeats: int = 10) -> float:
-    """bf16 GEMM rate (TFLOP/s) of a size^3 product, best of ``repeats`` (when the caller gives none)."""
-    a = torch.randn(size, size, device=device).bfloat16()
-    b = torch.randn(size, size, device=device).bfloat16()
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = max(best, 2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
-    return best
-
-
 class _NoPatch:
     def __enter__(self):
         return None
@@ -174,7 +153,7 @@ def _attention_profile(fn: Callable[[], Any], device: torch.device, top: int = 8
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         fn()
-        _sync(device)
+        sync(device)
     ops, kernels, times = set(), set(), {}
     for e in prof.events():
         name = e.name
@@ -233,12 +212,12 @@ def sdpa_probe(device: torch.device, batch: int, T: int, heads: int, head_dim: i
                     def run(bias=bias):
                         return [F.scaled_dot_product_attention(q, k, v, attn_mask=bias) for _ in range(layers)]
                     run()
-                    _sync(device)
+                    sync(device)
                     best = float("inf")
                     for _ in range(repeats):
                         t0 = time.perf_counter()
                         run()
-                        _sync(device)
+                        sync(device)
                         best = min(best, time.perf_counter() - t0)
                 out["ms_per_forward"][key] = {"ms": best * 1e3, "tflops": flops / best / 1e12}
             except Exception as e:  # noqa: BLE001 - a backend that refuses the shape or the mask
@@ -321,7 +300,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
         result["sdp_flags"] = {name: bool(getattr(torch.backends.cuda, f"{name}_sdp_enabled")())
                                for name in ("flash", "mem_efficient", "cudnn", "math")}
     if peak_tflops is None:
-        peak_tflops, source = measure_peak(dev, 8192 if is_cuda and not quick else 256), "measured here"
+        peak_tflops, source = gemm_peak(dev, 8192 if is_cuda and not quick else 256)["tflops_best"], "measured here"
     else:
         source = "caller"
     peak = float(peak_tflops)
@@ -347,7 +326,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
 
     def encode(enc: EntityEncoder, autocast, data, size: int = B):
         out = encode_rows(enc, data, size, dev, autocast, "float32")
-        _sync(dev)
+        sync(dev)
         return out
 
     for name, (dtype, weights, compiled, _, what) in specs.items():

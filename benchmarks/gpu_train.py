@@ -67,6 +67,8 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.common import gemm_peak, sync
+
 REPO = Path(__file__).resolve().parents[1]
 DS_DIR = REPO / "configs" / "deepspeed"
 DEFAULT_CONFIGS = {"zero2": str(DS_DIR / "zero2_bf16.json"), "zero3": str(DS_DIR / "zero3_bf16.json")}
@@ -161,26 +163,10 @@ def step_flops(model, shape: dict[str, Any]) -> dict[str, Any]:
 def device_peak_tflops(device: str) -> tuple[float, str]:
     """bf16 matmul rate of ``device`` now (best of several products after warm-up), TFLOP/s."""
     n, reps = (8192, 20) if device.startswith("cuda") else (256, 3)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e12, f"measured here: bf16 matmul {n}^3, best of {reps}"
+    return gemm_peak(device, n, reps)["tflops_best"], f"measured here: bf16 matmul {n}^3, best of {reps}"
 
 
 # --------------------------------------------------------------------------- modes
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _original_linear():
@@ -396,7 +382,7 @@ class _Phases:
 def _one_step(mode: Mode, batch, device: str) -> dict[str, Any]:
     mode.activate()
     ph = _Phases(device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     ph.mark()
     loss = mode.forward(batch)
@@ -405,7 +391,7 @@ def _one_step(mode: Mode, batch, device: str) -> dict[str, Any]:
     ph.mark()
     mode.step()
     ph.mark()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "loss": float(loss.detach()), **ph.result()}
 
@@ -428,7 +414,7 @@ def _profile_step(mode: Mode, batch, device: str, top: int = 8) -> dict[str, Any
     mode.activate()
     out, loss = {}, None
     for phase in ("forward", "backward", "optimizer"):
-        _sync(device)
+        sync(device)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             if phase == "forward":
@@ -438,7 +424,7 @@ def _profile_step(mode: Mode, batch, device: str, top: int = 8) -> dict[str, Any
             else:
                 mode.step()
             ms = 1e3 * (time.perf_counter() - t0)
-            _sync(device)  # the phase's kernels inside the trace; this sync is not counted below
+            sync(device)  # the phase's kernels inside the trace; this sync is not counted below
         events = list(prof.events())
         host = [e for e in events if e.device_type == DeviceType.CPU]
         syncs: dict[str, int] = {}

@@ -85,18 +85,10 @@ def _padded_chunk(pieces: Sequence[Piece], parts: list[tuple[int, int, int]], b0
 def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | None, first: int) -> Tensor:
     """Set to -inf, in place, the columns of ``scores`` [B, w] (global rows [first, first + w)) that
     no part covers (rows of other shards between this shard's pieces) and the ``dead`` rows
-    (sorted int64 global rows: removed entities, excluded exactly as the gold is)."""
-    width = scores.shape[1]
-    last = first + width
-    if sum(hi - lo for _, lo, hi in parts) < width:  # parts lie inside [first, last)
-        own = torch.zeros(width, dtype=torch.bool, device=scores.device)
-        for _, lo, hi in parts:
-            own[lo - first:hi - first] = True
-        scores[:, ~own] = float("-inf")
-    if dead is not None and dead.numel():
-        a, b = torch.searchsorted(dead, torch.tensor([first, last], device=dead.device)).tolist()
-        if b > a:
-            scores[:, (dead[a:b] - first).to(scores.device)] = float("-inf")
+    (sorted int64 global rows on the host: removed entities, excluded exactly as the gold is)."""
+    out = _left_out(parts, dead, first, scores.shape[1])
+    if out is not None:
+        scores.index_fill_(1, out.to(scores.device, non_blocking=True), float("-inf"))
     return scores
 
 
@@ -159,6 +151,7 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
         raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
     q = Reps(queries.vecs.to(compute), queries.mask)
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
+    dead = dead.cpu() if dead is not None and dead.numel() else None  # the chunk loops look it up on the host
     if not chunk_rows:
         chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows)
     if (seed is None or sampler == "block") and kernel in ("auto", "triton"):
@@ -293,7 +286,6 @@ def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
     device = vecs.device
     stream = FusedBlockStream(k, gold, block_rows, torch.cat(counters) if counters else
                               torch.zeros(0, dtype=torch.int64), seed, query_keys, batch=vecs.shape[0], device=device)
-    dead_host = None if dead is None or not dead.numel() else dead.cpu()
     for (b0, parts), (j0, j1) in zip(plan, spans):
         lo, hi = parts[0][1], parts[-1][2]
         piece = pieces[parts[0][0]]
@@ -302,16 +294,13 @@ def _fused_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
         else:
             ents = _padded_chunk(pieces, parts, b0, chunk_rows, ent_dtype).vecs
         scores = _chunk_scores(vecs, ents, bf16_gemm)
-        out = _left_out(parts, dead_host, b0, chunk_rows)
-        if out is not None:
-            scores.index_fill_(1, out.to(device, non_blocking=True), float("-inf"))
-        stream.add(scores, b0, j0, j1, lo)
+        stream.add(_exclude_(scores, parts, dead, b0), b0, j0, j1, lo)
     return stream.finish(version)
 
 
 def _left_out(parts: list[tuple[int, int, int]], dead: Tensor | None, b0: int, width: int) -> Tensor | None:
-    """Columns [n] int64 of the chunk at ``b0`` that no part covers, and its dead rows (host
-    tensors only: no device round trip); None when there are none."""
+    """Columns [n] int64 of the ``width`` columns from global row ``b0`` that no part covers, and its
+    dead rows (host tensors only: no device round trip); None when there are none."""
     dead_here = None
     if dead is not None:
         a, b = torch.searchsorted(dead, torch.tensor([b0, b0 + width])).tolist()

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dist_nce.kernels.block_reduce import block_keys
 from dist_nce.kernels.gumbel import gumbel_noise_fused
-from dist_nce.sampling.block_gumbel import BlockSet, rows_from_blocks
+from dist_nce.sampling.block_gumbel import BlockSet, block_rows_of, rows_from_blocks
 from dist_nce.sampling.topk import NEG_INF, ShardResult, as_gold, result_from_keys
 
 
@@ -87,15 +87,10 @@ class FusedBlockStream:
         pos = torch.topk(keys, min(self.k, keys.shape[1]), dim=1, sorted=False).indices.sort(dim=1).values
         scores = torch.cat(self._scores, dim=1).gather(1, pos[:, :, None].expand(-1, -1, self.b)).float()
         counters = counters.gather(1, pos)
-        rows = self.rows(counters)
+        rows = block_rows_of(counters, self.b)
         gold_hit = (rows[..., None] == self.gold[:, None, None, :]).any(-1)
         top = keys.gather(1, pos) if self.seed is not None else keys.new_zeros(pos.shape, dtype=torch.float64)
         return BlockSet(top, counters, scores.masked_fill_(gold_hit, NEG_INF)), log_z
-
-    def rows(self, counters: Tensor) -> Tensor:
-        """Global rows [B, c, b] of the blocks with these counters (their grid blocks)."""
-        starts = torch.where(counters >= 0, counters // self.b * self.b, 0)
-        return starts[:, :, None] + torch.arange(self.b, device=counters.device)
 
     def finish(self, version: int = 0) -> ShardResult:
         """The k rows: a Gumbel-top-k sample (eq. 23 inside the kept blocks) or the exact top-k."""
@@ -105,5 +100,5 @@ class FusedBlockStream:
                                     noise=gumbel_noise_fused, filter_rows=False)
         batch, c, b = kept.scores.shape
         scores = kept.scores.reshape(batch, c * b)
-        return result_from_keys(scores.double(), scores, self.rows(kept.counters).reshape(batch, c * b), self.k,
-                                log_z=log_z, version=version)
+        rows = block_rows_of(kept.counters, b).reshape(batch, c * b)
+        return result_from_keys(scores.double(), scores, rows, self.k, log_z=log_z, version=version)

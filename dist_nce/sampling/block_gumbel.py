@@ -222,6 +222,13 @@ def keep_best_blocks(kept: BlockSet | None, new: BlockSet, k: int) -> BlockSet:
                     both.scores.gather(1, pos[:, :, None].expand(-1, -1, both.scores.shape[2])))
 
 
+def block_rows_of(counters: Tensor, block_rows: int) -> Tensor:
+    """Global rows [B, c, b] of the grid blocks holding the pieces with ``counters`` [B, c] (-1 = an
+    empty slot: rows 0..b-1, whose scores are -inf)."""
+    starts = torch.where(counters >= 0, counters // block_rows * block_rows, 0)
+    return starts[:, :, None] + torch.arange(block_rows, device=counters.device)
+
+
 def rows_from_blocks(kept: BlockSet, k: int, seed: int, query_keys: Tensor, log_z: Tensor,
                      version: int = 0, noise=None, filter_rows: bool = True) -> ShardResult:
     """Top k rows of the kept blocks, each key drawn given its block's maximum (eq. 23).
@@ -234,8 +241,7 @@ def rows_from_blocks(kept: BlockSet, k: int, seed: int, query_keys: Tensor, log_
     dozen elementwise kernels: the GPU's choice). Both give the same answer.
     """
     batch, c, b = kept.scores.shape
-    starts = torch.where(kept.counters >= 0, kept.counters // b * b, 0)
-    rows = (starts[:, :, None] + torch.arange(b, device=starts.device)).reshape(batch, c * b)
+    rows = block_rows_of(kept.counters, b).reshape(batch, c * b)
     phi = kept.scores.double() + (noise or gumbel_noise)(seed, query_keys, rows).view(batch, c, b)
     phi = phi.masked_fill(kept.scores == NEG_INF, NEG_INF)
     keys = (truncated_keys(phi, kept.top, k) if filter_rows else truncated_gumbel(phi, kept.top)).reshape(batch, c * b)

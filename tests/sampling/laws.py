@@ -48,3 +48,24 @@ def inclusion3(p: torch.Tensor) -> torch.Tensor:
             third[i] = third[j] = 0
             pi += third
     return pi
+
+
+def successive_law(ids: torch.Tensor, s: torch.Tensor, temperature: float) -> dict:
+    """How draws ``ids`` [draws, >= 3] (rows 1..n-1 of scores ``s`` [n], row 0 the gold) fit K-1 = 3
+    successive draws without replacement proportional to exp(s): chi-square p-values of the first draw
+    and of the ordered pair of the first two (p_i p_j / (1 - p_i)), the pair test's p-value against the
+    same law at ``temperature`` (a negative control that must reject), and the largest |z| of the
+    inclusion probabilities."""
+    draws, n = ids.shape[0], s.numel()
+    p = torch.softmax(s[1:].double(), 0)
+
+    def pairs(q: torch.Tensor) -> torch.Tensor:
+        return (q[:, None] * q[None, :] / (1 - q[:, None])).fill_diagonal_(0).flatten()
+    first = torch.bincount(ids[:, 0] - 1, minlength=n - 1).double()
+    counts = torch.bincount((ids[:, 0] - 1) * (n - 1) + (ids[:, 1] - 1), minlength=(n - 1) ** 2).double()
+    freq = torch.stack([(ids == i + 1).any(1).double().mean() for i in range(n - 1)])
+    pi = inclusion3(p)
+    return {"first_draw_p": chi2_p(first, draws * p),
+            "ordered_pairs_p": chi2_p(counts, draws * pairs(p)),
+            "wrong_temperature_p": chi2_p(counts, draws * pairs(torch.softmax(s[1:].double() / temperature, 0))),
+            "inclusion_max_z": float(((freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)).max())}

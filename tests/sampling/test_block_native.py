@@ -20,7 +20,7 @@ from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling import negatives as ng
 from dist_nce.sampling import block_native
 from dist_nce.sampling.topk import merge_results
-from tests.sampling.laws import chi2_p, inclusion3, two_sample_p
+from tests.sampling.laws import successive_law, two_sample_p
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native block kernel unavailable "
                                 "(needs AVX512-BF16 and a C compiler)")
@@ -113,22 +113,10 @@ def test_native_sampler_draws_the_exact_law(layout):
                                                                                    torch.arange(draws))
                          for a, b in layout], k)
     assert torch.equal(res.scores, s[res.ids]) and not (res.ids == 0).any()
-    p = torch.softmax(s[1:].double(), 0)
-    first = torch.bincount(res.ids[:, 0] - 1, minlength=n - 1).double()
-    assert chi2_p(first, draws * p) > 1e-4
-    # the ordered pair of the first two draws: the successive-sampling law p_i p_j / (1 - p_i)
-    pair = (res.ids[:, 0] - 1) * (n - 1) + (res.ids[:, 1] - 1)
-    counts = torch.bincount(pair, minlength=(n - 1) ** 2).double()
-    law = (p[:, None] * p[None, :] / (1 - p[:, None])).fill_diagonal_(0).flatten()
-    assert chi2_p(counts, draws * law) > 1e-4
-    # a negative control: the same test rejects the law at temperature 1.1
-    tempered = torch.softmax(s[1:].double() / 1.1, 0)
-    assert chi2_p(counts, draws * (tempered[:, None] * tempered[None, :] / (1 - tempered[:, None]))
-                  .fill_diagonal_(0).flatten()) < 1e-6
-    freq = torch.stack([(res.ids == i + 1).any(1).double().mean() for i in range(n - 1)])
-    pi = inclusion3(p)
-    z = (freq - pi).abs() / torch.sqrt(pi * (1 - pi) / draws)
-    assert float(z.max()) < 5.0
+    law = successive_law(res.ids, s, 1.1)
+    assert law["first_draw_p"] > 1e-4 and law["ordered_pairs_p"] > 1e-4  # first draw; p_i p_j / (1 - p_i)
+    assert law["wrong_temperature_p"] < 1e-6  # negative control: a wrong temperature is rejected
+    assert law["inclusion_max_z"] < 5.0
 
 
 def test_native_and_dense_samplers_agree_on_ordered_pairs():
