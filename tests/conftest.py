@@ -12,6 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray renices its workers to 15. With two xdist workers on 2 cores, a test computing in its own
+# (nice 0) process left a neighbour's shard actors ~3% of a core: CI saw a 35 s job time out at
+# 400 s (actor creation alone took 86-111 s). Equal priority keeps each test's time bounded.
+os.environ.setdefault("RAY_worker_niceness", "0")
 if not os.path.exists("/dev/nvidiactl"):
     # No GPU: the Triton kernels run in Triton's interpreter (dist_nce/kernels/block_reduce.py);
     # set before anything imports triton, since triton reads it when its language is imported.
