@@ -47,7 +47,7 @@ from dist_nce.index.encode import (Precision, compile_wanted, encode_precision, 
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.load import load_shard_index
 from dist_nce.index.search import ShardIndex
-from dist_nce.index.versions import PersistedVersions, shard_dir_name
+from dist_nce.index.versions import PersistedVersions, shard_dir_name, shard_identity
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling.topk import ShardResult
@@ -119,9 +119,8 @@ class EntityShard:
         self.device = _device(config.num_gpus)
         self.index_config = dataclasses.replace(config.index, device=str(self.device))
         self.store = EntityStore(store_dir, kb_version=self.kb_version).slice(*self.rows)
-        self.versions = PersistedVersions(Path(shard_root) / shard_dir_name(shard, num_shards), {
-            "rows": list(self.rows), "store_fingerprint": store_fingerprint(store_dir),
-            "spec": dataclasses.asdict(self.spec), "storage_dtype": self.storage_dtype, "dim": self.dim})
+        self.versions = PersistedVersions(Path(shard_root) / shard_dir_name(shard, num_shards), shard_identity(
+            self.rows, store_fingerprint(store_dir), dataclasses.asdict(self.spec), self.storage_dtype, self.dim))
         self._encoder: EntityEncoder | None = None
         self._attention: str | None = None  # the attention implementation self._encoder runs
         self._encoder_fp: str | None = None  # fingerprint of the weights self._encoder holds

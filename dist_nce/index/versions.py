@@ -23,11 +23,12 @@ another row range, store or score function must never be served.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -66,6 +67,42 @@ def _piece_entry(a: int, b: int, version: int, reps: Reps) -> dict:
             "dtype": str(reps.vecs.dtype).removeprefix("torch."), "has_mask": reps.mask is not None}
 
 
+def shard_identity(rows: tuple[int, int], store_fingerprint: str, spec: Mapping[str, Any], storage_dtype: str,
+                   dim: int) -> dict[str, Any]:
+    """The identity (:class:`PersistedVersions`) of the shard serving store ``rows`` [a, b): every
+    writer of a shard's versions (the shard itself, ``jobs/import_encodings.py``) states the same."""
+    return {"rows": [int(rows[0]), int(rows[1])], "store_fingerprint": store_fingerprint, "spec": dict(spec),
+            "storage_dtype": storage_dtype, "dim": int(dim)}
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def write_vecs_streamed(path: Path, shape: Sequence[int], dtype: torch.dtype, chunks: Iterable[Tensor]) -> None:
+    """A safetensors file holding one tensor "vecs" ``shape`` of ``dtype``, written from row
+    ``chunks`` as they come (the format: u64 header length, JSON header padded to 8 bytes, data)."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"write_vecs_streamed: dtype {dtype} not one of {list(_SAFETENSORS_DTYPES)}")
+    rows, row_shape = int(shape[0]), [int(s) for s in shape[1:]]
+    nbytes = rows * math.prod(row_shape) * dtype.itemsize
+    header = json.dumps({"vecs": {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": [rows, *row_shape],
+                                  "data_offsets": [0, nbytes]}}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    written = 0
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for chunk in chunks:
+            if chunk.dtype != dtype or list(chunk.shape[1:]) != row_shape or chunk.device.type != "cpu":
+                raise ValueError(f"write_vecs_streamed: a chunk is {chunk.dtype} {list(chunk.shape)} on "
+                                 f"{chunk.device}, expected CPU {dtype} [*, {', '.join(map(str, row_shape))}]")
+            if written + chunk.shape[0] > rows:
+                raise ValueError(f"write_vecs_streamed: chunks hold more than the {rows} rows announced")
+            f.write(chunk.contiguous().view(-1).view(torch.uint8).numpy().data)
+            written += int(chunk.shape[0])
+    if written != rows:
+        raise ValueError(f"write_vecs_streamed: chunks held {written} rows, {rows} announced")
+
+
 class PersistedVersions:
     """The version directories of one shard, checked against ``identity``.
 
@@ -99,11 +136,27 @@ class PersistedVersions:
             save_file(_tensors(reps), str(tmp / EMBEDDINGS_FILE))
             for a, b, piece in pieces:
                 save_file(_tensors(piece), str(tmp / piece_file_name(a, b)))
-            return write_manifest(
-                tmp, KIND, SCHEMA_VERSION, version=int(version), n=int(reps.vecs.shape[0]),
-                shape=list(reps.vecs.shape), dtype=str(reps.vecs.dtype).removeprefix("torch."),
-                has_mask=reps.mask is not None, base_in=int(version),
-                pieces=[_piece_entry(a, b, version, p) for a, b, p in pieces], **self.identity, **fields)
+            return self._write_base_manifest(tmp, version, reps.vecs.shape, reps.vecs.dtype, reps.mask is not None,
+                                             [_piece_entry(a, b, version, p) for a, b, p in pieces], fields)
+
+    def save_streamed(self, version: int, shape: Sequence[int], dtype: torch.dtype, chunks: Iterable[Tensor],
+                      **fields: Any) -> dict:
+        """Write ``version`` (single-vector, no pieces) whose "vecs" [n, d] arrive as ``chunks``: CPU
+        tensors of ``dtype``, consecutive rows in order. One chunk is held at a time, so a shard
+        of any size is written in the memory of a chunk (``jobs/import_encodings.py``). Atomic, as
+        :meth:`save`; returns the manifest."""
+        shape = [int(s) for s in shape]
+        with atomic_path(self.path(version)) as tmp:
+            tmp.mkdir()
+            write_vecs_streamed(tmp / EMBEDDINGS_FILE, shape, dtype, chunks)
+            return self._write_base_manifest(tmp, version, shape, dtype, False, [], fields)
+
+    def _write_base_manifest(self, tmp: Path, version: int, shape: Sequence[int], dtype: torch.dtype,
+                             has_mask: bool, pieces: list[dict], fields: Mapping[str, Any]) -> dict:
+        return write_manifest(
+            tmp, KIND, SCHEMA_VERSION, version=int(version), n=int(shape[0]), shape=[int(s) for s in shape],
+            dtype=str(dtype).removeprefix("torch."), has_mask=has_mask, base_in=int(version), pieces=pieces,
+            **self.identity, **fields)
 
     def save_delta(self, version: int, base: Mapping[str, Any], new: Sequence[tuple[int, int, Reps]],
                    **fields: Any) -> dict:
