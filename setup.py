@@ -21,6 +21,7 @@ setup(
             "dist-nce-aida-finetune = dist_nce.cli.aida_finetune:main",
             "dist-nce-prepare-kb = dist_nce.cli.prepare_kb:main",
             "dist-nce-encode-kb = dist_nce.cli.encode_kb:main",
+            "dist-nce-import-encodings = dist_nce.cli.import_encodings:main",
             "dist-nce-evaluate-kilt-aida = dist_nce.cli.evaluate_kilt_aida:main",
             "dist-nce-link = dist_nce.cli.link:main",
             "dist-nce-zeshel-retriever = dist_nce.cli.zeshel_retriever:main",

@@ -1,0 +1,156 @@
+"""Import precomputed entity encodings (BLINK's ``all_entities_large.t7``, a ``.npy``) as index version 0.
+
+BLINK's released encodings with its biencoder, over a KB prepared from its ``entity.jsonl``::
+
+    .venv/bin/python jobs/import_encodings.py --encodings models/all_entities_large.t7 \\
+        --model models/biencoder_wiki_large.bin --prepared data/blink_kb \\
+        --ids models/entity.jsonl --num-shards 8 --out data/blink_encodings
+
+then link and evaluate with no encoding (the shards reuse what was imported)::
+
+    .venv/bin/python jobs/evaluate_kilt_aida.py --model models/biencoder_wiki_large.bin \\
+        --store data/blink_kb --out runs/blink_eval \\
+        --snapshot-dir data/blink_encodings/shards --set num_shards=8
+
+and a training run starts from it as its version 0 with ``model.blink_checkpoint`` set to
+the same file, ``service.shard_dir: data/blink_encodings/shards`` and the same
+``service.num_shards`` (``--row-grid``: the training config's ``service.index.block_rows``
+when it uses ``sampler: block``, whose shard boundaries fall on that grid).
+
+The matrix is never loaded (``dist_nce.index.import_encodings``): rows are read a chunk at
+a time and written to each shard's version as its storage dtype (``--storage-dtype``,
+default the model's: BLINK's float32 becomes float16, half the disk and memory the shards
+serve from). The rows are the store's rows in order, or, with ``--ids`` (BLINK's
+``entity.jsonl``, or one id per line), matched by id. A rerun keeps the shards already
+written: an interrupted import resumes by shard.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from dist_nce.cli.common import error
+
+KIND = "imported_encodings"
+SCHEMA_VERSION = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="import_encodings", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--encodings", required=True,
+                   help="the matrix: a torch.save'd [entities, d] tensor (.t7/.pt, zip or legacy format) or a .npy")
+    p.add_argument("--model", required=True, help="the model the encodings came from: a BLINK biencoder .bin or a "
+                                                  "dist-nce retriever directory (its entity encoder is fingerprinted)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for a BLINK .bin (default: the project's "
+                                                     "default model, bert-uncased vocabulary)")
+    p.add_argument("--prepared", required=True, help="prepared KB the rows belong to (jobs/prepare_kb.py)")
+    p.add_argument("--out", required=True, help="output directory: shards/ (what --snapshot-dir / service.shard_dir "
+                                                "take) and manifest.json")
+    p.add_argument("--ids", default=None, help="ids of the matrix's rows in order: BLINK's entity.jsonl (.jsonl) or "
+                                               "one id per line; default: row i is the store's row i")
+    p.add_argument("--num-shards", type=_positive, default=2, help="shards the serving service will run")
+    p.add_argument("--row-grid", type=_positive, default=1,
+                   help="shard boundaries on this grid (a service with index.sampler block: its block_rows)")
+    p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="dtype the shards keep (default: the model's storage_dtype)")
+    p.add_argument("--chunk-rows", type=_positive, default=16384, help="rows read and converted at a time")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return n
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm.auto import tqdm
+
+    from dist_nce.actors.service import even_ranges
+    from dist_nce.core.artifacts import read_manifest, write_manifest
+    from dist_nce.core.text import tokenizer_fingerprint
+    from dist_nce.index.encode import state_fingerprint, store_fingerprint
+    from dist_nce.index.import_encodings import ImportTarget, align_rows, import_matrix, read_row_ids
+    from dist_nce.index.matrix_file import open_matrix
+    from dist_nce.modeling.resolve import load_retriever
+    from kb.store import EntityStore
+
+    t0 = time.perf_counter()
+    matrix = open_matrix(args.encodings)  # first: a wrong file fails before any model is read
+    retriever = load_retriever(args.model, tokenizer_dir=args.tokenizer)
+    config = retriever.config
+    spec = config.spec()
+    if spec.entity_side.count != 1:
+        raise ValueError(f"{args.model}: preset {config.preset!r} keeps {spec.entity_side.count or 'several'} "
+                         "vectors per entity; a matrix holds one")
+    if matrix.dim != retriever.hidden_size:
+        raise ValueError(f"{matrix.describe()}: d = {matrix.dim}, but {args.model} encodes d = {retriever.hidden_size}")
+    if retriever.tokenizer is None:
+        raise ValueError(f"{args.model}: no tokenizer; cannot check the prepared store")
+    store = EntityStore(args.prepared, tokenizer_sha256=tokenizer_fingerprint(retriever.tokenizer)["sha256"])
+    if store.kb_version:
+        raise ValueError(f"{args.prepared} was changed by KB deltas (kb_version {store.kb_version}): compact it "
+                         "first (jobs/update_kb.py --store ... --compact --out NEW) and import into NEW")
+    fingerprint = state_fingerprint(retriever.entity_encoder_state())
+    del retriever  # its weights are not needed for the import: only their fingerprint
+    ids = read_row_ids(args.ids) if args.ids else None
+    row_of = align_rows(matrix, store, ids, args.ids or "--ids")
+    del ids
+    storage_dtype = args.storage_dtype or config.storage_dtype
+    n = store.num_entities
+    out = Path(args.out)
+    target = ImportTarget(out / "shards", even_ranges(n, args.num_shards, args.row_grid),
+                          store_fingerprint(args.prepared), dataclasses.asdict(spec), storage_dtype, fingerprint)
+    print(f"import_encodings: {matrix.describe()} -> {n:,} store rows ({'by id' if row_of is not None else 'in order'})"
+          f" as {storage_dtype}, {args.num_shards} shards -> {target.shard_root}", file=sys.stderr)
+    source = {"path": str(Path(args.encodings).resolve()), "format": matrix.format, "rows": matrix.rows,
+              "dim": matrix.dim, "dtype": "bfloat16" if matrix.bfloat16 else str(matrix.dtype),
+              "bytes": Path(args.encodings).stat().st_size, "ids": str(Path(args.ids).resolve()) if args.ids else None}
+    with tqdm(total=n, unit="ent", desc="import", disable=not args.progress) as bar:
+        shards = import_matrix(matrix, row_of, target, chunk_rows=args.chunk_rows, progress=bar.update,
+                               encode_dtype="imported", imported_from=source)
+    seconds = round(time.perf_counter() - t0, 2)
+    fields = dict(encodings=source, model=str(Path(args.model).resolve()), prepared=str(Path(args.prepared).resolve()),
+                  store_fingerprint=target.store_fingerprint, encoder_fingerprint=fingerprint, preset=config.preset,
+                  storage_dtype=storage_dtype, num_shards=args.num_shards, row_grid=args.row_grid,
+                  shards=[{"rows": m["rows"], "dir": str(Path("shards") / p.parent.name / p.name)}
+                          for m, p in zip(shards, _version_dirs(target))],
+                  num_entities=n, seconds=seconds)
+    if (out / "manifest.json").is_file():  # a rerun: the same import, or refused
+        read_manifest(out, KIND, SCHEMA_VERSION, expect={k: fields[k] for k in
+                                                          ("encoder_fingerprint", "store_fingerprint", "num_shards")})
+    manifest = write_manifest(out, KIND, SCHEMA_VERSION, **fields)
+    print(f"import_encodings: {n:,} x {matrix.dim} -> {out} ({seconds} s); serve it with --snapshot-dir "
+          f"{target.shard_root} and {args.num_shards} shards", file=sys.stderr)
+    return manifest
+
+
+def _version_dirs(target) -> list[Path]:
+    from dist_nce.index.versions import shard_dir_name, version_dir_name
+
+    return [target.shard_root / shard_dir_name(i, len(target.ranges)) / version_dir_name(0)
+            for i in range(len(target.ranges))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dist_nce.core.artifacts import ArtifactMismatch
+
+    try:
+        run(args)
+    except (ValueError, ArtifactMismatch, FileNotFoundError, FileExistsError) as e:
+        return error(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

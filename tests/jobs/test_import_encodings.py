@@ -1,0 +1,107 @@
+"""jobs/import_encodings.py as a BLINK user runs it, then evaluate_kilt_aida on what it imported.
+
+The encodings are made the way BLINK makes ``all_entities_large.t7`` and independently of
+the project's encoder: a plain transformers ``BertModel`` holding the checkpoint's
+``cand_encoder`` weights, its ``[CLS]`` states of the store's entity token ids, saved in
+torch's legacy format (what 2020's torch wrote). BLINK's ranking is computed the same way
+(``context_encoder`` ``[CLS]`` states, dot products) and the job's must equal it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.eval.kilt import read_jsonl
+from kb.prepare import PrepareConfig, prepare
+from kb.store import EntityStore, MentionTable
+from kb.synthetic import write_kilt
+
+from tests.blink_helpers import tiny_bert, write_blink_biencoder
+
+REPO = Path(__file__).resolve().parents[2]
+K = 8
+
+
+def job(name: str, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / f"{name}.py"), *args, "--no-progress"], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def cls_states(model, ids: np.ndarray) -> torch.Tensor:
+    """BLINK's embedding: the [CLS] hidden state of right-padded ids (pad id 0)."""
+    ids = torch.from_numpy(ids).long()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state[:, 0]
+
+
+@pytest.fixture(scope="module")
+def blink_files(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("blink_import")
+    src = write_kilt(root / "src", 70, 0, 16, 0, seed=11)
+    prepare(PrepareConfig(out=str(root / "kb"), kilt_ks=str(src["kb"]), aida_dir=str(root / "src"),
+                          model_dir=tiny_model_dir, entity_max_len=32, mention_max_len=32, progress=False),
+            log=lambda _: None)
+    model = write_blink_biencoder(root / "biencoder_wiki_large.bin", seed=4)
+    store = EntityStore(root / "kb")
+    cand = tiny_bert(5)  # write_blink_biencoder's cand_encoder: seed + 1
+    entities = cls_states(cand, store.token_ids(np.arange(store.num_entities)))
+    torch.save(entities, root / "all_entities_large.t7", _use_new_zipfile_serialization=False)
+    # BLINK's entity.jsonl order is the .t7's row order; write it shuffled to make the ids matter
+    perm = np.random.default_rng(1).permutation(store.num_entities)
+    torch.save(entities[perm].clone(), root / "shuffled.t7", _use_new_zipfile_serialization=False)
+    titles, ids = store.titles(perm), store.source_ids(perm)
+    (root / "entity.jsonl").write_text("".join(
+        json.dumps({"text": " t ", "idx": f"https://en.wikipedia.org/wiki?curid={i}", "title": t, "entity": t}) + "\n"
+        for t, i in zip(titles, ids)))
+    return root, src, entities
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_imported_blink_encodings_are_served_without_encoding_and_rank_as_blink(blink_files):
+    root, src, entities = blink_files
+    out = root / "imported"
+    r = job("import_encodings", "--encodings", str(root / "shuffled.t7"), "--ids", str(root / "entity.jsonl"),
+            "--model", str(root / "biencoder_wiki_large.bin"), "--prepared", str(root / "kb"),
+            "--out", str(out), "--num-shards", "2", "--chunk-rows", "16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kind"] == "imported_encodings" and manifest["encodings"]["format"] == "torch-legacy"
+    assert manifest["storage_dtype"] == "float16" and len(manifest["shards"]) == 2
+
+    r = job("evaluate_kilt_aida", "--model", str(root / "biencoder_wiki_large.bin"), "--store", str(root / "kb"),
+            "--out", str(root / "eval"), "--snapshot-dir", str(out / "shards"), "--k", str(K), "--ks", f"1,{K}",
+            "--splits", "dev", "--set", "num_shards=2", "--set", "num_cpus=0.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "index version 0: reused the persisted snapshot" in r.stdout
+
+    # BLINK's ranking: context_encoder [CLS] . (the imported fp16 entity rows), best first
+    store, mentions = EntityStore(root / "kb"), MentionTable(root / "kb", "dev")
+    queries = cls_states(tiny_bert(4), mentions.token_ids(np.arange(len(mentions))))
+    scores = queries @ entities.half().float().T
+    top = scores.topk(K, dim=1)
+    guesses = {g["id"]: [p["wikipedia_id"] for p in g["output"][0]["provenance"]]
+               for g in read_jsonl(root / "eval" / "dev_guess.jsonl")}
+    for i, mention_id in enumerate(mentions.mention_ids):
+        gaps = top.values[i, :-1] - top.values[i, 1:]
+        assert gaps.min() > 1e-4, "a near tie would make the comparison depend on summation order"
+        assert guesses[mention_id] == [str(s) for s in store.source_ids(top.indices[i].numpy())]
+
+
+def test_bad_inputs_are_refused_naming_them(blink_files, tmp_path):
+    root, _, entities = blink_files
+    base = ["--model", str(root / "biencoder_wiki_large.bin"), "--prepared", str(root / "kb"), "--out", str(tmp_path)]
+    torch.save(entities[:, :32].clone(), tmp_path / "narrow.t7")
+    r = job("import_encodings", "--encodings", str(tmp_path / "narrow.t7"), *base)
+    assert r.returncode == 2 and "d = 32, but" in r.stderr and "narrow.t7" in r.stderr
+    torch.save(entities[:-1].clone(), tmp_path / "short.t7")
+    r = job("import_encodings", "--encodings", str(tmp_path / "short.t7"), *base)
+    assert r.returncode == 2 and "69 rows, but the store has 70 entities" in r.stderr
+    r = job("import_encodings", "--encodings", str(root / "shuffled.t7"), "--num-shards", "0", *base)
+    assert r.returncode == 2 and "--num-shards" in r.stderr and "must be >= 1" in r.stderr
