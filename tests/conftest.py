@@ -99,3 +99,35 @@ def dist_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# Which native kernels (dist_nce/kernels/native) this run exercised: on a CPU without AVX512-BF16
+# their tests skip and only the fallbacks run, which a green run would not otherwise show.
+# Kernels called only inside Ray actors (other processes) are not seen.
+_NATIVE_FROM_WORKERS: list[dict[str, str]] = []
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: hand its view to the controller
+        from dist_nce.kernels import build
+
+        session.config.workeroutput["native_kernels"] = build.summaries()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _NATIVE_FROM_WORKERS.append(getattr(node, "workeroutput", {}).get("native_kernels", {}))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):
+        return
+    from dist_nce.kernels import build  # builds nothing: summaries() reads what the run already knows
+
+    views = _NATIVE_FROM_WORKERS or [build.summaries()]
+    terminalreporter.write_sep("-", "native kernels")
+    for name in sorted(set().union(*views)):
+        lines = [view[name] for view in views if name in view]
+        line = "exercised" if "exercised" in lines else \
+            next((x for x in lines if x.startswith("not available")), lines[0])
+        terminalreporter.write_line(f"{name}: {line}")

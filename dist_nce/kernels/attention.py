@@ -10,10 +10,11 @@ up to the order of the fp32 sums, so encodes agree with the sdpa path within bf1
 transformers sees it as the attention implementation ``"dist_nce_bf16"``
 (``AttentionInterface``), with sdpa's boolean masks (``AttentionMaskInterface``);
 :func:`use_native_attention` switches a model to it (``ServiceConfig.encode_attention``).
-Any call the kernel does not cover -- not on the CPU, not bf16, autograd recording,
-dropout in training, causal without a mask, cross-attention of other lengths, grouped
-heads, head widths not a multiple of 16, float or per-head masks -- goes to transformers'
-sdpa, so a switched model computes the same function everywhere, only slower.
+Any call the kernel does not cover -- ``DIST_NCE_NATIVE=off`` (``kernels/build.py``; read when
+``torch.compile`` traces), not on the CPU, not bf16, autograd recording, dropout in training,
+causal without a mask, cross-attention of other lengths, grouped heads, head widths not a
+multiple of 16, float or per-head masks -- goes to transformers' sdpa, so a switched model
+computes the same function everywhere, only slower.
 
 :func:`attention` is a ``torch.library`` custom op, so ``torch.compile``
 (``service.encode_compile``) keeps it in the graph.
@@ -34,21 +35,18 @@ NAME = "dist_nce_bf16"
 ABI = 1
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> ctypes.CDLL | native.NativeUnavailable:
-    lib = native.build("attention_bf16", "dnce_attn_abi", ABI)
-    if isinstance(lib, native.NativeUnavailable):
-        return lib
+def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.dnce_attention.restype = ctypes.c_int
     lib.dnce_attention.argtypes = [p, p, p, p, i64, i64, i64, i64, p, p, p, p, p, ctypes.c_float, i64, i64]
-    return lib
+
+
+KERNEL = native.Kernel("attention_bf16", "dnce_attn_abi", ABI, _declare)
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernel cannot run on this machine (CPU features, compiler, build), or None."""
-    lib = _load()
-    return str(lib) if isinstance(lib, native.NativeUnavailable) else None
+    """Why the kernel cannot run here (``DIST_NCE_NATIVE=off``, CPU features, compiler, build), or None."""
+    return KERNEL.unavailable_reason()
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,9 +73,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
 @torch.library.custom_op("dist_nce::bf16_attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     _check(q, k, v, mask)
-    lib = _load()
-    if isinstance(lib, native.NativeUnavailable):
-        raise lib
+    lib = KERNEL.library()
     B, H, W, D = q.shape
     out = torch.empty(B, W, H, D, dtype=torch.bfloat16)
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (q, k, v)]
@@ -125,6 +121,9 @@ def _fallback_reason(module: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, m
                      dropout: float, is_causal: bool | None) -> str | None:
     if q.device.type != "cpu" or {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
         return "not bf16 on the CPU"
+    off = native.switched_off()  # a model switched before the switch went off keeps working
+    if off is not None:
+        return off
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "autograd is recording"
     if dropout and module.training:

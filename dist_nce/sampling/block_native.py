@@ -94,15 +94,9 @@ def run_calls(calls: Sequence[Call], q: Tensor, k: int, gold: Tensor | None, dea
     Returns (the k best blocks [B, k] sorted by counter, -1 counters for empty slots;
     log_z [B] float64, the gold-excluded logsumexp of every row scored).
     """
-    lib = native.library()
     batch, d = q.shape
     b = block_rows
-    packed, nqp = pack_queries(q)
-    gold2 = torch.empty((batch, 0), dtype=torch.int64) if gold is None else \
-        (gold[:, None] if gold.dim() == 1 else gold).to(torch.int64).contiguous()
-    dead = torch.empty(0, dtype=torch.int64) if dead is None else dead.to(torch.int64).contiguous()
-
-    for call in calls:  # the kernel reads raw memory: every row it may touch must be there
+    for call in calls:  # the kernel reads raw memory: every row it may touch must be there (checked on any CPU)
         ent = call.ent
         if (ent.dtype != torch.bfloat16 or ent.dim() != 2 or ent.shape[1] != d or not ent.is_contiguous()
                 or ent.device.type != "cpu" or not call.base <= call.lo <= call.hi <= call.base + ent.shape[0]
@@ -110,6 +104,11 @@ def run_calls(calls: Sequence[Call], q: Tensor, k: int, gold: Tensor | None, dea
             raise ValueError(f"native block kernel: bad call rows [{call.lo}, {call.hi}) over {ent.dtype} "
                              f"{list(ent.shape)} at row {call.base} (contiguous {ent.is_contiguous()}), blocks "
                              f"[{call.j0}, {call.j1}) of {b} rows, {call.counters.numel()} counters")
+    lib = native.library()
+    packed, nqp = pack_queries(q)
+    gold2 = torch.empty((batch, 0), dtype=torch.int64) if gold is None else \
+        (gold[:, None] if gold.dim() == 1 else gold).to(torch.int64).contiguous()
+    dead = torch.empty(0, dtype=torch.int64) if dead is None else dead.to(torch.int64).contiguous()
 
     def work(group: Sequence[Call]) -> _State:
         state = _State(batch, nqp, k, b)

@@ -1,7 +1,11 @@
 """The native bf16 attention (dist_nce/kernels/attention.py, native/attention_bf16.c): against a
 float64 softmax attention of the same bf16 inputs over shapes, masks and strides; threads;
 the custom op under torch.library's checks and torch.compile; a transformers BERT switched
-to it (used under inference, sdpa under autograd or fp32); and the service's choice."""
+to it (used under inference, sdpa under autograd or fp32); and the service's choice.
+
+The dispatching entry (``hf_attention``) is checked against the reference twice: on the kernel
+where it runs (skipped elsewhere, with the reason), and on sdpa with ``DIST_NCE_NATIVE=off`` on
+every CPU, which also checks that the switch keeps every call off the kernel."""
 from __future__ import annotations
 
 import copy
@@ -12,9 +16,34 @@ import torch.nn.functional as F
 
 from dist_nce.index.encode import choose_attention
 from dist_nce.kernels import attention as na
+from dist_nce.kernels import build as native
 
-pytestmark = pytest.mark.skipif(na.unavailable_reason() is not None,
-                                reason=f"native attention unavailable: {na.unavailable_reason()}")
+NATIVE_REASON = na.unavailable_reason()
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native attention unavailable: {NATIVE_REASON}")
+
+
+@pytest.fixture(params=["native", "fallback"])
+def path(request, monkeypatch) -> str:
+    """Which path ``hf_attention`` must take: the kernel, or sdpa with the kernel switched off."""
+    if request.param == "native" and NATIVE_REASON is not None:
+        pytest.skip(f"native attention unavailable: {NATIVE_REASON}")
+    if request.param == "fallback":
+        monkeypatch.setenv(native.SWITCH, "off")
+    return request.param
+
+
+class SelfAttention(torch.nn.Module):
+    """What ``hf_attention`` reads of a transformers attention module: an encoder's, in eval."""
+
+    is_causal = False
+
+
+def dispatched(monkeypatch, path: str, q, k, v, mask=None, scale=None) -> torch.Tensor:
+    """``hf_attention`` of the inputs, after checking it ran on ``path``."""
+    calls = count_calls(monkeypatch)
+    out, _ = na.hf_attention(SelfAttention().eval(), q, k, v, mask, scaling=scale)
+    assert len(calls) == (path == "native")
+    return out
 
 
 def qkv(B: int, H: int, W: int, D: int, seed: int = 0, scale: float = 1.0):
@@ -41,13 +70,13 @@ def padding(B: int, W: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("B,H,W,D", [(3, 2, 5, 16), (2, 3, 37, 32), (4, 2, 64, 64), (2, 1, 1, 48), (2, 2, 130, 32),
                                      (5, 12, 112, 32)])
 @pytest.mark.parametrize("masking", ["none", "padding", "general"])
-def test_matches_float64_attention_within_bf16_rounding(B, H, W, D, masking):
+def test_matches_float64_attention_within_bf16_rounding(B, H, W, D, masking, path, monkeypatch):
     q, k, v = qkv(B, H, W, D, seed=W + D)
     mask = {"none": None, "padding": padding(B, W, W),
             "general": torch.rand(B, 1, W, W, generator=torch.Generator().manual_seed(D)) < 0.6}[masking]
     if mask is not None:
         mask = mask | (torch.arange(W)[None, None, None, :] == 0)  # every row keeps a key
-    got = na.attention(q, k, v, mask)
+    got = dispatched(monkeypatch, path, q, k, v, mask)
     assert got.shape == (B, W, H, D) and got.dtype == torch.bfloat16 and got.is_contiguous()
     want = reference(q, k, v, None if mask is None else mask.expand(B, 1, W, W))
     # bf16 output (2^-9 relative) and bf16 probabilities (2^-9 of each term): within 2^-8 of max |v|
@@ -57,25 +86,24 @@ def test_matches_float64_attention_within_bf16_rounding(B, H, W, D, masking):
     assert (got.double() - sdpa.double()).abs().max().item() <= 2 ** -7 * v.abs().max().item()
 
 
-def test_wrong_probabilities_would_fail_the_tolerance():
+def test_wrong_probabilities_would_fail_the_tolerance(path, monkeypatch):
     # negative control for the test above: attention at temperature 1.1 is outside its tolerance
     q, k, v = qkv(4, 2, 64, 32, seed=1, scale=2.0)
-    got = na.attention(q, k, v, scale=32 ** -0.5 * 1.1).double()
+    got = dispatched(monkeypatch, path, q, k, v, scale=32 ** -0.5 * 1.1).double()
     assert (got - reference(q, k, v)).abs().max().item() > 2 ** -8 * v.abs().max().item()
 
 
-def test_a_row_without_keys_is_zero_and_others_unaffected():
+def test_a_row_without_keys_is_zero_and_others_match_the_reference(path, monkeypatch):
     q, k, v = qkv(2, 2, 20, 16, seed=3)
     mask = torch.ones(2, 1, 20, 20, dtype=torch.bool)
     mask[1, 0, 7] = False  # query 7 of sequence 1 may attend nothing
-    got = na.attention(q, k, v, mask)
+    got = dispatched(monkeypatch, path, q, k, v, mask)
     assert (got[1, 7] == 0).all()
-    full = na.attention(q, k, v)
-    keep = torch.ones(2, 20, dtype=torch.bool)
-    keep[1, 7] = False
-    assert torch.equal(got[keep], full[keep])
+    err = (got.double() - reference(q, k, v, mask)).abs().max().item()
+    assert err <= 2 ** -8 * v.abs().max().item(), err
 
 
+@needs_native
 def test_strides_scale_default_and_threads_do_not_change_bits():
     q, k, v = qkv(6, 3, 45, 32, seed=4)
     mask = padding(6, 45, 4)
@@ -91,7 +119,18 @@ def test_strides_scale_default_and_threads_do_not_change_bits():
         torch.set_num_threads(before)
 
 
+@needs_native
+def test_a_row_without_keys_leaves_the_others_bits_alone():
+    q, k, v = qkv(2, 2, 20, 16, seed=3)
+    mask = torch.ones(2, 1, 20, 20, dtype=torch.bool)
+    mask[1, 0, 7] = False
+    keep = torch.ones(2, 20, dtype=torch.bool)
+    keep[1, 7] = False
+    assert torch.equal(na.attention(q, k, v, mask)[keep], na.attention(q, k, v)[keep])
+
+
 def test_bad_inputs_are_refused_with_the_reason():
+    # checked before the kernel is loaded: the same answer on every CPU
     q, k, v = qkv(2, 2, 8, 16)
     with pytest.raises(ValueError, match="bf16"):
         na.attention(q.float(), k, v)
@@ -104,6 +143,7 @@ def test_bad_inputs_are_refused_with_the_reason():
         na.attention(q, k, v, torch.ones(2, 2, 8, 8, dtype=torch.bool))
 
 
+@needs_native
 def test_custom_op_passes_torch_library_checks_and_compiles():
     q, k, v = qkv(2, 2, 12, 16, seed=5)
     mask = padding(2, 12, 5).expand(2, 1, 12, 12)[:, 0]
@@ -145,6 +185,16 @@ def count_calls(monkeypatch) -> list:
     return calls
 
 
+def switched(bert):
+    """A copy of ``bert`` on the kernel's attention interface whatever the CPU (use_native_attention
+    switches only where the kernel runs): the calls the kernel does not cover reach sdpa anyway."""
+    model = copy.deepcopy(bert)
+    na._register()
+    model.set_attn_implementation(na.NAME)
+    return model
+
+
+@needs_native
 def test_a_switched_bert_encodes_like_sdpa_under_inference(bert, monkeypatch):
     native = copy.deepcopy(bert)
     assert na.use_native_attention(native) is None
@@ -162,38 +212,66 @@ def test_a_switched_bert_encodes_like_sdpa_under_inference(bert, monkeypatch):
 
 
 def test_a_switched_bert_uses_sdpa_under_autograd_and_in_fp32(bert, monkeypatch):
-    native = copy.deepcopy(bert)
-    na.use_native_attention(native)
+    model = switched(bert)
     calls = count_calls(monkeypatch)
     ids, mask = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autograd recording: the kernel has no backward
-        out = native(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     out.float().sum().backward()
-    assert native.encoder.layer[0].attention.self.query.weight.grad is not None
+    assert model.encoder.layer[0].attention.self.query.weight.grad is not None
     with torch.inference_mode():  # fp32: sdpa, and exactly the sdpa model's answer
-        got = native(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = model(input_ids=ids, attention_mask=mask).last_hidden_state
         want = bert(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not calls
     assert torch.equal(got, want)
 
 
-def test_choose_attention_follows_the_setting(bert, monkeypatch):
+def test_switch_off_keeps_every_call_on_sdpa(bert, monkeypatch):
+    # even where the kernel runs: unavailable with the switch as the reason, no model switched
+    # to it, and a model switched before encodes exactly as the sdpa model does
+    monkeypatch.setenv(native.SWITCH, "off")
+    assert na.unavailable_reason() == "DIST_NCE_NATIVE=off"
+    model = copy.deepcopy(bert)
+    assert na.use_native_attention(model) == "DIST_NCE_NATIVE=off"
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(native.NativeUnavailable, match="DIST_NCE_NATIVE=off"):
+        na.use_native_attention(model, required=True)
+    q, k, v = qkv(2, 2, 8, 16)
+    with pytest.raises(native.NativeUnavailable, match="DIST_NCE_NATIVE=off"):
+        na.attention(q, k, v)
+    on_kernel = switched(bert)
+    calls = count_calls(monkeypatch)
+    ids, mask = batch()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = on_kernel(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not calls
+    assert torch.equal(got, want)
+
+
+def fresh_encoder(bert):
     from dist_nce.modeling.encoder import Encoder
     from dist_nce.modeling.retriever import EntityEncoder
     from dist_nce.modeling.scoring import ScoreSpec
 
-    def fresh():
-        return EntityEncoder(Encoder(copy.deepcopy(bert)), ScoreSpec.preset("dual"), True)
+    return EntityEncoder(Encoder(copy.deepcopy(bert)), ScoreSpec.preset("dual"), True)
 
+
+@needs_native
+def test_choose_attention_auto_takes_the_kernel_where_it_runs(bert):
+    assert choose_attention(fresh_encoder(bert), "auto", torch.device("cpu"), torch.bfloat16) == na.NAME
+    assert choose_attention(fresh_encoder(bert), "native", torch.device("cpu"), torch.bfloat16) == na.NAME
+
+
+def test_choose_attention_follows_the_setting_without_the_kernel(bert, monkeypatch):
+    monkeypatch.setenv(native.SWITCH, "off")
     cpu = torch.device("cpu")
-    assert choose_attention(fresh(), "auto", cpu, torch.bfloat16) == na.NAME
-    assert choose_attention(fresh(), "model", cpu, torch.bfloat16) == "sdpa"
-    assert choose_attention(fresh(), "auto", cpu, None) == "sdpa"  # fp32 encodes keep the model's
+    assert choose_attention(fresh_encoder(bert), "model", cpu, torch.bfloat16) == "sdpa"
+    assert choose_attention(fresh_encoder(bert), "auto", cpu, None) == "sdpa"  # fp32 encodes keep the model's
     with pytest.raises(ValueError, match="encode_attention: native: the encode does not run in bf16"):
-        choose_attention(fresh(), "native", cpu, None)
-    monkeypatch.setattr(na, "unavailable_reason", lambda: "this CPU lacks avx512_bf16")
-    assert choose_attention(fresh(), "auto", cpu, torch.bfloat16) == "sdpa"
-    with pytest.raises(ValueError, match="lacks avx512_bf16"):
-        choose_attention(fresh(), "native", cpu, torch.bfloat16)
+        choose_attention(fresh_encoder(bert), "native", cpu, None)
+    assert choose_attention(fresh_encoder(bert), "auto", cpu, torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="encode_attention: native: DIST_NCE_NATIVE=off"):
+        choose_attention(fresh_encoder(bert), "native", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="auto, native or model"):
-        choose_attention(fresh(), "flash", cpu, torch.bfloat16)
+        choose_attention(fresh_encoder(bert), "flash", cpu, torch.bfloat16)

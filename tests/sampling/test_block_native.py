@@ -1,12 +1,12 @@
-"""The native block kernel (dist_nce/index/native, block_native): its scores against a plain
+"""The native block kernel (dist_nce/kernels/build.py, block_native): its scores against a plain
 float32 reference bit for bit, its block log-masses and log_z against float64, the masks, the
 sampler's law (inclusion, ordered pairs, against the dense sampler), sharded == flat and
-threads, the kernel choice, and the build (fresh cache, concurrent first uses)."""
-from __future__ import annotations
+threads, and the kernel choice (the build: tests/kernels/test_build.py).
 
-import os
-import subprocess
-import sys
+The searches a shard runs are checked against the references twice: with ``index.kernel
+native`` where the kernel runs (skipped elsewhere, with the reason), and with ``auto`` and
+``DIST_NCE_NATIVE=off`` on every CPU, which is the torch path a CPU without the kernel takes."""
+from __future__ import annotations
 
 import numpy as np
 import pytest
@@ -22,14 +22,24 @@ from dist_nce.sampling import block_native
 from dist_nce.sampling.topk import merge_results
 from tests.sampling.laws import successive_law, two_sample_p
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native block kernel unavailable "
-                                "(needs AVX512-BF16 and a C compiler)")
+NATIVE_REASON = native.unavailable_reason()
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native block kernel unavailable: {NATIVE_REASON}")
 DUAL = ScoreSpec.preset("dual")
 INF = float("-inf")
 
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(params=["native", "fallback"])
+def kernel(request, monkeypatch) -> str:
+    """The ``index.kernel`` that runs the path under test: native, or auto with the kernel off."""
+    if request.param == "native" and NATIVE_REASON is not None:
+        pytest.skip(f"native block kernel unavailable: {NATIVE_REASON}")
+    if request.param == "fallback":
+        monkeypatch.setenv(native.SWITCH, "off")
+    return "native" if request.param == "native" else "auto"
 
 
 def sequential_scores(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -60,6 +70,7 @@ def run_all_blocks(q, e, b, gold=None, dead=None, lo=0, hi=None, threads=1):
     return full[:, :hi], m + s.log(), log_z
 
 
+@needs_native
 def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64():
     q = (torch.randn(37, 64, generator=gen(1)) * 0.5).bfloat16()  # 37: a partial query tile
     e = (torch.randn(1024, 64, generator=gen(2)) * 0.5).bfloat16()
@@ -71,6 +82,7 @@ def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64():
     assert float((log_z - torch.logsumexp(ref.double(), -1)).abs().max()) < 1e-6
 
 
+@needs_native
 def test_gold_dead_and_piece_bounds_are_excluded():
     q = (torch.randn(20, 32, generator=gen(3))).bfloat16()
     e = (torch.randn(400, 32, generator=gen(4))).bfloat16()
@@ -98,9 +110,25 @@ def test_gold_dead_and_piece_bounds_are_excluded():
     assert float((got[finite] - blocks[finite]).abs().max()) < 2e-6
 
 
+def test_a_search_excludes_gold_and_dead_rows_and_log_z_is_float64(kernel):
+    e, q, gold = _data(n=1000, d=32, batch=24, seed=13)
+    gold = torch.stack([gold, torch.full_like(gold, -1)], 1)
+    gold[3, 1] = 250
+    dead = torch.tensor([16, 17, 100, 255, 256, 999])
+    res = exact_search(DUAL, Reps(q), Reps(e), 0, 40, gold, chunk_rows=128, seed=3, query_keys=torch.arange(24),
+                       sampler="block", block_rows=16, dead=dead, kernel=kernel)
+    ref = q.double() @ e.double().T  # bf16 values: exact products, float64 sums
+    ref[:, dead] = INF
+    for i, row in enumerate(gold.tolist()):
+        ref[i, [g for g in row if g >= 0]] = INF
+    assert not torch.isin(res.ids, dead).any() and not (res.ids[:, :, None] == gold[:, None]).any()
+    assert float((res.scores.double() - ref.gather(1, res.ids)).abs().max()) < 1e-5
+    assert float((res.log_z - torch.logsumexp(ref, -1)).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("layout", [[(0, 40)], [(0, 16), (16, 24), (24, 40)], [(0, 13), (13, 40)]],
                          ids=["flat", "sharded-on-grid", "unaligned"])
-def test_native_sampler_draws_the_exact_law(layout):
+def test_block_sampler_draws_the_exact_law(layout, kernel):
     # 40 rows in blocks of 8, K-1 = 3: only 3 of the 5 blocks are kept per draw. Entity i scores
     # s_i against the all-ones query (one non-zero coordinate), row 0 is the gold.
     n, draws, k = 40, 60_000, 3
@@ -108,7 +136,7 @@ def test_native_sampler_draws_the_exact_law(layout):
     ents = Reps(torch.diag(s))
     q, gold = torch.ones(draws, n), torch.zeros(draws, dtype=torch.int64)
     cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
-                      kernel="native")
+                      kernel=kernel)
     res = merge_results([ShardIndex(DUAL, Reps(ents.vecs[a:b]), a, cfg).gumbel_topk(q, k, gold, 17,
                                                                                    torch.arange(draws))
                          for a, b in layout], k)
@@ -119,12 +147,12 @@ def test_native_sampler_draws_the_exact_law(layout):
     assert law["inclusion_max_z"] < 5.0
 
 
-def test_native_and_dense_samplers_agree_on_ordered_pairs():
+def test_block_and_dense_samplers_agree_on_ordered_pairs(kernel):
     n, draws = 48, 80_000
     s = torch.randn(n, generator=gen(6)).mul(1.2).bfloat16().float()
     gold = torch.full((draws,), 7)
     cfg = IndexConfig(backend="torch", chunk_rows=16, sampler="block", block_rows=8, score_dtype="bf16",
-                      kernel="native")
+                      kernel=kernel)
     native_ids = ShardIndex(DUAL, Reps(torch.diag(s)), 0, cfg).gumbel_topk(torch.ones(draws, n), 2, gold, 3,
                                                                            torch.arange(draws)).ids
     dense_ids = ng.sample_hard(s.expand(draws, n), 2, gold, 4, torch.arange(draws)).ids
@@ -139,10 +167,10 @@ def _data(n=3000, d=32, batch=45, seed=7):
     return e, q, gold
 
 
-def test_sharded_pieces_and_threads_equal_flat_bit_for_bit():
+def test_sharded_pieces_equal_flat_bit_for_bit(kernel):
     e, q, gold = _data()
     keys = torch.arange(q.shape[0]) * 5 + 1
-    kw = dict(chunk_rows=64, seed=9, query_keys=keys, sampler="block", block_rows=16, kernel="native")
+    kw = dict(chunk_rows=64, seed=9, query_keys=keys, sampler="block", block_rows=16, kernel=kernel)
     dead = torch.tensor([5, 700, 701, 2999])
     flat = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **kw)
     # shards of whole 16-row blocks, two of them owning two pieces (as KB deltas place new rows):
@@ -158,17 +186,27 @@ def test_sharded_pieces_and_threads_equal_flat_bit_for_bit():
     assert torch.equal(merged.scores, flat.scores)
     torch.testing.assert_close(merged.log_z, flat.log_z, rtol=1e-13, atol=0)
     assert not torch.isin(flat.ids, dead).any() and not (flat.ids == gold[:, None]).any()
+
+
+@needs_native
+def test_threads_do_not_change_the_native_sample():
+    # the torch path promises its bits for one thread count only (BLAS picks kernels by it)
+    e, q, gold = _data()
+    kw = dict(chunk_rows=64, seed=9, query_keys=torch.arange(q.shape[0]) * 5 + 1, sampler="block", block_rows=16,
+              kernel="native", dead=torch.tensor([5, 700, 701, 2999]))
+    flat = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, **kw)
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            again = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, dead=dead, **kw)
+            again = exact_search(DUAL, Reps(q), Reps(e), 0, 20, gold, **kw)
             assert torch.equal(again.ids, flat.ids) and torch.equal(again.keys, flat.keys)
             torch.testing.assert_close(again.log_z, flat.log_z, rtol=1e-13, atol=0)
     finally:
         torch.set_num_threads(before)
 
 
+@needs_native
 def test_native_and_torch_paths_draw_nearly_the_same_sample():
     # Same law, same counters and noise; the scores differ in their last float32 bits (summation
     # order), so a draw differs only where two keys fall within that rounding of each other.
@@ -180,24 +218,43 @@ def test_native_and_torch_paths_draw_nearly_the_same_sample():
     assert float((a.log_z - b.log_z).abs().max()) < 1e-4
 
 
-def test_kernel_choice_and_fallback(monkeypatch):
+def test_native_refuses_what_it_cannot_serve_on_every_cpu():
     e, q, gold = _data(n=500, d=16, batch=6)
-    kw = dict(chunk_rows=64, seed=1, query_keys=torch.arange(6), sampler="block", block_rows=16)
+    kw = dict(chunk_rows=64, seed=1, query_keys=torch.arange(6), sampler="block", block_rows=16, kernel="native")
     som = ScoreSpec.preset("som")
     with pytest.raises(ValueError, match="index.kernel 'native': the score is not a single-vector dot product"):
-        exact_search(som, Reps(q[:, None]), Reps(e[:, None]), 0, 5, gold, kernel="native", **kw)
-    with pytest.raises(ValueError, match="block_rows=12 is not a multiple of 8"):
-        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **{**kw, "block_rows": 12, "chunk_rows": 48})
+        exact_search(som, Reps(q[:, None]), Reps(e[:, None]), 0, 5, gold, **kw)
     with pytest.raises(ValueError, match="entity rows are not bf16"):
-        exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, kernel="native", **kw)
+        exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, **kw)
     with pytest.raises(ValueError, match="queries are not bf16 values"):  # storage bf16 without score_dtype
-        exact_search(DUAL, Reps(q + 1e-3), Reps(e), 0, 5, gold, kernel="native", **kw)
+        exact_search(DUAL, Reps(q + 1e-3), Reps(e), 0, 5, gold, **kw)
+
+
+@needs_native
+def test_native_refuses_blocks_off_its_microtile():
+    e, q, gold = _data(n=500, d=16, batch=6)
+    with pytest.raises(ValueError, match="block_rows=12 is not a multiple of 8"):
+        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=48, seed=1, query_keys=torch.arange(6),
+                     sampler="block", block_rows=12, kernel="native")
+
+
+def test_switch_off_selects_the_torch_path(monkeypatch):
+    # on every CPU, also where the kernel runs: auto takes the torch path without calling the
+    # kernel, and native says why it cannot run
+    e, q, gold = _data(n=500, d=16, batch=6)
+    kw = dict(chunk_rows=64, seed=1, query_keys=torch.arange(6), sampler="block", block_rows=16)
     torch_path = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="torch", **kw)
-    monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("this CPU lacks avx512_bf16"))
+    monkeypatch.setenv(native.SWITCH, "off")
+    monkeypatch.setattr(native.BLOCK, "exercised", False)
+    assert native.unavailable_reason() == "DIST_NCE_NATIVE=off" and not native.available()
     auto = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="auto", **kw)
-    assert torch.equal(auto.ids, torch_path.ids) and torch.equal(auto.keys, torch_path.keys)
-    with pytest.raises(ValueError, match="the kernel is unavailable on this machine"):
+    assert not native.BLOCK.exercised
+    for got, want in zip(auto[:4], torch_path[:4]):  # ids, scores, keys, log_z
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"the kernel is unavailable on this machine \(DIST_NCE_NATIVE=off\)"):
         exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **kw)
+    with pytest.raises(native.NativeUnavailable, match="DIST_NCE_NATIVE=off"):
+        native.library()
 
 
 def test_calls_read_pieces_in_place_and_copy_only_shared_chunks():
@@ -213,26 +270,18 @@ def test_calls_read_pieces_in_place_and_copy_only_shared_chunks():
     assert len(split) == 3 and [c.lo for c in split] == [0, 128, 256]
 
 
-def test_fresh_cache_builds_once_under_concurrent_first_use(tmp_path):
-    env = {**os.environ, "DIST_NCE_NATIVE_CACHE": str(tmp_path)}
-    code = "from dist_nce.index import native; native.library(); print(native.tile_queries())"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    assert all(o[0].strip() == "32" for o in outs)
-    files = sorted(os.listdir(tmp_path))
-    assert len(files) == 1 and files[0].startswith("block_lse-") and files[0].endswith(".so"), files
-
-
-def test_strided_rows_and_bad_calls():
+def test_strided_rows_draw_what_contiguous_rows_draw(kernel):
     e, q, gold = _data(n=512, d=16, batch=5)
-    kw = dict(chunk_rows=64, seed=4, query_keys=torch.arange(5), sampler="block", block_rows=16, kernel="native")
+    kw = dict(chunk_rows=64, seed=4, query_keys=torch.arange(5), sampler="block", block_rows=16, kernel=kernel)
     wide = torch.zeros(512, 32, dtype=torch.bfloat16)
     wide[:, ::2] = e  # a strided view of the same values
     a = exact_search(DUAL, Reps(q), Reps(e), 0, 7, gold, **kw)
     b = exact_search(DUAL, Reps(q), Reps(wide[:, ::2]), 0, 7, gold, **kw)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.keys, b.keys)
+
+
+def test_bad_calls_are_refused_before_the_kernel_loads():
+    e, q, gold = _data(n=512, d=16, batch=5)
     bad = block_native.Call(e[:100], 0, 0, 128, 0, 8, torch.empty(0, dtype=torch.int64), torch.arange(8) * 16)
     with pytest.raises(ValueError, match=r"bad call rows \[0, 128\) over torch.bfloat16 \[100, 16\]"):
         block_native.run_calls([bad], q.bfloat16(), 3, gold, None, 1, torch.arange(5), 16)
