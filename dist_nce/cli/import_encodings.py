@@ -12,10 +12,15 @@ then link and evaluate with no encoding (the shards reuse what was imported)::
         --store data/blink_kb --out runs/blink_eval \\
         --snapshot-dir data/blink_encodings/shards --set num_shards=8
 
-and a training run starts from it as its version 0 with ``model.blink_checkpoint`` set to
-the same file, ``service.shard_dir: data/blink_encodings/shards`` and the same
-``service.num_shards`` (``--row-grid``: the training config's ``service.index.block_rows``
-when it uses ``sampler: block``, whose shard boundaries fall on that grid).
+and a training run starts from it as its version 0 when the import is made for its config,
+which then supplies the model (``model.blink_checkpoint``, ``model.init_from`` or the seeded
+build: the same weights and architecture the run's ``build_retriever`` makes), the store
+(``data.prepared_dir``), the shard layout (``service.num_shards``, the block sampler's row
+grid), the storage dtype and the directory (``service.shard_dir``, default
+``<run.output_dir>/shards``)::
+
+    .venv/bin/python jobs/import_encodings.py --encodings models/all_entities_large.t7 \
+        --ids models/entity.jsonl --train-config configs/aida/paper_dual_p0.yaml
 
 The matrix is never loaded (``dist_nce.index.import_encodings``): rows are read a chunk at
 a time and written to each shard's version as its storage dtype (``--storage-dtype``,
@@ -31,6 +36,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dist_nce.cli.common import error
 
@@ -43,18 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--encodings", required=True,
                    help="the matrix: a torch.save'd [entities, d] tensor (.t7/.pt, zip or legacy format) or a .npy")
-    p.add_argument("--model", required=True, help="the model the encodings came from: a BLINK biencoder .bin or a "
-                                                  "dist-nce retriever directory (its entity encoder is fingerprinted)")
+    p.add_argument("--train-config", default=None,
+                   help="a training config (configs/aida/*.yaml): import as that run's version 0; it supplies "
+                        "--model, --prepared, --out, --num-shards, --row-grid and --storage-dtype")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--train-config override")
+    p.add_argument("--model", default=None, help="the model the encodings came from: a BLINK biencoder .bin or a "
+                                                 "dist-nce retriever directory (its entity encoder is fingerprinted)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for a BLINK .bin (default: the project's "
                                                      "default model, bert-uncased vocabulary)")
-    p.add_argument("--prepared", required=True, help="prepared KB the rows belong to (jobs/prepare_kb.py)")
-    p.add_argument("--out", required=True, help="output directory: shards/ (what --snapshot-dir / service.shard_dir "
-                                                "take) and manifest.json")
+    p.add_argument("--prepared", default=None, help="prepared KB the rows belong to (jobs/prepare_kb.py)")
+    p.add_argument("--out", default=None, help="output directory: shards/ (what --snapshot-dir takes) and "
+                                               "manifest.json; with --train-config, the run's shard directory")
     p.add_argument("--ids", default=None, help="ids of the matrix's rows in order: BLINK's entity.jsonl (.jsonl) or "
                                                "one id per line; default: row i is the store's row i")
-    p.add_argument("--num-shards", type=_positive, default=2, help="shards the serving service will run")
-    p.add_argument("--row-grid", type=_positive, default=1,
-                   help="shard boundaries on this grid (a service with index.sampler block: its block_rows)")
+    p.add_argument("--num-shards", type=_positive, default=None, help="shards the serving service will run "
+                                                                       "(default 2)")
+    p.add_argument("--row-grid", type=_positive, default=None,
+                   help="shard boundaries on this grid (a service with index.sampler block: its block_rows; default 1)")
     p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype the shards keep (default: the model's storage_dtype)")
     p.add_argument("--chunk-rows", type=_positive, default=16384, help="rows read and converted at a time")
@@ -81,12 +92,11 @@ def run(args: argparse.Namespace) -> dict:
     from dist_nce.index.encode import state_fingerprint, store_fingerprint
     from dist_nce.index.import_encodings import ImportTarget, align_rows, import_matrix, read_row_ids
     from dist_nce.index.matrix_file import open_matrix
-    from dist_nce.modeling.resolve import load_retriever
     from kb.store import EntityStore
 
     t0 = time.perf_counter()
     matrix = open_matrix(args.encodings)  # first: a wrong file fails before any model is read
-    retriever = load_retriever(args.model, tokenizer_dir=args.tokenizer)
+    shard_root, retriever = resolve_target(args)
     config = retriever.config
     spec = config.spec()
     if spec.entity_side.count != 1:
@@ -108,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     storage_dtype = args.storage_dtype or config.storage_dtype
     n = store.num_entities
     out = Path(args.out)
-    target = ImportTarget(out / "shards", even_ranges(n, args.num_shards, args.row_grid),
+    target = ImportTarget(shard_root, even_ranges(n, args.num_shards, args.row_grid),
                           store_fingerprint(args.prepared), dataclasses.asdict(spec), storage_dtype, fingerprint)
     print(f"import_encodings: {matrix.describe()} -> {n:,} store rows ({'by id' if row_of is not None else 'in order'})"
           f" as {storage_dtype}, {args.num_shards} shards -> {target.shard_root}", file=sys.stderr)
@@ -119,10 +129,12 @@ def run(args: argparse.Namespace) -> dict:
         shards = import_matrix(matrix, row_of, target, chunk_rows=args.chunk_rows, progress=bar.update,
                                encode_dtype="imported", imported_from=source)
     seconds = round(time.perf_counter() - t0, 2)
-    fields = dict(encodings=source, model=str(Path(args.model).resolve()), prepared=str(Path(args.prepared).resolve()),
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    fields = dict(encodings=source, model=model, prepared=str(Path(args.prepared).resolve()),
                   store_fingerprint=target.store_fingerprint, encoder_fingerprint=fingerprint, preset=config.preset,
                   storage_dtype=storage_dtype, num_shards=args.num_shards, row_grid=args.row_grid,
-                  shards=[{"rows": m["rows"], "dir": str(Path("shards") / p.parent.name / p.name)}
+                  shard_dir=str(shard_root.resolve()),
+                  shards=[{"rows": m["rows"], "dir": str(p.relative_to(shard_root))}
                           for m, p in zip(shards, _version_dirs(target))],
                   num_entities=n, seconds=seconds)
     if (out / "manifest.json").is_file():  # a rerun: the same import, or refused
@@ -132,6 +144,48 @@ def run(args: argparse.Namespace) -> dict:
     print(f"import_encodings: {n:,} x {matrix.dim} -> {out} ({seconds} s); serve it with --snapshot-dir "
           f"{target.shard_root} and {args.num_shards} shards", file=sys.stderr)
     return manifest
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
+    """(shard root, retriever the encodings came from), filling ``args`` from ``--train-config``.
+
+    With a training config the retriever is the run's own ``build_retriever(model, seed)``, so
+    its entity encoder's fingerprint is the one the run's ``ensure_encoded`` looks for; explicit
+    flags that contradict the config are refused rather than silently making a version the run
+    would not use."""
+    from dist_nce.modeling.resolve import load_retriever
+
+    if args.train_config is None:
+        missing = [flag for flag, value in (("--model", args.model), ("--prepared", args.prepared),
+                                            ("--out", args.out)) if value is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required without --train-config")
+        args.num_shards, args.row_grid = args.num_shards or 2, args.row_grid or 1
+        return Path(args.out) / "shards", load_retriever(args.model, tokenizer_dir=args.tokenizer)
+    from dist_nce.core.config import load_config
+    from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+    from dist_nce.train.model import build_retriever
+
+    cfg = with_absolute_paths(load_config(TrainJobConfig, args.train_config, args.set))
+    src = args.train_config
+    given = {"--model": (args.model, cfg.model.blink_checkpoint or cfg.model.init_from),
+             "--prepared": (args.prepared, cfg.data.prepared_dir),
+             "--num-shards": (args.num_shards, cfg.service.num_shards),
+             "--row-grid": (args.row_grid, cfg.service.index.row_grid()),
+             "--storage-dtype": (args.storage_dtype, cfg.model.retriever.storage_dtype)}
+    clash = [f"{flag} {mine} (the config: {theirs})" for flag, (mine, theirs) in given.items()
+             if mine is not None and str(mine) != str(theirs)]
+    if clash:
+        raise ValueError(f"{src}: {'; '.join(clash)}: the run would not use such a version; drop the flags or "
+                         "change the config (--set)")
+    if not cfg.data.prepared_dir:
+        raise ValueError(f"{src}: data.prepared_dir: not set; prepare the store first")
+    args.model = args.model or cfg.model.blink_checkpoint or cfg.model.init_from or f"{src} (model.retriever)"
+    args.prepared = cfg.data.prepared_dir
+    args.num_shards, args.row_grid = cfg.service.num_shards, cfg.service.index.row_grid()
+    shard_root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards")
+    args.out = args.out or str(shard_root)
+    return shard_root, build_retriever(cfg.model, cfg.optim.seed)
 
 
 def _version_dirs(target) -> list[Path]:

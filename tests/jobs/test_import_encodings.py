@@ -105,3 +105,36 @@ def test_bad_inputs_are_refused_naming_them(blink_files, tmp_path):
     assert r.returncode == 2 and "69 rows, but the store has 70 entities" in r.stderr
     r = job("import_encodings", "--encodings", str(root / "shuffled.t7"), "--num-shards", "0", *base)
     assert r.returncode == 2 and "--num-shards" in r.stderr and "must be >= 1" in r.stderr
+
+
+def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_path):
+    """--train-config: the run's own model (build_retriever), store, shard layout (the block
+    sampler's row grid) and shard directory; its shards then serve version 0 with no encode."""
+    from dist_nce.actors.shard import EntityShard
+    from dist_nce.cli.import_encodings import main
+    from dist_nce.core.config import load_config
+    from dist_nce.index.encode import state_fingerprint
+    from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+    from dist_nce.train.model import build_retriever
+
+    root, _, entities = blink_files
+    overrides = [f"model.blink_checkpoint={root / 'biencoder_wiki_large.bin'}", "model.retriever.mention_model=null",
+                 "model.retriever.storage_dtype=float16", f"data.prepared_dir={root / 'kb'}",
+                 f"service.shard_dir={tmp_path / 'run_shards'}", "service.index.backend=torch",
+                 "service.index.sampler=block", "service.index.block_rows=16"]
+    config = REPO / "configs" / "aida" / "test_tiny.yaml"
+    args = ["--encodings", str(root / "shuffled.t7"), "--ids", str(root / "entity.jsonl"), "--no-progress",
+            "--train-config", str(config), *(x for o in overrides for x in ("--set", o))]
+    assert main(args) == 0
+    cfg = with_absolute_paths(load_config(TrainJobConfig, config, overrides))
+    state = build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state()
+    manifest = json.loads((tmp_path / "run_shards" / "manifest.json").read_text())
+    assert manifest["row_grid"] == 16 and [s["rows"] for s in manifest["shards"]] == [[0, 32], [32, 70]]
+    for i, rows in enumerate(([0, 32], [32, 70])):
+        shard = EntityShard(str(root / "kb"), rows, i, 2, cfg.model.retriever, cfg.service,
+                            str(tmp_path / "run_shards"), entities.shape[1])
+        assert shard.status()["served"] == 0 and shard.status()["encoder_fingerprint"] == state_fingerprint(state)
+        assert shard.refresh(state, 0) == 0 and shard.status()["encodes"] == 0
+
+    # a flag that contradicts the config would make a version the run never uses: refused
+    assert main([*args, "--num-shards", "3"]) == 2
