@@ -5,6 +5,12 @@ A dist-nce retriever directory (``Retriever.save_pretrained``)::
     .venv/bin/python jobs/encode_kb.py --prepared data/kilt_minilm --model runs/aida/retriever \
         --out data/embeddings/aida --num-shards 4
 
+BLINK's released biencoder (architecture read off the weights; the tokenizer is ``--tokenizer``
+or the default model's, which has bert-uncased's vocabulary)::
+
+    .venv/bin/python jobs/encode_kb.py --prepared data/kilt_bert --model models/biencoder_wiki_large.bin \
+        --tokenizer /models/bert-large-uncased --out data/embeddings/blink --num-shards 8
+
 A Hugging Face model directory, with the score preset it is used under::
 
     .venv/bin/python jobs/encode_kb.py --prepared data/zeshel_minilm --model /models/bert-base-uncased \
@@ -44,11 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="encode_kb", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prepared", required=True, help="prepared KB directory (jobs/prepare_kb.py output)")
-    p.add_argument("--model", required=True, help="dist-nce retriever directory, or a Hugging Face model directory "
+    p.add_argument("--model", required=True, help="dist-nce retriever directory, BLINK biencoder checkpoint file "
+                                                  "(biencoder_wiki_large.bin), or a Hugging Face model directory "
                                                   "(then --preset)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory for a BLINK file (default: the default "
+                                                     "model's, bert-uncased's vocabulary)")
     p.add_argument("--out", required=True, help="output directory (export + per-shard versions under shards/)")
     p.add_argument("--preset", choices=["dual", "poly", "multi", "som", "genpoly"], default=None,
-                   help="score preset of a Hugging Face model (default dual; a retriever directory knows its own)")
+                   help="score preset of a Hugging Face model or BLINK file (default dual; a retriever directory "
+                        "knows its own)")
     p.add_argument("--m", type=int, default=None, help="vectors/codes for poly, multi, genpoly")
     p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype shards keep and persist (default: the retriever's, else float16)")
@@ -68,15 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_entity_side(args: argparse.Namespace) -> tuple[Any, dict, str, int]:
-    """(RetrieverConfig, entity-encoder state, tokenizer sha256, d) for --model."""
+    """(RetrieverConfig, entity-encoder state, tokenizer sha256, d) for --model: a retriever directory or
+    BLINK file (:func:`dist_nce.modeling.resolve.load_retriever`), or a Hugging Face model directory."""
     from dist_nce.core.artifacts import MANIFEST
     from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
     from dist_nce.modeling.encoder import Encoder
-    from dist_nce.modeling.retriever import EntityEncoder, Retriever, RetrieverConfig
+    from dist_nce.modeling.resolve import load_retriever
+    from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 
     model = Path(args.model)
+    if not model.exists():
+        raise FileNotFoundError(f"{model}: --model not found; expected a retriever directory, a BLINK biencoder "
+                                "checkpoint file or a Hugging Face model directory")
+    if model.is_file():  # a BLINK biencoder checkpoint
+        config = RetrieverConfig(preset=args.preset or "dual", m=args.m, storage_dtype=args.storage_dtype or "float16")
+        config.validate()
+        retriever = load_retriever(model, tokenizer_dir=args.tokenizer, config=config)
+        return (config, retriever.entity_encoder_state(), tokenizer_fingerprint(retriever.tokenizer)["sha256"],
+                retriever.hidden_size)
+    if args.tokenizer:
+        raise ValueError(f"--tokenizer is for a BLINK checkpoint file; {model} is a directory with its own tokenizer")
     if (model / MANIFEST).is_file():  # a dist-nce retriever directory
-        retriever = Retriever.from_pretrained(model)
+        retriever = load_retriever(model)
         config = retriever.config
         if (args.preset, args.m) != (None, None) and (args.preset, args.m) != (config.preset, config.m):
             raise ValueError(f"{model} is a {config.preset} (m={config.m}) retriever; drop --preset/--m or "

@@ -10,6 +10,16 @@
 
 (``ray job submit`` runs the job in a copy of the working directory: give absolute paths.)
 
+``--model`` is a retriever directory or BLINK's released biencoder file (the architecture is
+read off the weights, the tokenizer is ``--tokenizer`` or the default model's, which has
+bert-uncased's vocabulary; the store must have been prepared with that vocabulary)::
+
+    .venv/bin/python jobs/evaluate_kilt_aida.py --model models/biencoder_wiki_large.bin \\
+        --store data/prepared/kilt_bert --out runs/blink/eval --set num_shards=8
+
+Reusing the embeddings of ``jobs/encode_kb.py --model models/biencoder_wiki_large.bin --out
+data/embeddings/blink`` (same ``--set num_shards``): add ``--snapshot-dir data/embeddings/blink/shards``.
+
 1. The KB's entity embeddings come from the NegativeService shards (``--set key=value``
    sets any ``ServiceConfig`` field, e.g. ``num_shards``, ``num_gpus``, ``index.backend``).
    The shards persist them under ``--snapshot-dir`` (default ``<out>/snapshot``); a later
@@ -49,6 +59,7 @@ from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, kilt_scores, read_jsonl, write_guess_file
 from dist_nce.eval.metrics import recall_at_k
 from dist_nce.index.encode import state_fingerprint, store_fingerprint
+from dist_nce.modeling.resolve import load_retriever
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
 from dist_nce.retrieval import Searcher, build_local_index, ranked_source_ids, retrieve, serve_model
@@ -64,7 +75,9 @@ TABLE = [("accuracy", "downstream", "accuracy"), ("KILT-acc", "kilt", "KILT-accu
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="retriever directory (Retriever.save_pretrained)")
+    ap.add_argument("--model", required=True, help="retriever directory (Retriever.save_pretrained) or BLINK "
+                                                   "biencoder checkpoint file (biencoder_wiki_large.bin)")
+    ap.add_argument("--tokenizer", help="tokenizer directory for a BLINK file (default: the default model's)")
     ap.add_argument("--store", required=True, help="prepared KB directory (jobs/prepare_kb.py) with AIDA mentions")
     ap.add_argument("--out", required=True, help="output directory: guess files, scores.json, manifest.json")
     ap.add_argument("--aida-dir", help="directory of the original AIDA KILT files (default: the store's source)")
@@ -177,7 +190,7 @@ def evaluate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     ks = sorted({int(k) for k in args.ks.split(",") if int(k) <= args.k})  # a ranking has k entries
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    retriever = Retriever.from_pretrained(args.model).eval()
+    retriever = load_retriever(args.model, tokenizer_dir=args.tokenizer).eval()
     if retriever.tokenizer is None:
         raise FileNotFoundError(f"{args.model}: no tokenizer/ directory; cannot check the store's token ids")
     auto = "cuda" if torch.cuda.is_available() else "cpu"

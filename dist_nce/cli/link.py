@@ -6,6 +6,17 @@
         --output dev_guess.jsonl --format kilt
     python jobs/link.py --run runs/demo/<time> --interactive      # one sentence per line, [brackets]
 
+Without a run: a retriever directory or BLINK's released biencoder over a prepared store, the
+KB's embeddings from ``jobs/encode_kb.py --out`` (``--snapshot``; or ``--kb encode``, or
+``--searcher service --shard-dir <encode_kb out>/shards``), optionally BLINK's cross-encoder::
+
+    python jobs/link.py --model models/biencoder_wiki_large.bin --store data/prepared/kilt_bert \\
+        --snapshot data/embeddings/blink --reranker models/crossencoder_wiki_large.bin \\
+        --text "Tulsa is a city in [Oklahoma] ."
+
+BLINK files are read with ``--tokenizer`` (default: the default model's, bert-uncased's vocabulary);
+an index encoded by other weights than the model's is refused, never searched.
+
 Input lines (JSONL) are ``{"text": ..., "mentions": [[start, end], ...]}`` (character spans)
 or KILT inputs ``{"id": ..., "input": "left [START_ENT] mention [END_ENT] right"}``; output
 lines are the same documents with, per mention, the top-k entities (id, title, retriever
@@ -35,12 +46,23 @@ if TYPE_CHECKING:
     from dist_nce.link.linker import Linker
 
 CHUNK = 256  # documents linked per call in batch mode (encoder batches are LinkConfig.batch_size)
+# (LinkConfig key, type, help): each is an option --<key> (service.shard_dir: --shard-dir).
+LINK_OPTIONS = (
+    ("k", int, "entities per mention"), ("searcher", str, "local or service"),
+    ("kb", str, "snapshot or encode (local searcher)"), ("store", str, "prepared store"),
+    ("model", str, "retriever directory or BLINK biencoder file (biencoder_wiki_large.bin), instead of --run"),
+    ("tokenizer", str, "tokenizer directory for BLINK files (default: the default model's)"),
+    ("snapshot", str, "exported KB embeddings (jobs/encode_kb.py --out) for the local searcher"),
+    ("service.shard_dir", str, "where the service's shards persist/reuse embeddings (<encode_kb out>/shards)"),
+    ("reranker", str, "reranker directory or BLINK cross-encoder file (crossencoder_wiki_large.bin)"),
+    ("device", str, "cpu, cuda, ..."),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", help="run directory (runs/<name>/<time>)")
+    ap.add_argument("--run", help="run directory (runs/<name>/<time>); or --model and --store")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--text", help='one sentence with mentions in [brackets] (or KILT markers)')
     mode.add_argument("--input", help="JSONL of documents to link")
@@ -49,10 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--format", choices=["jsonl", "kilt"], default="jsonl", help="batch output format")
     ap.add_argument("--config", help="YAML of LinkConfig fields")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="LinkConfig override")
-    for name, kind, what in (("k", int, "entities per mention"), ("searcher", str, "local or service"),
-                             ("kb", str, "snapshot or encode (local searcher)"), ("store", str, "prepared store"),
-                             ("reranker", str, "reranker directory"), ("device", str, "cpu, cuda, ...")):
-        ap.add_argument(f"--{name}", type=kind, help=f"LinkConfig.{name}: {what}")
+    for name, kind, what in LINK_OPTIONS:
+        flag = name.removeprefix("service.").replace("_", "-")
+        ap.add_argument(f"--{flag}", type=kind, dest=name.replace(".", "_"), help=f"LinkConfig.{name}: {what}")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     ap.add_argument("--help-config", action="store_true", help="print every LinkConfig field and exit")
@@ -61,8 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def link_config(args: argparse.Namespace) -> LinkConfig:
     sets = list(args.set)
-    for name in ("k", "searcher", "kb", "store", "reranker", "device"):
-        value = getattr(args, name)
+    for name, _, _ in LINK_OPTIONS:
+        value = getattr(args, name.replace(".", "_"))
         if value is not None:
             sets.append(f"{name}={json.dumps(value) if isinstance(value, str) else value}")
     if not args.progress:
@@ -160,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(describe(LinkConfig))
         return 0
-    if not args.run:
-        return error("--run is required")
+    if not args.run and not args.model:
+        return error("give --run (a run directory) or --model (a retriever directory or BLINK biencoder file) "
+                     "with --store")
     try:
         cfg = link_config(args)
         doc = None
@@ -185,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactMismatch, ConfigError, FileNotFoundError, ValueError) as e:
         return error(e)
     with linker:
-        print(f"linker: {args.run}, {linker.store.num_entities:,} entities, searcher {cfg.searcher}"
+        print(f"linker: {args.run or cfg.model}, {linker.store.num_entities:,} entities, searcher {cfg.searcher}"
               + (f", reranker {cfg.reranker}" if cfg.reranker else ""), file=sys.stderr)
         try:
             if doc is not None:

@@ -5,7 +5,11 @@ place of the lowest-ranked candidate when the retriever missed it); Ray Train + 
 workers, checkpoints and resume, TensorBoard scalars, tqdm. Evaluation: unnormalized
 accuracy (all mentions) and normalized accuracy (mentions whose gold is among the
 candidates) on val and test, macro over worlds as in the paper's Table 2, and micro.
-Writes ``<run.output_dir>/summary.json`` and the reranker to ``<run.output_dir>/reranker``.
+Writes ``<run.output_dir>/summary.json``, the reranker to ``<run.output_dir>/reranker`` and, for the
+pooler head (the default), the same weights in BLINK's cross-encoder layout to
+``<run.output_dir>/crossencoder_blink.bin`` (what ``crossencoder_wiki_large.bin`` is). Starting
+from BLINK's released cross-encoder: ``--set model.init_from=models/crossencoder_wiki_large.bin
+--set model.reranker.model=null`` (architecture read off the weights).
 
 Candidates come from jobs/zeshel_retriever.py (``data.candidates_dir`` = its
 ``candidates/``) or from Zeshel's own TF-IDF lists::
@@ -71,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     done = bool((result.metrics or {}).get("done")) and final.get("step") == plan.total_steps
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
                "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
-               "export": final.get("export"), "seconds": round(time.perf_counter() - start, 1),
+               "export": final.get("export"), "blink_export": final.get("blink_export"),
+               "blink_skipped": final.get("blink_skipped"),
+               "seconds": round(time.perf_counter() - start, 1),
                "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
                "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}

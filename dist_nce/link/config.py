@@ -24,17 +24,31 @@ class LinkConfig:
     kb: Literal["snapshot", "encode"] = _help(
         "local searcher: snapshot = the run's exported KB embeddings (kb_snapshot/); encode = encode the "
         "prepared store in this process with the run's entity encoder.", default="snapshot")
-    store: Optional[str] = _help("Prepared KB directory; default: the run's (summary.json data.prepared_dir).",
-                                 default=None)
-    reranker: Optional[str] = _help("A trained reranker directory (Reranker.save_pretrained); None = none.",
-                                    default=None)
+    store: Optional[str] = _help("Prepared KB directory; default: the run's (summary.json data.prepared_dir). "
+                                 "Required with model (no run).", default=None)
+    model: Optional[str] = _help(
+        "Link without a run: a retriever directory (Retriever.save_pretrained) or a BLINK biencoder checkpoint "
+        "file (biencoder_wiki_large.bin); then store is required and the KB index comes from snapshot, "
+        "kb: encode, or the service's shard_dir. None = the run's model/.", default=None)
+    tokenizer: Optional[str] = _help(
+        "Tokenizer directory for BLINK checkpoint files (model, reranker); None = the default model's "
+        "(bert-uncased's vocabulary). Saved directories bring their own.", default=None)
+    snapshot: Optional[str] = _help(
+        "Local searcher, kb: snapshot: an exported KB embedding snapshot (jobs/encode_kb.py --out, a run's "
+        "kb_snapshot/); used only if this model's entity encoder made it. None = the run's kb_snapshot/. "
+        "Without a run it is also the service searcher's default shard_dir parent (<snapshot>/shards).",
+        default=None)
+    reranker: Optional[str] = _help("A reranker directory (Reranker.save_pretrained) or a BLINK cross-encoder "
+                                    "checkpoint file (crossencoder_wiki_large.bin); None = none.", default=None)
     rerank_pairs: int = _help("(mention, candidate) pairs per reranker forward.", AT_LEAST_1, default=256)
     device: str = _help("Torch device of the encoders: cpu, cuda, cuda:1.", default="cpu")
     index: Optional[IndexConfig] = _help(
         "Local searcher's index; None = exact (faiss flat for dual/multi-m, torch for the others).", default=None)
     service: Optional[ServiceConfig] = _help(
         "Service searcher's shards; None = the run's own service config (summary.json), persisting under "
-        "<run>/shards, where the trainer left the final index (reused when it is this model's).", default=None)
+        "<run>/shards, where the trainer left the final index (reused when it is this model's). Without a run: "
+        "service.shard_dir (or snapshot) says where the shards persist and reuse the KB's embeddings, e.g. "
+        "<jobs/encode_kb.py --out>/shards with the same num_shards.", default=None)
     progress: bool = _help("Progress bars while encoding and searching.", default=True)
 
 
@@ -42,7 +56,8 @@ class LinkConfig:
 class ServeConfig:
     """The Ray Serve application (dist_nce/link/serve.py, configs/serve/link.yaml)."""
 
-    run: str = _help("Run directory of jobs/aida_finetune.py (runs/<name>/<time>).", default="")
+    run: str = _help("Run directory of jobs/aida_finetune.py (runs/<name>/<time>); empty = link.model and "
+                     "link.store instead (e.g. BLINK's biencoder_wiki_large.bin).", default="")
     link: LinkConfig = _help("How the replicas link (k, searcher, reranker, ...).", default_factory=LinkConfig)
     encoder_replicas: int = _help("Replicas of the mention-encoder deployment.", AT_LEAST_1, default=1)
     reranker_replicas: int = _help("Replicas of the reranker deployment (when link.reranker is set).",

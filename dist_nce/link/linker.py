@@ -1,6 +1,9 @@
 """Link mentions in new text with a trained run: ``Linker.from_pretrained(run_dir).link(docs)``.
 
     linker = Linker.from_pretrained("runs/demo/20250101-120000", k=5)
+    # or without a run: a retriever directory or BLINK's released files, over a prepared store
+    linker = Linker.from_pretrained(model="models/biencoder_wiki_large.bin", store="data/prepared/kilt_bert",
+                                    snapshot="data/embeddings/blink", reranker="models/crossencoder_wiki_large.bin")
     linker.link([{"text": "Paris is in France .", "mentions": [[12, 18]]}])
     # [{"mentions": [{"span": [12, 18], "mention": "France",
     #                 "entities": [{"id": "5843419", "title": "France", "row": 17, "score": 41.2}, ...]}]}]
@@ -36,7 +39,8 @@ from dist_nce.core.text import encode_mentions, tokenizer_fingerprint
 from dist_nce.index.search import ShardIndex
 from dist_nce.link.config import LinkConfig
 from dist_nce.link.inputs import Mention, parse_docs
-from dist_nce.link.run_dir import RunArtifacts, locate, snapshot_index
+from dist_nce.link.run_dir import RunArtifacts, resolve, snapshot_index
+from dist_nce.modeling.resolve import load_reranker, load_retriever
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import Reps
 from dist_nce.retrieval import Searcher, default_index_config, iter_mention_reps, local_search, retrieve
@@ -108,19 +112,21 @@ class Linker:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, run_dir: str | os.PathLike, config: LinkConfig | Mapping[str, Any] | None = None, *,
+    def from_pretrained(cls, run_dir: str | os.PathLike | None = None,
+                        config: LinkConfig | Mapping[str, Any] | None = None, *,
                         keep_encoder: bool = True, **overrides: Any) -> "Linker":
-        """Load ``run_dir`` (``runs/<name>/<time>`` of jobs/aida_finetune.py).
+        """Load ``run_dir`` (``runs/<name>/<time>`` of jobs/aida_finetune.py), or, with no run,
+        ``model`` + ``store`` (a retriever directory or BLINK biencoder file over a prepared KB).
 
-        ``config`` / ``overrides``: :class:`LinkConfig` fields (``k=5``, ``reranker=...``).
-        ``keep_encoder=False`` drops the mention encoder once the index is built (the
-        Serve ingress encodes in another deployment).
+        ``config`` / ``overrides``: :class:`LinkConfig` fields (``k=5``, ``reranker=...``,
+        ``model=...``, ``snapshot=...``). ``keep_encoder=False`` drops the mention encoder once
+        the index is built (the Serve ingress encodes in another deployment).
         """
         from kb.store import EntityStore
 
         cfg = _config(config, overrides)
-        art = locate(run_dir, cfg.store)
-        retriever = Retriever.from_pretrained(art.model).eval().to(cfg.device)
+        art = resolve(run_dir, cfg.model, cfg.store, cfg.snapshot)
+        retriever = load_retriever(art.model, tokenizer_dir=cfg.tokenizer).eval().to(cfg.device)
         if retriever.tokenizer is None:
             raise ArtifactMismatch(f"{art.model}: no tokenizer/ directory; mentions cannot be tokenized as in "
                                    "training")
@@ -129,9 +135,7 @@ class Linker:
         searcher = cls._open_searcher(cfg, art, retriever, store, tok_sha)
         reranker = None
         if cfg.reranker:
-            from dist_nce.modeling.reranker import Reranker
-
-            reranker = Reranker.from_pretrained(cfg.reranker).eval().to(cfg.device)
+            reranker = load_reranker(cfg.reranker, tokenizer_dir=cfg.tokenizer).eval().to(cfg.device)
             theirs = None if reranker.tokenizer is None else tokenizer_fingerprint(reranker.tokenizer)["sha256"]
             if theirs != tok_sha:
                 raise ArtifactMismatch(f"{cfg.reranker}: the reranker's tokenizer differs from the retriever's and "
@@ -148,6 +152,9 @@ class Linker:
             if cfg.kb == "encode":
                 return build_local_index(retriever, store, index_cfg, progress=cfg.progress)
             if art.snapshot is None:
+                if art.run_dir is None:
+                    raise FileNotFoundError(f"{art.model}: no KB snapshot to search; give snapshot (--snapshot, the "
+                                            "--out of jobs/encode_kb.py) or kb: encode (--kb encode)")
                 raise FileNotFoundError(f"{art.run_dir}: no kb_snapshot/ (the run exported none); use kb: encode "
                                         "(--kb encode) to encode the store in this process")
             fingerprint = state_fingerprint(retriever.entity_encoder_state())
@@ -251,9 +258,10 @@ def _open_service(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, tok_
     from dist_nce.retrieval import serve_model
 
     svc = cfg.service or from_dict(ServiceConfig, art.service or {}, f"{art.run_dir}/summary.json: service")
-    svc = dataclasses.replace(svc, shard_dir=svc.shard_dir or str(Path(art.run_dir) / "shards"))
+    svc = dataclasses.replace(svc, shard_dir=svc.shard_dir or str(_default_shard_dir(art)))
     init_ray()
-    service = NegativeService.create(str(art.store), retriever.config, svc, str(art.run_dir),
+    service = NegativeService.create(str(art.store), retriever.config, svc,
+                                     str(art.run_dir or Path(svc.shard_dir).parent),
                                      dim=retriever.hidden_size, tokenizer_sha256=tok_sha)
     try:
         serve_model(service, retriever, progress=cfg.progress)
@@ -261,3 +269,16 @@ def _open_service(cfg: LinkConfig, art: RunArtifacts, retriever: Retriever, tok_
         service.shutdown()
         raise
     return service
+
+
+def _default_shard_dir(art: RunArtifacts) -> Path:
+    """Where the service's shards persist (and look for) the KB's embeddings when
+    ``service.shard_dir`` is unset: the run's ``shards/``, else ``<snapshot>/shards`` (the layout
+    of jobs/encode_kb.py's --out)."""
+    if art.run_dir is not None:
+        return Path(art.run_dir) / "shards"
+    if art.snapshot is not None:
+        return Path(art.snapshot) / "shards"
+    raise FileNotFoundError(f"searcher: service with model {art.model} and no run directory needs service.shard_dir "
+                            "(--shard-dir: where the shards persist and reuse the KB's embeddings, e.g. "
+                            "<jobs/encode_kb.py --out>/shards) or snapshot (--snapshot)")

@@ -7,13 +7,17 @@
     shards/         the shards' persisted versions the snapshot was exported from
     summary.json    the run's config: data.prepared_dir (the prepared store), service (the shards)
 
-:func:`locate` finds these; :func:`snapshot_index` loads the snapshot into an in-process
+:func:`locate` finds these; :func:`locate_model` stands in for a run when linking with a
+model alone (a retriever directory or BLINK's ``biencoder_wiki_large.bin``), a prepared
+store and optionally a snapshot exported elsewhere (``jobs/encode_kb.py --out``), and
+:func:`resolve` picks one of the two. :func:`snapshot_index` loads the snapshot into an in-process
 :class:`~dist_nce.index.search.ShardIndex` after checking that it belongs to this store
 (row count, source ids) and, where the shard manifests it came from are still there, to
 this model's entity encoder (a snapshot of other weights would rank by stale vectors).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -40,9 +44,11 @@ SUMMARY = "summary.json"
 @dataclass(frozen=True)
 class RunArtifacts:
     """Paths of one run; ``snapshot`` None when the run exported none; ``service`` the run's
-    ``service`` config section (a dict, or None without a summary)."""
+    ``service`` config section (a dict, or None without a summary). ``run_dir`` is None when
+    linking with a model and store alone (:func:`locate_model`); ``model`` is then a
+    retriever directory or a BLINK biencoder file."""
 
-    run_dir: Path
+    run_dir: Path | None
     model: Path
     store: Path
     snapshot: Path | None
@@ -77,6 +83,47 @@ def locate(run_dir: str | os.PathLike, store: str | os.PathLike | None = None) -
                         config.get("service"))
 
 
+def locate_model(model: str | os.PathLike, store: str | os.PathLike | None,
+                 snapshot: str | os.PathLike | None = None) -> RunArtifacts:
+    """The artifacts of linking without a run: ``model`` (a retriever directory or a BLINK
+    biencoder file), the prepared ``store`` (required) and an optional exported ``snapshot``."""
+    from dist_nce.modeling.resolve import is_checkpoint_file
+
+    is_checkpoint_file(model)  # a wrong path fails here, naming the forms accepted
+    if store is None:
+        raise FileNotFoundError(f"linking with model {model} and no run directory needs the prepared store "
+                                "(store=... / --store)")
+    store = Path(store)
+    if not (store / MANIFEST).is_file():
+        raise FileNotFoundError(f"{store}: prepared store not found (no manifest.json)")
+    return RunArtifacts(None, Path(model), store, _snapshot_dir(snapshot), None)
+
+
+def _snapshot_dir(snapshot: str | os.PathLike | None) -> Path | None:
+    if snapshot is None:
+        return None
+    snapshot = Path(snapshot)
+    if not (snapshot / MANIFEST).is_file():
+        raise FileNotFoundError(f"{snapshot}: no exported KB snapshot (manifest.json); give the --out of "
+                                "jobs/encode_kb.py or a run's kb_snapshot/")
+    return snapshot
+
+
+def resolve(run_dir: str | os.PathLike | None, model: str | os.PathLike | None = None,
+            store: str | os.PathLike | None = None, snapshot: str | os.PathLike | None = None) -> RunArtifacts:
+    """What to link with: a run directory (:func:`locate`) or a model + store (:func:`locate_model`);
+    ``snapshot`` replaces the run's exported one."""
+    if run_dir and model:
+        raise ValueError(f"give a run directory ({run_dir}) or a model ({model}), not both")
+    if model:
+        return locate_model(model, store, snapshot)
+    if not run_dir:
+        raise FileNotFoundError("nothing to link with: give a run directory (--run) or a model (--model, "
+                                "a retriever directory or BLINK biencoder file) with --store")
+    art = locate(run_dir, store)
+    return dataclasses.replace(art, snapshot=_snapshot_dir(snapshot)) if snapshot else art
+
+
 def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_fingerprint: str | None) -> None:
     n = store.num_entities
     if manifest.get("num_entities") != n:
@@ -92,6 +139,10 @@ def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_
                                f"{store.path} has {want}: the snapshot indexes another KB")
     if encoder_fingerprint is None:
         return
+    own = manifest.get("encoder_fingerprint")  # jobs/encode_kb.py records it; run exports do not
+    if own is not None and own != encoder_fingerprint:
+        raise ArtifactMismatch(f"{snapshot}: encoded by other entity-encoder weights ({own}) than the model's "
+                               f"({encoder_fingerprint}); use kb: encode, or encode_kb with this model")
     for part in manifest.get("parts", []):
         part_manifest = Path(part["dir"]) / MANIFEST
         if not part_manifest.is_file():

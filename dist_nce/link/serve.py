@@ -1,6 +1,9 @@
 """The linker over HTTP: a Ray Serve application of three deployments.
 
     RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run configs/serve/link.yaml  # set args.run first
+    # or BLINK's released files over a prepared store (args.run empty; see ServeConfig):
+    #   args: {link: {model: .../biencoder_wiki_large.bin, reranker: .../crossencoder_wiki_large.bin,
+    #                 store: data/prepared/kilt_bert, snapshot: data/embeddings/blink}}
     curl -s -X POST http://127.0.0.1:8000/link -H 'Content-Type: application/json' \\
         -d '{"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}], "k": 5}'
 
@@ -9,7 +12,7 @@
   through the trainer's sharded NegativeService, ``link.searcher: service``: the replica
   then owns its shard actors) and, with a reranker, asks the reranker; answers
   ``{"docs": [...]}`` in the Python API's format (``Linker.link``).
-* ``MentionEncoder``: the run's mention encoder; concurrent requests' mentions are encoded
+* ``MentionEncoder``: the run's (or ``link.model``'s) mention encoder; concurrent requests' mentions are encoded
   together (``@serve.batch``), which is where batching pays on a CPU or a GPU.
 * ``RerankerScorer`` (only with ``link.reranker``): (mention, k candidates) items batched
   the same way.
@@ -99,13 +102,14 @@ def keep_replica_grpc_on_loopback() -> bool:
 class MentionEncoder:
     """Token rows -> mention vectors; concurrent calls are encoded in one batch."""
 
-    def __init__(self, model_dir: str, device: str, max_batch_size: int, batch_wait_timeout_s: float):
+    def __init__(self, model: str, tokenizer: str | None, device: str, max_batch_size: int,
+                 batch_wait_timeout_s: float):
         keep_replica_grpc_on_loopback()
         from dist_nce.cluster.runtime import configure_process
-        from dist_nce.modeling.retriever import Retriever
+        from dist_nce.modeling.resolve import load_retriever
 
         configure_process(1)
-        self.retriever = Retriever.from_pretrained(model_dir).eval().to(device)
+        self.retriever = load_retriever(model, tokenizer_dir=tokenizer).eval().to(device)
         self.pad = self.retriever.tokenizer.pad_token_id
         self.encode.set_max_batch_size(max_batch_size)
         self.encode.set_batch_wait_timeout_s(batch_wait_timeout_s)
@@ -127,16 +131,16 @@ class MentionEncoder:
 class RerankerScorer:
     """(mention token row, k candidate store rows) -> k reranker scores; calls batched."""
 
-    def __init__(self, reranker_dir: str, store_dir: str, device: str, pairs: int, max_batch_size: int,
-                 batch_wait_timeout_s: float):
+    def __init__(self, reranker: str, tokenizer: str | None, store_dir: str, device: str, pairs: int,
+                 max_batch_size: int, batch_wait_timeout_s: float):
         keep_replica_grpc_on_loopback()
         from kb.store import EntityStore
 
         from dist_nce.cluster.runtime import configure_process
-        from dist_nce.modeling.reranker import Reranker
+        from dist_nce.modeling.resolve import load_reranker
 
         configure_process(1)
-        self.reranker = Reranker.from_pretrained(reranker_dir).eval().to(device)
+        self.reranker = load_reranker(reranker, tokenizer_dir=tokenizer).eval().to(device)
         from dist_nce.core.text import tokenizer_fingerprint
 
         # It reads the store's entity token ids: they must be in its own vocabulary.
@@ -194,7 +198,7 @@ class LinkIngress:
         configure_process(1)
         self.cfg = from_dict(ServeConfig, config)
         link = dict(to_dict(self.cfg.link), reranker=None, progress=False)  # the reranker runs in its deployment
-        self.linker = Linker.from_pretrained(self.cfg.run, link, keep_encoder=False)
+        self.linker = Linker.from_pretrained(self.cfg.run or None, link, keep_encoder=False)
         self.encoder, self.reranker = encoder, reranker
 
     async def _link(self, payload: Any) -> list[dict]:
@@ -247,23 +251,27 @@ class LinkIngress:
 def build_app(args: dict) -> Any:
     """The application for ``serve run`` / ``serve deploy`` (``import_path: dist_nce.link.serve:build_app``);
     ``args`` are :class:`~dist_nce.link.config.ServeConfig` fields (unknown keys refused)."""
-    from dist_nce.link.run_dir import locate
+    from dist_nce.link.run_dir import resolve
 
     cfg = from_dict(ServeConfig, args, "serve args")
-    if not cfg.run:
-        raise ConfigError("serve args: run: give the run directory (runs/<name>/<time>)")
-    art = locate(cfg.run, cfg.link.store)  # a wrong path fails here, before any replica starts
+    if not cfg.run and not cfg.link.model:
+        raise ConfigError("serve args: run: give the run directory (runs/<name>/<time>), or link.model (a retriever "
+                          "directory or BLINK biencoder file) and link.store")
+    try:  # a wrong path fails here, before any replica starts
+        art = resolve(cfg.run or None, cfg.link.model, cfg.link.store, cfg.link.snapshot)
+    except ValueError as e:
+        raise ConfigError(f"serve args: {e}") from None
     actor = {"num_cpus": cfg.replica_cpus}
     # A replica queues at most max_ongoing_requests calls: room for a full batch and the next one.
     batched = 2 * cfg.max_batch_size
     encoder = MentionEncoder.options(num_replicas=cfg.encoder_replicas, ray_actor_options=actor,
                                      max_ongoing_requests=batched).bind(
-        str(art.model), cfg.link.device, cfg.max_batch_size, cfg.batch_wait_timeout_s)
+        str(art.model), cfg.link.tokenizer, cfg.link.device, cfg.max_batch_size, cfg.batch_wait_timeout_s)
     reranker = None
     if cfg.link.reranker:
         reranker = RerankerScorer.options(num_replicas=cfg.reranker_replicas, ray_actor_options=actor,
                                           max_ongoing_requests=batched).bind(
-            cfg.link.reranker, str(art.store), cfg.link.device, cfg.link.rerank_pairs,
+            cfg.link.reranker, cfg.link.tokenizer, str(art.store), cfg.link.device, cfg.link.rerank_pairs,
             cfg.max_batch_size, cfg.batch_wait_timeout_s)
     return LinkIngress.options(num_replicas=cfg.ingress_replicas, ray_actor_options=actor,
                                max_ongoing_requests=cfg.ingress_max_ongoing).bind(

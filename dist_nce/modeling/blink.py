@@ -25,6 +25,10 @@ names the keys):
 
 Export writes the same layout with ``torch.save`` of a plain ``{name: tensor}`` dict,
 so BLINK's own ``BiEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it.
+
+The key rules, the exact loader and the architecture/tokenizer choice are shared with the
+cross-encoder's import (:mod:`dist_nce.modeling.blink_crossencoder`); entry points load
+either kind of file through :mod:`dist_nce.modeling.resolve`.
 """
 from __future__ import annotations
 
@@ -53,13 +57,27 @@ class BlinkCheckpointError(ValueError):
     """A BLINK checkpoint does not match the expected layout; the message names the keys."""
 
 
-def _names(keys: list[str], limit: int = 12) -> str:
+def key_names(keys: list[str], limit: int = 12) -> str:
+    """Sorted keys for an error message; long lists are cut after ``limit`` with the count."""
     shown = ", ".join(sorted(keys)[:limit])
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
 def _rename_legacy(key: str) -> str:
     return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key))
+
+
+def bert_model_key(key: str, bert_key: str, value: torch.Tensor, source: str) -> str | None:
+    """The Hugging Face ``BertModel`` name of ``bert_key`` (the part of checkpoint key ``key``
+    after ``bert_model.``), or None for an ``embeddings.position_ids`` buffer, which is
+    checked to be ``arange`` and dropped. Shared by the biencoder and cross-encoder imports."""
+    bert_key = _rename_legacy(bert_key)
+    if bert_key != POSITION_IDS:
+        return bert_key
+    want = torch.arange(value.shape[-1]).expand_as(value)
+    if not torch.equal(value.long(), want):
+        raise BlinkCheckpointError(f"{source}: {key} is not arange({value.shape[-1]}); refusing to drop it")
+    return None
 
 
 def split_blink_state(
@@ -82,23 +100,21 @@ def split_blink_state(
         if not rest.startswith(BERT_ATTR + "."):
             unexpected.append(key)
             continue
-        bert_key = _rename_legacy(rest[len(BERT_ATTR) + 1 :])
-        if bert_key == POSITION_IDS:
-            want = torch.arange(value.shape[-1]).expand_as(value)
-            if not torch.equal(value.long(), want):
-                raise BlinkCheckpointError(f"{source}: {key} is not arange({value.shape[-1]}); refusing to drop it")
-            continue
-        out[side][bert_key] = value
+        bert_key = bert_model_key(key, rest[len(BERT_ATTR) + 1 :], value, source)
+        if bert_key is not None:
+            out[side][bert_key] = value
     if linear:
         raise BlinkCheckpointError(
-            f"{source}: keys {_names(linear)}: this biencoder was trained with BLINK's add_linear=True "
+            f"{source}: keys {key_names(linear)}: this biencoder was trained with BLINK's add_linear=True "
             f"(embedding = Linear(pooler output)); dist-nce retrievers embed the [CLS] hidden state "
             f"(add_linear=False, as in biencoder_wiki_large.bin). Not supported."
         )
     if unexpected:
+        cross = any(k.startswith(f"encoder.{BERT_ATTR}.") for k in unexpected)
         raise BlinkCheckpointError(
-            f"{source}: unexpected keys {_names(unexpected)}; expected only "
+            f"{source}: unexpected keys {key_names(unexpected)}; expected only "
             f"{{context_encoder,cand_encoder}}.{BERT_ATTR}.<BertModel key>"
+            + ("; this looks like a BLINK cross-encoder (encoder.bert_model.*): load it as a reranker" if cross else "")
         )
     for side, attr in BLINK_SIDES.items():
         if not out[side]:
@@ -137,7 +153,13 @@ def bert_config_from_state(state: Mapping[str, torch.Tensor], num_attention_head
 
 def load_bert_state(encoder: Encoder, state: dict[str, torch.Tensor], side: str, source: str) -> None:
     """Load HF-named ``state`` into ``encoder`` exactly: every key accounted for by name."""
-    own = encoder.model.state_dict()
+    load_bert_weights(encoder.model, state, f"{source}: {BLINK_SIDES[side]}")
+
+
+def load_bert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load HF-named ``state`` into the ``BertModel`` ``model`` exactly (a missing pooler
+    keeps the model's own, as the module docstring says); errors start with ``where``."""
+    own = model.state_dict()
     state = dict(state)
     missing = sorted(set(own) - set(state))
     pooler = sorted(k for k in own if k.startswith(POOLER_PREFIX))
@@ -148,20 +170,56 @@ def load_bert_state(encoder: Encoder, state: dict[str, torch.Tensor], side: str,
     shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
               for k in sorted(set(state) & set(own)) if state[k].shape != own[k].shape]
     if missing or unexpected or shapes:
-        parts = [f"missing {_names(missing)}" if missing else "",
-                 f"unexpected {_names(unexpected)}" if unexpected else "",
+        parts = [f"missing {key_names(missing)}" if missing else "",
+                 f"unexpected {key_names(unexpected)}" if unexpected else "",
                  f"shape mismatch {'; '.join(shapes[:6])}" if shapes else ""]
-        raise BlinkCheckpointError(f"{source}: {BLINK_SIDES[side]}: " + "; ".join(p for p in parts if p))
-    encoder.model.load_state_dict(state, strict=True)
+        raise BlinkCheckpointError(f"{where}: " + "; ".join(p for p in parts if p))
+    model.load_state_dict(state, strict=True)
+
+
+def bert_architecture(
+    state: Mapping[str, torch.Tensor], model_dir: str | os.PathLike | None = None,
+    num_attention_heads: int | None = None,
+) -> dict[str, Any]:
+    """The ``BertConfig`` dict a checkpoint's ``BertModel`` weights are loaded into: ``model_dir``'s
+    config.json when given (its sizes are then checked by the exact load), else
+    :func:`bert_config_from_state`."""
+    if model_dir is None:
+        return bert_config_from_state(state, num_attention_heads)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
+
+
+def blink_tokenizer(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None, vocab: int) -> Any:
+    """The tokenizer of ``tokenizer_dir`` (default: the default model, bert-uncased's vocabulary),
+    refused when it has more tokens than the checkpoint at ``path`` embeds (``vocab``)."""
+    tok_dir = tokenizer_dir or default_model_dir()
+    tokenizer = load_tokenizer(os.fspath(tok_dir))
+    if len(tokenizer) > vocab:
+        raise BlinkCheckpointError(
+            f"{path}: tokenizer at {tok_dir} has {len(tokenizer)} tokens but the checkpoint embeds {vocab}"
+        )
+    return tokenizer
+
+
+def load_state_file(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
+    """A ``torch.save``'d ``{name: tensor}`` dict, read with ``weights_only=True`` (no code runs);
+    anything else is a :class:`BlinkCheckpointError` naming ``path``."""
+    path = os.fspath(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a file it cannot read
+        raise BlinkCheckpointError(f"{path}: not a torch.save'd state dict readable with weights_only=True "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise BlinkCheckpointError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
+    return state
 
 
 def read_blink_checkpoint(path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
-    """``torch.load(weights_only=True)`` + :func:`split_blink_state`."""
-    path = os.fspath(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, Mapping):
-        raise BlinkCheckpointError(f"{path}: expected a state dict (name -> tensor), got {type(state).__name__}")
-    return split_blink_state(state, source=path)
+    """:func:`load_state_file` + :func:`split_blink_state`."""
+    return split_blink_state(load_state_file(path), source=os.fspath(path))
 
 
 def blink_encoders(
@@ -174,14 +232,9 @@ def blink_encoders(
     inferred by :func:`bert_config_from_state`.
     """
     sides = read_blink_checkpoint(path)
-    given = None
-    if model_dir is not None:
-        from transformers import AutoConfig
-
-        given = AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
     encoders = []
     for side in BLINK_SIDES:
-        encoder = Encoder.from_config(given or bert_config_from_state(sides[side], num_attention_heads))
+        encoder = Encoder.from_config(bert_architecture(sides[side], model_dir, num_attention_heads))
         load_bert_state(encoder, sides[side], side, os.fspath(path))
         encoders.append(encoder)
     return encoders[0], encoders[1]
@@ -202,13 +255,7 @@ def load_blink_retriever(
     ``config.mention_model`` also supplies the architecture (config.json) when set.
     """
     mention, entity = blink_encoders(path, config.mention_model, num_attention_heads)
-    tok_dir = tokenizer_dir or config.mention_model or default_model_dir()
-    tokenizer = load_tokenizer(os.fspath(tok_dir))
-    vocab = mention.model.config.vocab_size
-    if len(tokenizer) > vocab:
-        raise BlinkCheckpointError(
-            f"{path}: tokenizer at {tok_dir} has {len(tokenizer)} tokens but the checkpoint embeds {vocab}"
-        )
+    tokenizer = blink_tokenizer(path, tokenizer_dir or config.mention_model, mention.model.config.vocab_size)
     return Retriever(config, mention, entity, tokenizer)
 
 

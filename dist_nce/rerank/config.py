@@ -55,8 +55,10 @@ class RerankDataConfig:
 class RerankModelConfig:
     reranker: RerankerConfig = _help("Cross-encoder: model directory, pair length L, head.",
                                      default_factory=RerankerConfig)
-    init_from: Optional[str] = _help("A reranker directory (Reranker.save_pretrained) to start from.",
-                                     default=None)
+    init_from: Optional[str] = _help(
+        "Start from a reranker directory (Reranker.save_pretrained) or a BLINK cross-encoder checkpoint file "
+        "(crossencoder_wiki_large.bin; read with reranker.max_len/dropout, architecture and tokenizer from "
+        "reranker.model when set, else from the weights and the default model).", default=None)
 
 
 @dataclass
@@ -128,9 +130,12 @@ def check_inputs(cfg: RerankJobConfig) -> None:
         path = candidates_path(d.candidates_dir, split, d.candidates_format)
         if not path.is_file():
             problems.append(f"data.candidates_dir: {path} not found ({d.candidates_format} candidates of {split})")
-    for key, path in (("model.reranker.model", cfg.model.reranker.model), ("model.init_from", cfg.model.init_from)):
-        if path and not os.path.isdir(path):
-            problems.append(f"{key}: directory not found: {path}")
+    if cfg.model.reranker.model and not os.path.isdir(cfg.model.reranker.model):
+        problems.append(f"model.reranker.model: directory not found: {cfg.model.reranker.model}")
+    init = cfg.model.init_from
+    if init and not (os.path.isfile(init) or os.path.isfile(os.path.join(init, "manifest.json"))):
+        problems.append(f"model.init_from: neither a reranker directory (with manifest.json) nor a BLINK "
+                        f"cross-encoder file: {init}")
     if not os.path.isfile(cfg.deepspeed.config):
         problems.append(f"deepspeed.config: file not found: {cfg.deepspeed.config}")
     else:

@@ -4,7 +4,8 @@
     model     the cross-encoder in a DeepSpeed engine (ZeRO 0-3, bf16 or fp32)
     resume    engine + RNG + step from ray.train.get_checkpoint()
     loop      batch -> pairs [b, C, L] -> scores [b, C] -> NCE (gold at 0) -> backward -> step
-    finish    evaluation on val/test (ranks split the mentions), export, final report
+    finish    evaluation on val/test (ranks split the mentions), export (reranker/ and BLINK's
+              crossencoder_blink.bin), final report
 
 Unlike the retriever there is no negative service: the candidates are fixed by the
 retriever that wrote them. Device, accelerator, engine, resume, logging and checkpoints are
@@ -22,8 +23,11 @@ import torch
 from dist_nce.core.artifacts import atomic_write_json
 from dist_nce.eval.metrics import PAD
 from dist_nce.eval.zeshel import rerank, reranker_report
+from dist_nce.modeling.blink import BlinkCheckpointError
+from dist_nce.modeling.blink_crossencoder import export_blink_crossencoder
 from dist_nce.modeling.losses import nce_loss
 from dist_nce.modeling.reranker import Reranker, build_pairs
+from dist_nce.modeling.resolve import load_reranker
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
 from dist_nce.train.evaluate import rank_slice
@@ -32,17 +36,34 @@ from dist_nce.train.plan import stop_step
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 MODEL_DIR = "reranker"
+BLINK_FILE = "crossencoder_blink.bin"  # BLINK's CrossEncoderModule layout, beside MODEL_DIR
 # The worker's final result (plan, per-split reports, export); nested, so a file rather than a
 # ray.train.report metric.
 RESULT_FILE = "result.json"
 
 
 def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
-    """Pretrained encoder + a new score layer (seeded), or a saved reranker (``init_from``)."""
+    """Pretrained encoder + a new score layer (seeded), or a saved reranker (``init_from``: a
+    reranker directory, or a BLINK cross-encoder file read under ``model.reranker``'s max_len and
+    dropout, its architecture and tokenizer from ``model.reranker.model`` when set)."""
     torch.manual_seed(seed)
     if cfg.model.init_from:
-        return Reranker.from_pretrained(cfg.model.init_from)
+        return load_reranker(cfg.model.init_from, config=cfg.model.reranker)
     return Reranker.build(cfg.model.reranker)
+
+
+def export_reranker(reranker: Reranker, output_dir: str | Path) -> dict[str, Any]:
+    """Write the final reranker (``reranker/``) and, for the pooler head on BERT, BLINK's
+    cross-encoder layout (``crossencoder_blink.bin``); returns {"model": dir, "blink": file or
+    None[, "blink_skipped": why]}."""
+    out = Path(output_dir)
+    reranker.save_pretrained(out / MODEL_DIR)
+    paths: dict[str, Any] = {"model": str(out / MODEL_DIR), "blink": None}
+    try:
+        paths["blink"] = str(export_blink_crossencoder(reranker, out / BLINK_FILE))
+    except BlinkCheckpointError as e:  # head 'cls', or a non-BERT encoder
+        paths["blink_skipped"] = str(e)
+    return paths
 
 
 def train_func(config: dict[str, Any]) -> None:
@@ -147,8 +168,11 @@ class RerankWorker(WorkerScaffold):
             if self.rank == 0:
                 final = build_reranker(cfg, cfg.optim.seed)
                 final.load_state_dict(sd, strict=True)
-                final.save_pretrained(Path(cfg.run.output_dir) / MODEL_DIR)
-                out["export"] = str(Path(cfg.run.output_dir) / MODEL_DIR)
+                paths = export_reranker(final, cfg.run.output_dir)
+                out["export"] = paths["model"]
+                out["blink_export"] = paths["blink"]
+                if "blink_skipped" in paths:
+                    out["blink_skipped"] = paths["blink_skipped"]
             self.comm.barrier()
         if self.rank == 0:
             atomic_write_json(Path(cfg.run.output_dir) / RESULT_FILE, out)

@@ -112,3 +112,34 @@ def test_a_saved_retriever_directory_brings_its_own_preset(store_dir, tiny_model
     with pytest.raises(ValueError, match="is a multi .m=2. retriever"):
         job.load_entity_side(parse(["--prepared", store_dir, "--model", str(tmp_path / "retriever"), "--out", "x",
                                     "--preset", "dual"]))
+
+
+def test_a_blink_biencoder_file_is_a_model(store_dir, tmp_path):
+    """BLINK's released biencoder layout (here tiny, with legacy LayerNorm names): the entity side is the
+    cand_encoder, its fingerprint the one every other entry point computes for the same file."""
+    from dist_nce.index.encode import state_fingerprint
+    from dist_nce.modeling.resolve import load_retriever
+    from kb.store import EntityStore
+    from tests.blink_helpers import write_blink_biencoder
+
+    bi = write_blink_biencoder(tmp_path / "biencoder_wiki_large.bin")
+    parse = job.build_parser().parse_args
+    config, state, tokenizer_sha, dim = job.load_entity_side(
+        parse(["--prepared", store_dir, "--model", str(bi), "--out", "x", "--storage-dtype", "float32"]))
+    assert (config.preset, config.m, config.storage_dtype, dim) == ("dual", None, "float32", 64)
+    assert tokenizer_sha == EntityStore(store_dir).manifest["tokenizer_sha256"]
+    assert state_fingerprint(state) == state_fingerprint(load_retriever(bi).entity_encoder_state())
+    config, _, _, _ = job.load_entity_side(parse(["--prepared", store_dir, "--model", str(bi), "--out", "x",
+                                                  "--preset", "multi", "--m", "2"]))
+    assert (config.preset, config.m) == ("multi", 2)
+
+
+def test_model_path_errors_are_named(store_dir, tiny_model_dir, tmp_path, capsys):
+    junk = tmp_path / "junk.bin"
+    junk.write_text("not torch")
+    for model, extra, message in ((junk, [], f"{junk}: not a torch.save'd state dict"),
+                                  (tmp_path / "nowhere", [], "nowhere: --model not found"),
+                                  (tiny_model_dir, ["--tokenizer", tiny_model_dir], "--tokenizer is for a BLINK")):
+        code = job.main(["--prepared", store_dir, "--model", str(model), "--out", str(tmp_path / "o"), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err

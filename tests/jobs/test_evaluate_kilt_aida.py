@@ -118,3 +118,27 @@ def test_job_refuses_a_store_of_another_tokenizer(setup, tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "tokenizer_sha256" in r.stderr and "re-run jobs/prepare_kb.py" in r.stderr
+
+
+def test_a_blink_biencoder_file_evaluates_like_its_imported_retriever(setup):
+    """--model takes BLINK's released biencoder layout (tiny here); local searcher: no Ray."""
+    from dist_nce.modeling.resolve import load_retriever
+    from tests.blink_helpers import write_blink_biencoder
+
+    root, _ = setup
+    bi = write_blink_biencoder(root / "blink" / "biencoder_wiki_large.bin")
+    out = root / "eval_blink"
+    cmd = [sys.executable, str(JOB), "--model", str(bi), "--store", str(root / "kb"), "--out", str(out),
+           "--k", str(K), "--ks", ",".join(map(str, KS)), "--no-progress", "--searcher", "local", "--splits", "dev"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "scores.json").read_text())["model"] == str(bi.resolve())
+    model = load_retriever(bi).eval()
+    store, mentions = EntityStore(root / "kb"), MentionTable(root / "kb", "dev")
+    local = retrieve(model, mentions, build_local_index(model, store, progress=False), K, progress=False)
+    by_id = {g["id"]: g for g in read_jsonl(out / "dev_guess.jsonl")}
+    for i, mid in enumerate(mentions.mention_ids):
+        assert [p["wikipedia_id"] for p in by_id[mid]["output"][0]["provenance"]] == store.source_ids(local.rows[i])
+    bad = subprocess.run(cmd[:3] + [str(root / "blink")] + cmd[4:], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "a directory without manifest.json; expected a dist-nce retriever" in bad.stderr

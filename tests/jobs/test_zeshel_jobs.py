@@ -126,3 +126,7 @@ def test_reranker_job_trains_resumes_and_evaluates(retriever_run, tiny_model_dir
         assert set(u["per_world"]) == set(retriever[split]["own_world"][f"recall@{K}"]["per_world"])
         assert 0.0 <= u["macro"] <= 1.0
     assert "U.Acc macro" in second.stdout and (tmp / "rerank" / "reranker" / "manifest.json").exists()
+    # BLINK's cross-encoder layout beside the directory holds the pooler head only (this config's is 'cls')
+    assert summary["config"]["model"]["reranker"]["head"] == "cls"
+    assert summary["blink_export"] is None and "only head 'pooler' has its layout" in summary["blink_skipped"]
+    assert not (tmp / "rerank" / "crossencoder_blink.bin").exists()

@@ -38,7 +38,7 @@ def _listeners(proc) -> set:
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, tiny_run, tiny_reranker):
+def server(ray_local, tiny_run, tiny_reranker, blink_files, tiny_store):
     from ray import serve
 
     from dist_nce.cluster.runtime import free_port
@@ -54,6 +54,10 @@ def server(ray_local, tiny_run, tiny_reranker):
     serve.run(build_app(args), name="link", route_prefix="/link")
     serve.run(build_app({**args, "link": {"k": 3, "reranker": str(tiny_reranker)}}), name="rerank",
               route_prefix="/rerank")
+    # BLINK's released files (tiny, their layouts) and no run; no CPUs reserved, so the service test
+    # below still finds room for its shards on the 2-CPU cluster.
+    blink = {**args, "run": "", "replica_cpus": 0, "link": {**blink_link(blink_files, tiny_store), "k": 3}}
+    serve.run(build_app(blink), name="blink", route_prefix="/blink")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -103,6 +107,22 @@ def test_http_answers_equal_the_python_api(server, tiny_run, tiny_reranker, dev_
     status, got = post(f"{server}/rerank", {"docs": docs[:3], "k": 3})
     assert status == 200, got
     want = Linker.from_pretrained(tiny_run, k=3, progress=False, reranker=str(tiny_reranker)).link(docs[:3])
+    assert "rerank_score" in got["docs"][0]["mentions"][0]["entities"][0]
+    assert_same(got["docs"], want)
+
+
+def blink_link(blink_files, tiny_store) -> dict:
+    bi, cross = blink_files
+    return {"model": str(bi), "reranker": str(cross), "store": str(tiny_store), "kb": "encode"}
+
+
+def test_blink_files_are_served_with_no_run(server, blink_files, tiny_store, dev_file):
+    from dist_nce.link import Linker
+
+    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:4]
+    status, got = post(f"{server}/blink", {"docs": docs})
+    assert status == 200, got
+    want = Linker.from_pretrained(k=3, progress=False, **blink_link(blink_files, tiny_store)).link(docs)
     assert "rerank_score" in got["docs"][0]["mentions"][0]["entities"][0]
     assert_same(got["docs"], want)
 

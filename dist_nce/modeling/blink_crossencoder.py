@@ -1,0 +1,154 @@
+"""Import and export BLINK cross-encoder checkpoints (``crossencoder_wiki_large.bin``).
+
+BLINK (``blink/crossencoder/crossencoder.py``) saves ``CrossEncoderModule.state_dict()``:
+one ``BertEncoder`` (``blink/common/ranker_base.py``) built with ``add_linear=True`` and
+``out_dim=1``, whose score is ``additional_linear(dropout(pooler_output))``. The layout::
+
+    encoder.bert_model.<BertModel key>    -> Reranker.model (a Hugging Face BertModel)
+    encoder.additional_linear.weight [1, d] -> Reranker.score_layer.weight
+    encoder.additional_linear.bias   [1]    -> Reranker.score_layer.bias
+
+which is exactly :class:`~dist_nce.modeling.reranker.Reranker` with ``head="pooler"`` (pooler
+-> dropout 0.1 -> Linear(d, 1)) over the same input, ``[CLS] mention-context [SEP] entity
+[SEP]`` with token type 1 on the entity part and the markers ``[unused0]``/``[unused1]``/
+``[unused2]``. The ``bert_model.*`` keys follow the biencoder's rules
+(:func:`dist_nce.modeling.blink.bert_model_key`: legacy ``LayerNorm.gamma/beta`` renamed,
+an ``arange`` ``embeddings.position_ids`` buffer dropped); any other key, a missing score
+head, or a tensor of the wrong shape is refused by name.
+
+Export writes the same layout (fp32 CPU tensors, ``torch.save`` of a plain dict, atomic),
+so BLINK's ``CrossEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from dist_nce.core.artifacts import atomic_path
+from dist_nce.modeling.blink import (
+    BERT_ATTR,
+    LINEAR_ATTR,
+    POOLER_PREFIX,
+    BlinkCheckpointError,
+    bert_architecture,
+    bert_model_key,
+    blink_tokenizer,
+    key_names,
+    load_bert_weights,
+    load_state_file,
+)
+from dist_nce.modeling.encoder import transformer_from_config
+from dist_nce.modeling.reranker import Reranker, RerankerConfig
+
+ENCODER_ATTR = "encoder"
+BERT_PREFIX = f"{ENCODER_ATTR}.{BERT_ATTR}."
+HEAD_PREFIX = f"{ENCODER_ATTR}.{LINEAR_ATTR}."
+HEAD_KEYS = ("weight", "bias")
+
+
+def split_crossencoder_state(
+    state: Mapping[str, torch.Tensor], source: str = "<state dict>"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """BLINK cross-encoder state dict -> (``BertModel`` state with Hugging Face names,
+    ``{"weight", "bias"}`` of the score layer). Unknown keys, a missing or partial head and
+    a head of the wrong shape raise :class:`BlinkCheckpointError` naming the keys."""
+    bert: dict[str, torch.Tensor] = {}
+    head: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for key, value in state.items():
+        if key.startswith(BERT_PREFIX):
+            name = bert_model_key(key, key[len(BERT_PREFIX):], value, source)
+            if name is not None:
+                bert[name] = value
+        elif key.startswith(HEAD_PREFIX) and key[len(HEAD_PREFIX):] in HEAD_KEYS:
+            head[key[len(HEAD_PREFIX):]] = value
+        else:
+            unexpected.append(key)
+    if unexpected:
+        raise BlinkCheckpointError(f"{source}: unexpected keys {key_names(unexpected)}; expected only "
+                                   f"{BERT_PREFIX}<BertModel key> and {HEAD_PREFIX}{{weight,bias}}")
+    if not bert:
+        raise BlinkCheckpointError(f"{source}: no {BERT_PREFIX}* keys; is this a BLINK cross-encoder? "
+                                   "(a biencoder has context_encoder.* / cand_encoder.*)")
+    missing = [HEAD_PREFIX + k for k in HEAD_KEYS if k not in head]
+    if missing:
+        raise BlinkCheckpointError(f"{source}: missing {', '.join(missing)}: the score head of a BLINK "
+                                   "cross-encoder (BertEncoder with add_linear=True, out_dim=1)")
+    d = bert["embeddings.word_embeddings.weight"].shape[1] if "embeddings.word_embeddings.weight" in bert else None
+    want = {"weight": (1, d), "bias": (1,)}
+    wrong = [f"{HEAD_PREFIX}{k} {tuple(head[k].shape)}, expected {want[k]}" for k in HEAD_KEYS
+             if d is not None and tuple(head[k].shape) != want[k]]
+    if wrong:
+        raise BlinkCheckpointError(f"{source}: shape mismatch {'; '.join(wrong)} (out_dim must be 1, d = the "
+                                   "encoder's hidden size)")
+    return bert, head
+
+
+def blink_reranker_from_state(
+    state: Mapping[str, torch.Tensor], config: RerankerConfig | None = None, *,
+    tokenizer_dir: str | os.PathLike | None = None, num_attention_heads: int | None = None,
+    source: str = "<state dict>",
+) -> Reranker:
+    """A ``head="pooler"`` :class:`Reranker` holding a BLINK cross-encoder state dict.
+
+    ``config`` supplies ``max_len``, ``dropout`` and ``trim_padding`` (default
+    :class:`RerankerConfig`: L = 256, BLINK's ``max_seq_length``); ``config.model``, when
+    set, supplies the architecture (config.json) and the tokenizer, else the architecture
+    is read off the weights and the tokenizer is ``tokenizer_dir`` or the default model's
+    (bert-uncased's vocabulary).
+    """
+    config = config or RerankerConfig()
+    if config.head != "pooler":
+        raise BlinkCheckpointError(f"{source}: BLINK's cross-encoder scores the pooler output; head "
+                                   f"{config.head!r} cannot hold it (use head: pooler)")
+    bert, head = split_crossencoder_state(state, source)
+    model = transformer_from_config(bert_architecture(bert, config.model, num_attention_heads))
+    load_bert_weights(model, bert, f"{source}: {ENCODER_ATTR}.{BERT_ATTR}")
+    tokenizer = blink_tokenizer(source, tokenizer_dir or config.model, int(model.config.vocab_size))
+    reranker = Reranker(config, model, tokenizer)
+    if head["weight"].shape != reranker.score_layer.weight.shape:  # a model_dir of another hidden size
+        raise BlinkCheckpointError(f"{source}: {HEAD_PREFIX}weight {tuple(head['weight'].shape)} vs model "
+                                   f"{tuple(reranker.score_layer.weight.shape)}")
+    reranker.score_layer.load_state_dict(head, strict=True)
+    return reranker
+
+
+def load_blink_reranker(
+    path: str | os.PathLike, config: RerankerConfig | None = None, *,
+    tokenizer_dir: str | os.PathLike | None = None, num_attention_heads: int | None = None,
+) -> Reranker:
+    """:func:`blink_reranker_from_state` of the file at ``path`` (read with ``weights_only=True``)."""
+    return blink_reranker_from_state(load_state_file(path), config, tokenizer_dir=tokenizer_dir,
+                                     num_attention_heads=num_attention_heads, source=os.fspath(path))
+
+
+def blink_crossencoder_state(reranker: Reranker) -> dict[str, torch.Tensor]:
+    """The reranker as a BLINK ``CrossEncoderModule`` state dict (fp32 CPU copies)."""
+    if reranker.config.head != "pooler":
+        raise BlinkCheckpointError(f"head {reranker.config.head!r}: BLINK's cross-encoder scores the pooler "
+                                   "output; only head 'pooler' has its layout")
+    model_type = reranker.model.config.model_type
+    if model_type != "bert":
+        raise BlinkCheckpointError(f"the reranker's encoder is {model_type!r}; the BLINK layout holds BERT only")
+    state = reranker.model.state_dict()
+    if not any(k.startswith(POOLER_PREFIX) for k in state):
+        raise BlinkCheckpointError("the reranker's encoder has no pooler; BLINK's strict load needs pooler.*")
+    out = {BERT_PREFIX + k: v for k, v in state.items()}
+    out.update({HEAD_PREFIX + k: v for k, v in reranker.score_layer.state_dict().items()})
+    return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in out.items()}
+
+
+def export_blink_crossencoder(reranker: Reranker, path: str | os.PathLike) -> Path:
+    """Write ``reranker`` as a BLINK cross-encoder checkpoint (atomic ``torch.save``); return the path.
+
+    The file holds weights only: BLINK's own pair length and dropout come from its params,
+    not from this reranker's config.
+    """
+    state = blink_crossencoder_state(reranker)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path

@@ -1,0 +1,45 @@
+"""The reranker job starts from BLINK's cross-encoder file and exports BLINK's layout beside its directory."""
+import pytest
+import torch
+
+from dist_nce.core.config import ConfigError
+from dist_nce.core.text import load_tokenizer
+from dist_nce.modeling.encoder import load_transformer
+from dist_nce.modeling.reranker import Reranker, RerankerConfig
+from dist_nce.modeling.resolve import load_reranker
+from dist_nce.rerank.config import RerankJobConfig, check_inputs
+from dist_nce.rerank.loop import BLINK_FILE, MODEL_DIR, build_reranker, export_reranker
+from tests.blink_helpers import write_blink_crossencoder
+
+
+def test_init_from_a_blink_file_and_export_both_layouts(tmp_path):
+    cross = write_blink_crossencoder(tmp_path / "crossencoder_wiki_large.bin", legacy=False)
+    cfg = RerankJobConfig()
+    cfg.model.init_from, cfg.model.reranker = str(cross), RerankerConfig(model=None, max_len=64)
+    reranker = build_reranker(cfg, seed=0)
+    assert reranker.config.max_len == 64 and reranker.model.config.hidden_size == 64
+    paths = export_reranker(reranker, tmp_path / "run")
+    assert paths == {"model": str(tmp_path / "run" / MODEL_DIR), "blink": str(tmp_path / "run" / BLINK_FILE)}
+    original, exported = torch.load(cross, weights_only=True), torch.load(paths["blink"], weights_only=True)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+    back = load_reranker(paths["model"])
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), reranker.state_dict().values()))
+
+
+def test_a_cls_head_exports_its_directory_only(tmp_path, tiny_model_dir):
+    reranker = Reranker(RerankerConfig(head="cls", max_len=64), load_transformer(tiny_model_dir),
+                        load_tokenizer(tiny_model_dir))
+    paths = export_reranker(reranker, tmp_path)
+    assert paths["blink"] is None and "only head 'pooler'" in paths["blink_skipped"]
+    assert (tmp_path / MODEL_DIR / "manifest.json").is_file() and not (tmp_path / BLINK_FILE).exists()
+
+
+def test_check_inputs_takes_a_file_or_a_reranker_directory(tmp_path):
+    cross = write_blink_crossencoder(tmp_path / "cross.bin")
+    cfg = RerankJobConfig()
+    for init, refused in ((str(cross), False), (str(tmp_path), True), (str(tmp_path / "none"), True)):
+        cfg.model.init_from = init
+        with pytest.raises(ConfigError) as e:  # other inputs (stores, candidates) are missing here
+            check_inputs(cfg)
+        assert ("model.init_from: neither a reranker directory" in str(e.value)) == refused, str(e.value)
