@@ -444,12 +444,41 @@ def gpu_train(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def import_rss(data: dict) -> str:
+    """BLINK's encodings imported (jobs/import_encodings.py): peak resident memory against torch.load."""
+    sizes = data["sizes"]
+    lines = [f"BLINK-sized float32 matrices (d = {sizes[0]['dim']}) in torch's legacy `.t7` format, converted to "
+             f"float16 shard versions over {sizes[0]['shards']} shards, {data['chunk_rows']:,} rows at a time; each "
+             "method in a fresh process, peak resident memory its own `VmHWM`. `torch_load` is the naive way "
+             "(`torch.load`, then each shard's rows converted and saved).", ""]
+    rows = []
+    for size in sizes:
+        for name, m in size["methods"].items():
+            peak = m["peak_rss_mib"]
+            rows.append([f"{size['rows']:,} x {size['dim']} ({size['matrix_bytes'] / 1e9:.1f} GB)", name,
+                         f"{peak['median']:,.0f} MiB ({peak['min']:,.0f}-{peak['max']:,.0f})",
+                         f"{m['start_rss_mib']:,.0f} MiB", f"{m['peak_over_shard_bytes']:.2f}",
+                         f"{m['seconds']['median']:.1f} ({m['seconds']['min']:.1f}-{m['seconds']['max']:.1f})",
+                         str(m["seconds"]["repeats"])])
+    lines += _table(["matrix", "method", "peak RSS, median (min-max)", "RSS after imports",
+                     "peak / one shard's float16 bytes", "seconds, median (min-max)", "runs"], rows)
+    full = [s for s in sizes if "torch_load" not in s["methods"]]
+    if full:
+        f = full[0]
+        need = (f["matrix_bytes"] + f["shard_float16_bytes"]) / 2**30
+        lines += ["", f"`torch_load` is not run at {f['rows']:,} rows: it would hold the whole "
+                      f"{f['matrix_bytes'] / 2**30:.1f} GiB matrix and a shard's float16 copy ({need:.1f} GiB) on a "
+                      f"machine of {data['machine']['ram_gib']} GiB."]
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
                                                 "update": update, "attention": attention,
                                                 "gpu_mining": gpu_mining, "gpu_law": gpu_law,
-                                                "gpu_encode": gpu_encode, "gpu_train": gpu_train}
+                                                "gpu_encode": gpu_encode, "gpu_train": gpu_train,
+                                                "import_rss": import_rss}
 
 
 def sources(name: str) -> tuple[str, ...]:

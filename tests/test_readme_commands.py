@@ -114,7 +114,9 @@ RULES: list[tuple[str, str, str]] = [
     ("run", r"python jobs/bias_experiment\.py .*", "as written (~10 s)"),
     ("update", r"python jobs/update_kb\.py --store data/kilt .*",
      "on the store the README's prepare command makes, with a few new KILT pages and removed ids"),
-    ("link", r"(\.venv/bin/)?python jobs/link\.py --run \$RUN .*",
+    ("run", r"python jobs/import_encodings\.py .*",
+     "on BLINK-layout files made under the README's names (blink_files): a tiny biencoder and its encodings"),
+    ("link", r"(\.venv/bin/)?python jobs/link\.py --(run \$RUN|model \S+) .*",
      "needs the demo's run: arguments parsed by the job's own parser, inputs are files make demo writes "
      "(tests/link runs the job on a tiny exported run)"),
     ("link", r"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (\.venv/bin/)?serve run \S+( run=\$RUN)?",
@@ -407,10 +409,43 @@ def trained_model(root: Path) -> None:
            "runs/x/model")
 
 
+def blink_files(root: Path, through_import: bool) -> None:
+    """BLINK's released files under the README's names, in their layouts: tiny BLINK biencoder and
+    cross-encoder checkpoints (tests/blink_helpers.py) and all_entities_large.t7, the biencoder's
+    entity [CLS] states in entity.jsonl's line order, saved as BLINK did (torch's legacy format);
+    data/blink: the README's prepare command. ``through_import``: the README's import command too."""
+    import numpy as np
+    import torch
+
+    from kb.store import EntityStore
+    from tests.blink_helpers import tiny_bert, write_blink_biencoder, write_blink_crossencoder
+
+    if not (root / "all_entities_large.t7").exists():
+        user_inputs(root)
+        if not (root / "data" / "blink" / "manifest.json").exists():
+            prep = readme_command(r"python jobs/prepare_kb\.py --blink-entities .* --out data/blink( .*)?")
+            ok(sh(root, prep.text), prep)
+        write_blink_biencoder(root / "biencoder_wiki_large.bin", seed=0)
+        write_blink_crossencoder(root / "crossencoder_wiki_large.bin", seed=2)
+        store = EntityStore(root / "data" / "blink")
+        ids = [json.loads(line)["idx"].rsplit("=", 1)[1] for line in (root / "entity.jsonl").open(encoding="utf-8")]
+        rows = store.rows_for_source_ids(ids)
+        assert (rows >= 0).all(), "every entity.jsonl line is a store row"
+        tokens = torch.from_numpy(store.token_ids(rows)).long()
+        with torch.no_grad():  # write_blink_biencoder's cand_encoder is tiny_bert(seed + 1)
+            enc = tiny_bert(1)(input_ids=tokens, attention_mask=(tokens != 0).long()).last_hidden_state[:, 0]
+        torch.save(enc.contiguous(), root / "all_entities_large.t7", _use_new_zipfile_serialization=False)
+    if through_import and not (root / "data" / "blink_encodings" / "manifest.json").exists():
+        imp = readme_command(r"python jobs/import_encodings\.py .*")
+        ok(sh(root, imp.text), imp)
+
+
 def run(root: Path, cmd: Command) -> None:
     job = cmd.words[1] if cmd.words[1] != "-m" else cmd.words[2]
     if job == "jobs/prepare_kb.py":
         user_inputs(root)
+    elif "biencoder_wiki_large.bin" in cmd.words:  # BLINK's released files (the README's "Real data")
+        blink_files(root, through_import=job != "jobs/import_encodings.py")
     elif job in ("jobs/encode_kb.py", "jobs/evaluate_kilt_aida.py"):
         trained_model(root)
     r = ok(sh(root, cmd.text, timeout=600), cmd)
@@ -420,9 +455,12 @@ def run(root: Path, cmd: Command) -> None:
     out = root / cmd.words[cmd.words.index("--out") + 1]
     assert out.is_dir() and any(out.iterdir()), f"{cmd}\n  wrote nothing to {out}\n{r.stdout[-2000:]}"
     expected = {"jobs/bias_experiment.py": {"bias.json", "bias.png", "manifest.json"},
+                "jobs/import_encodings.py": {"manifest.json", "shards"},
                 "jobs/prepare_kb.py": {"manifest.json"}, "jobs/evaluate_kilt_aida.py": {"scores.json"}}
     missing = expected.get(job, set()) - {p.name for p in out.iterdir()}
     assert not missing, f"{cmd}\n  {out} lacks {sorted(missing)}"
+    if "data/blink_encodings/shards" in cmd.words and job == "jobs/evaluate_kilt_aida.py":
+        assert "reused the persisted snapshot" in r.stdout, f"{cmd}: the imported encodings were not served as they are"
 
 
 def update_kb(root: Path, cmd: Command) -> None:
