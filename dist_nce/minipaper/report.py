@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dist_nce.minipaper.results import ROWS, curves
-from dist_nce.minipaper.stats import against, curve_band, group
+from dist_nce.minipaper.stats import against, curve_band, group, spread, verdict
 
 LABELS = ("architecture", "arm")
 RESULT = "docs/mini_paper/mini_paper.json"  # the committed run docs/mini_paper.md shows
@@ -74,8 +74,6 @@ def collect(cfg, cells: Mapping[str, Any], done: Mapping[str, dict], failed: Map
 def bias_order(groups: Sequence[Mapping[str, Any]], metric: str = "bias/final") -> list[dict[str, Any]]:
     """Appendix C's ordering per architecture: the arms by mean bias on their trained models,
     largest first, with the verdict of each neighbour pair (ranges over seeds)."""
-    from dist_nce.minipaper.stats import verdict
-
     out = []
     for arch in dict.fromkeys(g["architecture"] for g in groups):
         gs = [g for g in groups if g["architecture"] == arch and metric in g and g[metric]["n"]]
@@ -166,12 +164,34 @@ RERANK_COLUMNS = [("val/U.Acc", "val U.Acc"), ("val/N.Acc", "val N.Acc"), ("test
                   ("test/N.Acc", "test N.Acc"), ("val/cand_R", "val cand. recall"), ("test/cand_R", "test cand. recall")]
 
 
+def steps_apart(result: Mapping[str, Any], part: str, arch: str, above: str, below: str,
+                metric: str = "bias/norm") -> tuple[int, int]:
+    """(measurement steps at which every seed of ``above`` is above every seed of ``below``, steps
+    both arms' seeds all have) on the ``metric`` curves of ``part``/``arch``."""
+    from dist_nce.minipaper.stats import spread
+
+    rows = [r for r in result["cells"] if r["part"] == part and r["architecture"] == arch and r["status"] == "done"]
+    curves = {arm: _parse_curves([r for r in rows if r["arm"] == arm], metric) for arm in (above, below)}
+    if not curves[above] or not curves[below]:
+        return 0, 0
+    steps = set.intersection(*(set(c) for arm in (above, below) for c in curves[arm]))
+    apart = sum(verdict(spread(c[s] for c in curves[above]), spread(c[s] for c in curves[below])) == "wins"
+                for s in steps)
+    return apart, len(steps)
+
+
 def bias_text(result: Mapping[str, Any]) -> str:
     lines = []
     for part in ("zeshel", "aida"):
         for b in result.get(part, {}).get("bias_order", []):
-            steps = ", ".join(f"{p['above']} {'>' if p['verdict'] == 'wins' else '~'} {p['below']}" for p in b["pairs"])
-            lines.append(f"- {part} {b['architecture']}: {steps} (> : every seed above every seed; ~ : ranges overlap)")
+            steps = []
+            for p in b["pairs"]:
+                apart, total = steps_apart(result, part, b["architecture"], p["above"], p["below"])
+                along = f" (apart at {apart} of {total} monitor steps)" if total else ""
+                steps.append(f"{p['above']} {'>' if p['verdict'] == 'wins' else '~'} {p['below']}{along}")
+            lines.append(f"- {part} {b['architecture']}: {', '.join(steps)}")
+        if result.get(part, {}).get("bias_order"):
+            lines.append(f"  ({part}: > : on the trained models every seed above every seed; ~ : ranges overlap)")
     costs = [r["metrics"]["bias/cost"] for r in result["cells"] if r.get("metrics", {}).get("bias/cost") is not None]
     if costs:
         lines.append(f"- monitor cost at the grid's cadence: median {100 * sorted(costs)[len(costs) // 2]:.1f}% "
@@ -179,15 +199,55 @@ def bias_text(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) or "(no bias measurements)"
 
 
+def _comparisons(result: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """Every range comparison the tables mark: (verdict, seeds of the arm, seeds of the other)."""
+    out = []
+    for part in ("zeshel", "aida", "reranker"):
+        p = result.get(part) or {}
+        groups = {(g["architecture"], g["arm"]): g for g in p.get("groups", [])}
+        for v in p.get("versus_random", []):
+            arm, base = groups[(v["architecture"], v["arm"])], groups[(v["architecture"], v["baseline"])]
+            for metric, x in v.items():
+                if isinstance(x, dict) and arm[metric]["n"] and base[metric]["n"]:
+                    out.append((x["verdict"], arm[metric]["n"], base[metric]["n"]))
+        for b in p.get("bias_order", []):
+            for pair in b["pairs"]:
+                above, below = groups[(b["architecture"], pair["above"])], groups[(b["architecture"], pair["below"])]
+                out.append((pair["verdict"], above["bias/final"]["n"], below["bias/final"]["n"]))
+    return out
+
+
+def statistics_text(result: Mapping[str, Any]) -> str:
+    """How much a (+), (-) or > says: the chance of a full separation by seed alone, and how many
+    comparisons the page makes (so how many marks chance alone would leave)."""
+    from dist_nce.minipaper.stats import separation_chance
+
+    comps = _comparisons(result)
+    if not comps:
+        return "(no comparisons)"
+    sizes = sorted({(n, m) for _, n, m in comps})
+    chances = "; ".join(f"{n} seeds against {m}: 1 in {round(1 / separation_chance(n, m))}" for n, m in sizes)
+    expected = sum(separation_chance(n, m) for _, n, m in comps)
+    wins = sum(v == "wins" for v, _, _ in comps)
+    losses = sum(v == "loses" for v, _, _ in comps)
+    return (f"A mark says every seed of one arm fell above (or below) every seed of the other. With no real "
+            f"difference, that happens by seed alone with a chance of {chances}, each way. These tables make "
+            f"{len(comps)} such comparisons (every marked column against random, every neighbour pair of the bias "
+            f"order), so chance alone would leave about {expected:.1f} marks each way; they show {wins} above and "
+            f"{losses} below. Read a single mark as a lead, and a mark that held on other seeds (the replication) "
+            "as a result.")
+
+
 def tables(result: Mapping[str, Any], level: int = 2) -> str:
-    """Markdown: the three tables and the bias ordering, headings at ``level``."""
+    """Markdown: the three tables, the bias ordering and how to read the marks, headings at ``level``."""
     h = "#" * level
     parts = [f"{h} Table 1 in miniature (Zeshel retrievers; recall in %, mean [min, max] over seeds)",
              part_table(result, "zeshel", zeshel_columns(result)),
              f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
              part_table(result, "reranker", RERANK_COLUMNS),
              f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result)),
-             f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result)]
+             f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result),
+             f"{h} How much a mark says", statistics_text(result)]
     return "\n\n".join(parts) + "\n"
 
 

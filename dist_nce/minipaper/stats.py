@@ -39,6 +39,16 @@ def verdict(a: Mapping[str, Any], b: Mapping[str, Any], min_seeds: int = 2) -> s
     return "tie"
 
 
+def separation_chance(n: int, m: int) -> float:
+    """The chance that ``n`` values all lie above ``m`` others when every value comes from the same
+    distribution (no real difference, ties impossible): every ordering of the n + m values is equally
+    likely and n of them must take the top places, 1 / C(n + m, n). 3 seeds against 3: 1 in 20,
+    which is a (+) verdict's chance by seed alone; the same again for a (-)."""
+    if n < 1 or m < 1:
+        raise ValueError(f"separation_chance: need values on both sides, got {n} and {m}")
+    return 1.0 / math.comb(n + m, n)
+
+
 def group(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], metrics: Sequence[str]) -> list[dict[str, Any]]:
     """Rows (one per seed) grouped by ``keys``, each metric reduced by :func:`spread`, in first-seen order."""
     out: dict[tuple, dict[str, Any]] = {}

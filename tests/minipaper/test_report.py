@@ -102,7 +102,14 @@ def test_tables_and_plots_render_from_the_collected_json(grid):
     assert "| dual | hard | 3 | 41.0 [40.0, 42.0] (+) |" in text
     assert "| dual | shared start | 1 | 25.0 |" in text
     assert "| som | hard | 3 | 30.0 [30.0, 30.0] (+) |" in text  # Table 2: U.Acc of the best retriever's reranker
-    assert "zeshel dual: random > hard" in text
+    # the bias curves (BIAS + step / 1000 per seed-free arm): random above hard at each of the 3 steps
+    assert "zeshel dual: random > hard (apart at 3 of 3 monitor steps)" in text
+    how = text.split("How much a mark says")[1]
+    assert "3 seeds against 3: 1 in 20, each way" in how
+    n = int(how.split("tables make ")[1].split(" ")[0])
+    marks = text.count("(+)") + text.count("(-)")
+    expected = float(how.split("chance alone would leave about ")[1].split(" ")[0])
+    assert n >= marks + 1 and expected == pytest.approx(n / 20, abs=0.051)  # marks + the bias pair, all 3 vs 3
     assert "monitor cost at the grid's cadence: median 5.0%" in text
     written = write_outputs(result, out)
     assert {p.name for p in written} == {"mini_paper.md", "zeshel_curves.png", "aida_curves.png", "zeshel_bias.png",

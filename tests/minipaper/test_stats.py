@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dist_nce.minipaper.stats import against, curve_band, group, spread, verdict
+from dist_nce.minipaper.stats import against, curve_band, group, separation_chance, spread, verdict
 
 
 def test_spread_is_mean_range_and_sample_std_with_nan_dropped():
@@ -45,3 +45,19 @@ def test_curve_band_keeps_the_steps_every_seed_has():
     assert steps == [0, 10]
     assert mean == pytest.approx([0.2, 0.4]) and lo == [0.1, 0.3] and hi == [0.3, 0.5]
     assert curve_band([]) == ([], [], [], [])
+
+
+def test_separation_chance_is_one_over_the_orderings_that_separate():
+    import itertools
+    import random
+
+    assert separation_chance(3, 3) == pytest.approx(1 / 20) and separation_chance(2, 4) == pytest.approx(1 / 15)
+    # by simulation: i.i.d. values, how often do all of the first 3 exceed all of the last 3?
+    rng = random.Random(0)
+    hits = sum(min(v[:3]) > max(v[3:]) for v in ([rng.random() for _ in range(6)] for _ in range(20000)))
+    assert abs(hits / 20000 - 1 / 20) < 0.006
+    # and by counting orderings exactly
+    perms = list(itertools.permutations(range(6)))
+    assert sum(min(p[:3]) > max(p[3:]) for p in perms) / len(perms) == pytest.approx(1 / 20)
+    with pytest.raises(ValueError, match="both sides"):
+        separation_chance(0, 3)
