@@ -105,11 +105,11 @@ def test_tables_and_plots_render_from_the_collected_json(grid):
     # the bias curves (BIAS + step / 1000 per seed-free arm): random above hard at each of the 3 steps
     assert "zeshel dual: random > hard (apart at 3 of 3 monitor steps)" in text
     how = text.split("How much a mark says")[1]
-    assert "3 seeds against 3: 1 in 20, each way" in how
+    assert "3 seeds against 2: 1 in 10; 3 seeds against 3: 1 in 20, each way" in how  # a failed cell: 2 seeds
     n = int(how.split("tables make ")[1].split(" ")[0])
     marks = text.count("(+)") + text.count("(-)")
     expected = float(how.split("chance alone would leave about ")[1].split(" ")[0])
-    assert n >= marks + 1 and expected == pytest.approx(n / 20, abs=0.051)  # marks + the bias pair, all 3 vs 3
+    assert n >= marks + 1 and n / 20 < expected < n / 10  # marks + the bias pair; 1/20 or 1/10 each
     assert "monitor cost at the grid's cadence: median 5.0%" in text
     written = write_outputs(result, out)
     assert {p.name for p in written} == {"mini_paper.md", "zeshel_curves.png", "aida_curves.png", "zeshel_bias.png",
