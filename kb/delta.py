@@ -44,12 +44,13 @@ import pyarrow.compute as pc
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, atomic_path, atomic_write_json, file_sha256
 from dist_nce.core.config import AT_LEAST_1, check_fields
+from dist_nce.core.flags import FlagParser, existing, number, occupied, refuse
 from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
-from kb.prepare import _skipped, input_error
+from kb.prepare import CHUNK_SIZE, _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
 from kb.source_index import build_source_index, sort_source_keys, source_index_table
 from kb.store import (ENTITIES_DIR, MENTIONS_DIR, MENTIONS_FILE, SCHEMA_VERSION, SEGMENT_FILE,
@@ -325,17 +326,18 @@ def compact(cfg: UpdateConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="update_kb", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", required=True, help="the prepared store to change")
-    p.add_argument("--add", action="append", default=[], help="entity file to add (repeatable)")
-    p.add_argument("--remove", help="file of source ids to remove, one per line")
+    p = FlagParser(prog="update_kb", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", required=True, type=existing("dir"), help="the prepared store to change")
+    p.add_argument("--add", action="append", default=[], type=existing("file"),
+                   help="entity file to add (repeatable)")
+    p.add_argument("--remove", type=existing("file"), help="file of source ids to remove, one per line")
     p.add_argument("--format", choices=FORMATS, help="format of --add files (default: the store's)")
     p.add_argument("--world", help="Zeshel world of added documents (default: the file's stem)")
-    p.add_argument("--model-dir", dest="model_dir", help="tokenizer directory (the store's)")
+    p.add_argument("--model-dir", dest="model_dir", type=existing("dir"), help="tokenizer directory (the store's)")
     p.add_argument("--on-bad-record", dest="on_bad_record", choices=["error", "skip"], default="error")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--chunk-size", dest="chunk_size", default="32M")
+    p.add_argument("--workers", type=number(int, AT_LEAST_1), default=1)
+    p.add_argument("--chunk-size", dest="chunk_size", type=CHUNK_SIZE, default="32M")
     p.add_argument("--compact", action="store_true", help="write the live rows into a fresh store at --out")
     p.add_argument("--out", help="output directory of --compact")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -355,6 +357,11 @@ def describe(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # compact() renames its finished copy onto --out, which fails only at the end on a directory
+    # holding anything; no flag allows replacing one, so the name is refused before any row is read.
+    why = occupied(args.out) if args.compact and args.out else None
+    if why:
+        return refuse("--out", args.out, why)
     cfg = UpdateConfig(**vars(args))
     log = (lambda s: print(s, file=sys.stderr))
     try:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from dist_nce.core.artifacts import MANIFEST, ArtifactMismatch, write_manifest
+from dist_nce.core.flags import FlagParser, checked, missing_input, number
 from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
 from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
@@ -376,10 +377,15 @@ def derived_from(out: str | os.PathLike, directory: str | os.PathLike) -> bool:
 # --------------------------------------------------------------------------- CLI
 
 
+# Input paths a typo in which is refused as the flag's, before anything is read (after parsing: the
+# flags also parse where the files are not).
+SOURCES = {"--kilt-ks": "file", "--blink-entities": "file", "--aida-dir": "dir", "--zeshel-root": "dir"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """argparse flags generated from :class:`PrepareConfig` (one source of truth for help)."""
-    parser = argparse.ArgumentParser(prog="prepare_kb", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="prepare_kb", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = {"int": int, int: int, "float": float, float: float}
     for f in dataclasses.fields(PrepareConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -394,9 +400,24 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, choices=["error", "skip"], default=f.default, help=help_)
         else:
             shown = f" (default: {f.default})" if f.default not in (None, "") else ""
-            parser.add_argument(flag, dest=f.name, type=kinds.get(f.type, str), default=f.default,
+            kind = kinds.get(f.type)
+            # The field's own range, so that a bad value stops here, before any input is read.
+            parse = (number(kind, f.metadata.get("range")) if kind else CHUNK_SIZE if f.name == "chunk_size"
+                     else str)
+            parser.add_argument(flag, dest=f.name, type=parse, default=f.default,
                                 required=f.name == "out", help=help_ + shown)
     return parser
+
+
+def _chunk_size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError:  # its message names the config key; the flag's reads "--chunk-size: 12Q: ..."
+        raise ValueError("expected a positive byte count like 33554432 or 32M (suffix K, M or G)") from None
+    return text
+
+
+CHUNK_SIZE = checked(_chunk_size, "size")
 
 
 def input_error(e: Exception) -> int | None:
@@ -415,6 +436,9 @@ def input_error(e: Exception) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    code = missing_input(args, SOURCES)
+    if code is not None:
+        return code
     try:
         cfg = PrepareConfig(**vars(args))
         prepare(cfg, log=lambda s: print(s, file=sys.stderr))

@@ -34,7 +34,9 @@ from dist_nce.bias.synthetic import SyntheticConfig, run_synthetic
 from dist_nce.cli.common import error
 from dist_nce.cluster.runtime import configure_threads
 from dist_nce.core.artifacts import atomic_write_bytes, atomic_write_json, file_sha256, write_manifest
-from dist_nce.core.config import ConfigError, describe, from_dict, load_config, parse_overrides, to_dict
+from dist_nce.core.config import (AT_LEAST_0, AT_LEAST_1, ConfigError, describe, from_dict, load_config,
+                                  parse_overrides, to_dict)
+from dist_nce.core.flags import FlagParser, existing, number, refuse
 
 SCHEMA_VERSION = 1
 COLORS = {"hard": "tab:red", "random": "tab:blue", "mixed": "tab:purple", "iid_model": "tab:orange"}
@@ -86,16 +88,18 @@ def plot(result: dict) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 epilog="config fields:\n" + describe(SyntheticConfig),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = FlagParser(description=__doc__.split("\n")[0], epilog="config fields:\n" + describe(SyntheticConfig),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (bias.json, bias.png, manifest.json)")
-    ap.add_argument("--config", help="YAML with SyntheticConfig fields (default: the paper's settings)")
+    ap.add_argument("--config", type=existing("file", "config file"),
+                    help="YAML with SyntheticConfig fields (default: the paper's settings)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    ap.add_argument("--updates", type=int, help="shorthand for --set updates=N")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads [%(default)s]")
+    ap.add_argument("--updates", type=number(int, AT_LEAST_0), help="shorthand for --set updates=N")
+    ap.add_argument("--threads", type=number(int, AT_LEAST_1), default=1, help="torch intra-op threads [%(default)s]")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = ap.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # written only after the experiment ran
+        return refuse("--out", args.out, "not a directory")
     overrides = args.set + ([f"updates={args.updates}"] if args.updates is not None else [])
     try:
         if args.config:

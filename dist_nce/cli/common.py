@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
 from dist_nce.core.config import ConfigError, describe, load_config
+from dist_nce.core.flags import FlagParser, existing
 from dist_nce.core.models import ensure_tiny_models
 
 C = TypeVar("C")
@@ -51,8 +52,8 @@ class ConfigJob(Generic[C]):
 
     def parser(self, doc: str, progress: str | None = None) -> argparse.ArgumentParser:
         """The job's command line; ``progress``: help of a ``--no-progress`` flag, if it has one."""
-        ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-        ap.add_argument("--config", help=self.config_help)
+        ap = FlagParser(description=doc.split("\n")[0])
+        ap.add_argument("--config", type=existing("file", "config file"), help=self.config_help)
         ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
         if progress:
             ap.add_argument("--no-progress", dest="progress", action="store_false", help=progress)

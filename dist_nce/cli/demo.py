@@ -22,14 +22,15 @@ the finished run.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from dist_nce.cli.common import CHECKOUT as ROOT
+from dist_nce.cli.common import CHECKOUT as ROOT, error
+from dist_nce.core.config import ConfigError, load_config, plain_name
+from dist_nce.core.flags import FlagParser, checked
 from dist_nce.cluster.head import LocalHead
 
 
@@ -65,11 +66,25 @@ def _submit_and_follow(bin_dir: Path, head: str, config: str, overrides: list[st
     return 0 if any("succeeded" in line.lower() for line in lines) else 1
 
 
+def _config_file(text: str) -> str:
+    if not (ROOT / text).is_file():  # an absolute text replaces ROOT
+        raise ValueError(f"not found (relative paths are read from {ROOT})")
+    return text
+
+
+def _plain(text: str) -> str:
+    why = plain_name(text)
+    if why:
+        raise ValueError(why)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/aida/tiny_cpu.yaml")
+    ap = FlagParser(description=__doc__.split("\n")[0])
+    # The job runs in a copy of this checkout: a relative --config is read there.
+    ap.add_argument("--config", type=checked(_config_file, "file"), default="configs/aida/tiny_cpu.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--name", default="demo", help="run name: runs/<name>, data/<name>")
+    ap.add_argument("--name", type=checked(_plain, "name"), default="demo", help="run name: runs/<name>, data/<name>")
     args = ap.parse_args(argv)
 
     runs, data = ROOT / "runs", ROOT / "data"
@@ -83,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         f"run.name={args.name}-{stamp}",
         *args.set,
     ]
+    from dist_nce.train.config import TrainJobConfig
+
+    try:  # the job would refuse a bad --set only after the head started and the job was submitted
+        load_config(TrainJobConfig, ROOT / args.config, overrides)
+    except ConfigError as e:
+        return error(e)
     t0 = time.perf_counter()
     # The job's `python` must be this environment's (LocalHead puts it first on PATH).
     head = LocalHead(num_cpus=2, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -42,34 +42,40 @@ from pathlib import Path
 from typing import Any
 
 from dist_nce.cli.common import error
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1
+from dist_nce.core.flags import FlagParser, existing, number
 
 SPEC_FILE = "encode_spec.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="encode_kb", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prepared", required=True, help="prepared KB directory (jobs/prepare_kb.py output)")
+    p = FlagParser(prog="encode_kb", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepared", required=True, type=existing("dir"),
+                   help="prepared KB directory (jobs/prepare_kb.py output)")
     p.add_argument("--model", required=True, help="dist-nce retriever directory, BLINK biencoder checkpoint file "
                                                   "(biencoder_wiki_large.bin), or a Hugging Face model directory "
                                                   "(then --preset)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory for a BLINK file (default: the default "
-                                                     "model's, bert-uncased's vocabulary)")
+    p.add_argument("--tokenizer", default=None, type=existing("dir"),
+                   help="tokenizer directory for a BLINK file (default: the default "
+                        "model's, bert-uncased's vocabulary)")
     p.add_argument("--out", required=True, help="output directory (export + per-shard versions under shards/)")
     p.add_argument("--preset", choices=["dual", "poly", "multi", "som", "genpoly"], default=None,
                    help="score preset of a Hugging Face model or BLINK file (default dual; a retriever directory "
                         "knows its own)")
-    p.add_argument("--m", type=int, default=None, help="vectors/codes for poly, multi, genpoly")
+    p.add_argument("--m", type=number(int, AT_LEAST_1), default=None, help="vectors/codes for poly, multi, genpoly")
     p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype shards keep and persist (default: the retriever's, else float16)")
     p.add_argument("--export-dtype", choices=["float32", "float16"], default="float32",
                    help="dtype of embeddings.npy (FAISS reads float32)")
     p.add_argument("--blink-t7", action="store_true", help="also write embeddings.t7 for BLINK's faiss indexer")
-    p.add_argument("--num-shards", type=int, default=2, help="EntityShard actors (even contiguous row ranges)")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per shard actor")
-    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per shard actor (fractional allowed)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per shard")
-    p.add_argument("--batch-size", type=int, default=64, help="entities per encoder forward")
+    p.add_argument("--num-shards", type=number(int, AT_LEAST_1), default=2,
+                   help="EntityShard actors (even contiguous row ranges)")
+    p.add_argument("--num-cpus", type=number(float, AT_LEAST_0), default=1.0, help="CPUs per shard actor")
+    p.add_argument("--num-gpus", type=number(float, AT_LEAST_0), default=0.0,
+                   help="GPUs per shard actor (fractional allowed)")
+    p.add_argument("--threads", type=number(int, AT_LEAST_1), default=1, help="intra-op threads per shard")
+    p.add_argument("--batch-size", type=number(int, AT_LEAST_1), default=64, help="entities per encoder forward")
     p.add_argument("--encode-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="autocast dtype (auto: bf16 where the device runs it fast)")
     p.add_argument("--overwrite", action="store_true", help="replace a snapshot of another model/store in --out")
@@ -87,9 +93,7 @@ def load_entity_side(args: argparse.Namespace) -> tuple[Any, dict, str, int]:
     from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 
     model = Path(args.model)
-    if not model.exists():
-        raise FileNotFoundError(f"{model}: --model not found; expected a retriever directory, a BLINK biencoder "
-                                "checkpoint file or a Hugging Face model directory")
+    missing_model(model)
     if model.is_file():  # a BLINK biencoder checkpoint
         config = RetrieverConfig(preset=args.preset or "dual", m=args.m, storage_dtype=args.storage_dtype or "float16")
         config.validate()
@@ -116,6 +120,12 @@ def load_entity_side(args: argparse.Namespace) -> tuple[Any, dict, str, int]:
     encoder = Encoder.from_pretrained(model)
     state = EntityEncoder(encoder, config.spec(), config.trim_padding).state()
     return config, state, tokenizer_fingerprint(load_tokenizer(str(model)))["sha256"], encoder.hidden_size
+
+
+def missing_model(model: Path) -> None:
+    if not model.exists():
+        raise FileNotFoundError(f"{model}: --model not found; expected a retriever directory, a BLINK biencoder "
+                                "checkpoint file or a Hugging Face model directory")
 
 
 def check_out_dir(out: Path, spec: dict, overwrite: bool) -> None:
@@ -207,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.core.artifacts import ArtifactMismatch
 
     try:
+        missing_model(Path(args.model))  # here too: run() reads the store before it loads the model
         run(args)
     except (ValueError, ArtifactMismatch, FileNotFoundError) as e:
         return error(e)

@@ -54,7 +54,8 @@ from dist_nce.actors.config import ServiceConfig
 from dist_nce.cli.common import error
 from dist_nce.cluster.runtime import configure_process
 from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json, write_manifest
-from dist_nce.core.config import ConfigError, from_dict, load_config, parse_overrides, to_dict
+from dist_nce.core.config import AT_LEAST_1, ConfigError, from_dict, load_config, parse_overrides, to_dict
+from dist_nce.core.flags import FlagParser, checked, existing, int_list, names, number
 from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, kilt_scores, read_jsonl, write_guess_file
 from dist_nce.eval.metrics import recall_at_k
@@ -73,39 +74,58 @@ TABLE = [("accuracy", "downstream", "accuracy"), ("KILT-acc", "kilt", "KILT-accu
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="retriever directory (Retriever.save_pretrained) or BLINK "
-                                                   "biencoder checkpoint file (biencoder_wiki_large.bin)")
-    ap.add_argument("--tokenizer", help="tokenizer directory for a BLINK file (default: the default model's)")
-    ap.add_argument("--store", required=True, help="prepared KB directory (jobs/prepare_kb.py) with AIDA mentions")
+    ap = FlagParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=existing("any"),
+                    help="retriever directory (Retriever.save_pretrained) or BLINK "
+                         "biencoder checkpoint file (biencoder_wiki_large.bin)")
+    ap.add_argument("--tokenizer", type=existing("dir"),
+                    help="tokenizer directory for a BLINK file (default: the default model's)")
+    ap.add_argument("--store", required=True, type=existing("dir"),
+                    help="prepared KB directory (jobs/prepare_kb.py) with AIDA mentions")
     ap.add_argument("--out", required=True, help="output directory: guess files, scores.json, manifest.json")
-    ap.add_argument("--aida-dir", help="directory of the original AIDA KILT files (default: the store's source)")
-    ap.add_argument("--splits", default="dev,test", help="comma-separated mention splits (default dev,test)")
-    ap.add_argument("--k", type=int, default=100, help="entities retrieved per mention (provenance length)")
-    ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
+    ap.add_argument("--aida-dir", type=existing("dir"),
+                    help="directory of the original AIDA KILT files (default: the store's source)")
+    ap.add_argument("--splits", type=names(tuple(AIDA_FILES)), default="dev,test",
+                    help="comma-separated mention splits (default dev,test)")
+    ap.add_argument("--k", type=number(int, AT_LEAST_1), default=100,
+                    help="entities retrieved per mention (provenance length)")
+    ap.add_argument("--ks", type=int_list(AT_LEAST_1), default=",".join(map(str, DEFAULT_KS)),
                     help="k of KILT's precision/recall@k (those above --k are dropped)")
     ap.add_argument("--searcher", choices=["service", "local"], default="service",
                     help="service: NegativeService shards on Ray; local: one in-process index")
     ap.add_argument("--snapshot-dir", help="where shards persist embeddings (default <out>/snapshot)")
-    ap.add_argument("--service-config", help="YAML of ServiceConfig fields")
+    ap.add_argument("--service-config", type=existing("file", "config file"), help="YAML of ServiceConfig fields")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="ServiceConfig override")
-    ap.add_argument("--batch-size", type=int, default=128, help="mentions per encoder batch")
-    ap.add_argument("--device", default="auto", help="device of the mention encoder (auto: cuda if available)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of this process")
+    ap.add_argument("--batch-size", type=number(int, AT_LEAST_1), default=128, help="mentions per encoder batch")
+    ap.add_argument("--device", type=checked(_device, "device"), default="auto",
+                    help="device of the mention encoder (auto: cuda if available)")
+    ap.add_argument("--threads", type=number(int, AT_LEAST_1), default=1, help="intra-op threads of this process")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return ap.parse_args(argv)
 
 
-def service_config(args: argparse.Namespace, preset_is_ip: bool) -> ServiceConfig:
-    overrides = parse_overrides(args.set)
+def _device(text: str) -> str:
+    if text != "auto":
+        try:
+            torch.device(text)
+        except RuntimeError as e:  # torch's own reason ("Expected one of cpu, cuda, ...")
+            raise ValueError(str(e).split("\n")[0]) from None
+    return text
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """The shards' config from ``--service-config``/``--set``, read before any model or data."""
     if args.service_config:
         cfg = load_config(ServiceConfig, args.service_config, args.set)
     else:
-        cfg = from_dict(ServiceConfig, overrides, "--set")
-    if not preset_is_ip and "backend" not in overrides.get("index", {}) and not args.service_config:
-        cfg.index.backend = "torch"  # faiss serves inner products only (poly-m, SOM)
+        cfg = from_dict(ServiceConfig, parse_overrides(args.set), "--set")
     return dataclasses.replace(cfg, shard_dir=args.snapshot_dir or cfg.shard_dir or str(Path(args.out) / "snapshot"))
+
+
+def fit_backend(args: argparse.Namespace, cfg: ServiceConfig, preset_is_ip: bool) -> None:
+    if not preset_is_ip and "backend" not in parse_overrides(args.set).get("index", {}) and not args.service_config:
+        cfg.index.backend = "torch"  # faiss serves inner products only (poly-m, SOM)
 
 
 def guess_rows(gold_ids: list, table_ids: list[str], rows: np.ndarray, store: EntityStore
@@ -185,24 +205,24 @@ def evaluate_split(args: argparse.Namespace, retriever: Retriever, store: Entity
     return res
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def evaluate(args: argparse.Namespace, cfg: ServiceConfig) -> int:
     configure_process(args.threads)
     out = Path(args.out)
-    ks = sorted({int(k) for k in args.ks.split(",") if int(k) <= args.k})  # a ranking has k entries
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    ks = sorted({k for k in args.ks if k <= args.k})  # a ranking has k entries
+    splits = args.splits
     retriever = load_retriever(args.model, tokenizer_dir=args.tokenizer).eval()
     if retriever.tokenizer is None:
         raise FileNotFoundError(f"{args.model}: no tokenizer/ directory; cannot check the store's token ids")
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     retriever.to(auto if args.device == "auto" else args.device)
     store = EntityStore(args.store, tokenizer_sha256=tokenizer_fingerprint(retriever.tokenizer)["sha256"])
-    aida_dir = Path(args.aida_dir or store.manifest["source"].get("aida_dir") or ".")
-    files = {s: aida_dir / AIDA_FILES.get(s, f"<no AIDA file for split {s!r}>") for s in splits}
+    aida_dir = Path(args.aida_dir or (store.manifest.get("source") or {}).get("aida_dir") or ".")
+    files = {s: aida_dir / AIDA_FILES[s] for s in splits}
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"AIDA files not found: {', '.join(missing)} (pass --aida-dir)")
     tables = {s: MentionTable(args.store, s) for s in splits}
-    cfg = service_config(args, is_inner_product(retriever.spec))
+    fit_backend(args, cfg, is_inner_product(retriever.spec))
 
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -226,8 +246,12 @@ def evaluate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        return evaluate(args)
-    except (ArtifactMismatch, ConfigError, KiltFileError, FileNotFoundError, KeyError, ValueError) as e:
+        cfg = service_config(args)
+    except ConfigError as e:
+        return error(e)
+    try:
+        return evaluate(args, cfg)
+    except (ArtifactMismatch, ConfigError, KiltFileError, FileNotFoundError, ValueError) as e:
         return error(e)
 
 

@@ -39,48 +39,45 @@ from pathlib import Path
 from typing import Any
 
 from dist_nce.cli.common import error
+from dist_nce.core.config import AT_LEAST_1
+from dist_nce.core.flags import FlagParser, existing, number
 
 KIND = "imported_encodings"
 SCHEMA_VERSION = 1
+POSITIVE_INT = number(int, AT_LEAST_1)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="import_encodings", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--encodings", required=True,
+    p = FlagParser(prog="import_encodings", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--encodings", required=True, type=existing("file"),
                    help="the matrix: a torch.save'd [entities, d] tensor (.t7/.pt, zip or legacy format) or a .npy")
-    p.add_argument("--train-config", default=None,
+    p.add_argument("--train-config", default=None, type=existing("file", "config file"),
                    help="a training config (configs/aida/*.yaml): import as that run's version 0; it supplies "
                         "--model, --prepared, --out, --num-shards, --row-grid and --storage-dtype")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--train-config override")
-    p.add_argument("--model", default=None, help="the model the encodings came from: a BLINK biencoder .bin or a "
-                                                 "dist-nce retriever directory (its entity encoder is fingerprinted)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory for a BLINK .bin (default: the project's "
-                                                     "default model, bert-uncased vocabulary)")
-    p.add_argument("--prepared", default=None, help="prepared KB the rows belong to (jobs/prepare_kb.py)")
+    p.add_argument("--model", default=None, type=existing("any"),
+                   help="the model the encodings came from: a BLINK biencoder .bin or a "
+                        "dist-nce retriever directory (its entity encoder is fingerprinted)")
+    p.add_argument("--tokenizer", default=None, type=existing("dir"),
+                   help="tokenizer directory for a BLINK .bin (default: the project's "
+                        "default model, bert-uncased vocabulary)")
+    p.add_argument("--prepared", default=None, type=existing("dir"),
+                   help="prepared KB the rows belong to (jobs/prepare_kb.py)")
     p.add_argument("--out", default=None, help="output directory: shards/ (what --snapshot-dir takes) and "
                                                "manifest.json; with --train-config, the run's shard directory")
-    p.add_argument("--ids", default=None, help="ids of the matrix's rows in order: BLINK's entity.jsonl (.jsonl) or "
-                                               "one id per line; default: row i is the store's row i")
-    p.add_argument("--num-shards", type=_positive, default=None, help="shards the serving service will run "
-                                                                       "(default 2)")
-    p.add_argument("--row-grid", type=_positive, default=None,
+    p.add_argument("--ids", default=None, type=existing("file"),
+                   help="ids of the matrix's rows in order: BLINK's entity.jsonl (.jsonl) or "
+                        "one id per line; default: row i is the store's row i")
+    p.add_argument("--num-shards", type=POSITIVE_INT, default=None,
+                   help="shards the serving service will run (default 2)")
+    p.add_argument("--row-grid", type=POSITIVE_INT, default=None,
                    help="shard boundaries on this grid (a service with index.sampler block: its block_rows; default 1)")
     p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype the shards keep (default: the model's storage_dtype)")
-    p.add_argument("--chunk-rows", type=_positive, default=16384, help="rows read and converted at a time")
+    p.add_argument("--chunk-rows", type=POSITIVE_INT, default=16384, help="rows read and converted at a time")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
-    return n
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -156,10 +153,6 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     from dist_nce.modeling.resolve import load_retriever
 
     if args.train_config is None:
-        missing = [flag for flag, value in (("--model", args.model), ("--prepared", args.prepared),
-                                            ("--out", args.out)) if value is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)}: required without --train-config")
         args.num_shards, args.row_grid = args.num_shards or 2, args.row_grid or 1
         return Path(args.out) / "shards", load_retriever(args.model, tokenizer_dir=args.tokenizer)
     from dist_nce.core.config import load_config
@@ -197,6 +190,11 @@ def _version_dirs(target) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.train_config is None:  # before the matrix is opened: nothing read for a command that cannot run
+        missing = [flag for flag, value in (("--model", args.model), ("--prepared", args.prepared),
+                                            ("--out", args.out)) if value is None]
+        if missing:
+            return error(f"{', '.join(missing)}: required without --train-config")
     from dist_nce.core.artifacts import ArtifactMismatch
 
     try:

@@ -39,17 +39,24 @@ from typing import TYPE_CHECKING, TextIO
 
 
 from dist_nce.cli.common import error
-from dist_nce.core.config import ConfigError, describe, from_dict, load_config, parse_overrides
+from dist_nce.core.config import AT_LEAST_1, ConfigError, describe, from_dict, load_config, parse_overrides
+from dist_nce.core.flags import FlagParser, choice, missing_input, number, refuse
 from dist_nce.link.config import LinkConfig
 
 if TYPE_CHECKING:
     from dist_nce.link.linker import Linker
 
+# Checked after parsing: the README's command lines are parsed where their paths do not exist.
+INPUTS = {"--run": "dir", "--input": "file", "--config": "file", "--store": "dir", "--model": "any",
+          "--tokenizer": "dir", "--snapshot": "dir", "--reranker": "any"}
 CHUNK = 256  # documents linked per call in batch mode (encoder batches are LinkConfig.batch_size)
-# (LinkConfig key, type, help): each is an option --<key> (service.shard_dir: --shard-dir).
+# (LinkConfig key, type, help): each is an option --<key> (service.shard_dir: --shard-dir). The types
+# refuse what the config would refuse anyway, but as the flag's value and before any model loads.
 LINK_OPTIONS = (
-    ("k", int, "entities per mention"), ("searcher", str, "local or service"),
-    ("kb", str, "snapshot or encode (local searcher)"), ("store", str, "prepared store"),
+    ("k", number(int, AT_LEAST_1), "entities per mention"),
+    ("searcher", choice("local", "service"), "local or service"),
+    ("kb", choice("snapshot", "encode"), "snapshot or encode (local searcher)"),
+    ("store", str, "prepared store"),
     ("model", str, "retriever directory or BLINK biencoder file (biencoder_wiki_large.bin), instead of --run"),
     ("tokenizer", str, "tokenizer directory for BLINK files (default: the default model's)"),
     ("snapshot", str, "exported KB embeddings (jobs/encode_kb.py --out) for the local searcher"),
@@ -60,8 +67,8 @@ LINK_OPTIONS = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = FlagParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", help="run directory (runs/<name>/<time>); or --model and --store")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--text", help='one sentence with mentions in [brackets] (or KILT markers)')
@@ -74,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, kind, what in LINK_OPTIONS:
         flag = name.removeprefix("service.").replace("_", "-")
         ap.add_argument(f"--{flag}", type=kind, dest=name.replace(".", "_"), help=f"LinkConfig.{name}: {what}")
-    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    ap.add_argument("--threads", type=number(int, AT_LEAST_1), default=None, help="intra-op threads (default: torch's)")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     ap.add_argument("--help-config", action="store_true", help="print every LinkConfig field and exit")
     return ap.parse_args(argv)
@@ -102,8 +109,9 @@ def print_answer(doc: dict, out: TextIO = sys.stdout) -> None:
             print(f"  {rank:>3}. {e['title']:<40} id {e['id']:<12} score {e['score']:9.4f}{rerank}", file=out)
 
 
-def read_docs(path: str) -> list[tuple[int, dict]]:
-    """(line number, document) of every non-empty line; each checked, errors as file:line."""
+def read_docs(path: str, kilt: bool = False) -> list[tuple[int, dict]]:
+    """(line number, document) of every non-empty line; each checked, errors as file:line.
+    ``kilt``: each line must also make one KILT guess line (an 'id', exactly one mention)."""
     from dist_nce.link.inputs import parse_docs
 
     docs = []
@@ -113,29 +121,28 @@ def read_docs(path: str) -> list[tuple[int, dict]]:
                 continue
             try:
                 doc = json.loads(line)
-                parse_docs([doc])
+                mentions = parse_docs([doc])
             except ValueError as e:  # json.JSONDecodeError is one
                 raise ValueError(f"{path}:{lineno}: {str(e).removeprefix('doc 0: ')}") from None
+            if kilt and ("id" not in doc or len(mentions) != 1):
+                raise ValueError(f"{path}:{lineno}: --format kilt needs an 'id' and exactly one mention per line")
             docs.append((lineno, doc))
     return docs
 
 
-def kilt_lines(docs: list[tuple[int, dict]], linked: list[dict], path: str) -> list[dict]:
+def kilt_lines(docs: list[tuple[int, dict]], linked: list[dict]) -> list[dict]:
     from dist_nce.eval.kilt import guess_record
 
     out = []
-    for (lineno, doc), ans in zip(docs, linked):
-        if "id" not in doc or len(ans["mentions"]) != 1:
-            raise ValueError(f"{path}:{lineno}: --format kilt needs an 'id' and exactly one mention per line")
+    for (_, doc), ans in zip(docs, linked):  # read_docs(kilt=True) checked each has an id and one mention
         ents = ans["mentions"][0]["entities"]
         out.append(guess_record(doc["id"], [e["id"] for e in ents], ents[0]["title"] if ents else ""))
     return out
 
 
-def batch(linker: Linker, args: argparse.Namespace) -> None:
+def batch(linker: Linker, args: argparse.Namespace, docs: list[tuple[int, dict]]) -> None:
     from tqdm.auto import tqdm
 
-    docs = read_docs(args.input)
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     mentions = 0
     try:
@@ -144,7 +151,7 @@ def batch(linker: Linker, args: argparse.Namespace) -> None:
             for a in range(0, len(docs), CHUNK):
                 chunk = docs[a:a + CHUNK]
                 linked = linker.link([d for _, d in chunk], progress=False)
-                lines = kilt_lines(chunk, linked, args.input) if args.format == "kilt" else linked
+                lines = kilt_lines(chunk, linked) if args.format == "kilt" else linked
                 sink.write("".join(json.dumps(x, ensure_ascii=args.format == "kilt") + "\n" for x in lines))
                 mentions += sum(len(x["mentions"]) for x in linked)
                 bar.update(len(chunk))
@@ -181,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(describe(LinkConfig))
         return 0
+    code = missing_input(args, INPUTS)
+    if code is not None:
+        return code
+    if args.format == "kilt" and not args.input:
+        return refuse("--format", "kilt", "writes one guess line per line of --input; give --input")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        return refuse("--output", args.output, f"directory {Path(args.output).resolve().parent} not found")
     if not args.run and not args.model:
         return error("give --run (a run directory) or --model (a retriever directory or BLINK biencoder file) "
                      "with --store")
@@ -192,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
             doc = parse_brackets(args.text)
             parse_docs([doc])  # a bad sentence fails before the model loads
-        if args.input and not Path(args.input).is_file():
-            raise FileNotFoundError(f"{args.input}: input file not found")
+        # Every input line is read and checked before the model loads: a bad line (or one --format kilt
+        # cannot write) is refused before any output file is opened.
+        docs = read_docs(args.input, kilt=args.format == "kilt") if args.input else None
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return error(e)
 
@@ -213,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             if doc is not None:
                 print_answer(linker.link([doc], progress=False)[0])
             elif args.input:
-                batch(linker, args)
+                batch(linker, args, docs)
             else:
                 interactive(linker)
         except ValueError as e:

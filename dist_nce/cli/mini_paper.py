@@ -19,7 +19,6 @@ is rewritten; at the end also ``mini_paper.md`` and the PNGs (dev curves per arm
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import signal
@@ -31,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Callable
 
 from dist_nce.cli.common import CHECKOUT as ROOT, error
 from dist_nce.core.config import ConfigError, load_config
+from dist_nce.core.flags import FlagParser, existing, names
 from dist_nce.minipaper.config import MiniPaperConfig
 
 if TYPE_CHECKING:
@@ -41,21 +41,19 @@ Running = tuple[subprocess.Popen, float, IO[str]]  # a cell's process, its start
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="configs/mini_paper/*.yaml")
+    ap = FlagParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, type=existing("file", "config file"), help="configs/mini_paper/*.yaml")
     ap.add_argument("--out", required=True, help="grid directory (cells/, logs/, mini_paper.json, PNGs)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
+    ap.add_argument("--only", type=names(PARTS), default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--dry-run", action="store_true", help="check the config and every cell's, list the cells, exit")
     args = ap.parse_args(argv)
-    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    parts = args.only
     try:
         cfg = load_config(MiniPaperConfig, args.config, args.set)
-        unknown = sorted(set(parts) - set(PARTS))
-        if unknown:
-            raise ConfigError(f"--only: unknown parts {unknown}; expected some of {list(PARTS)}")
         if "reranker" in parts and "zeshel" not in parts:
-            raise ConfigError("--only: the reranker part reranks the zeshel part's candidates; add zeshel")
+            raise ConfigError(f"--only: {','.join(parts)}: the reranker part reranks the zeshel part's candidates; "
+                              "add zeshel")
         if not cfg.reranker.enabled and "reranker" in parts:
             parts.remove("reranker")
         cells = planned_cells(cfg, parts)

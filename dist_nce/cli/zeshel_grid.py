@@ -27,7 +27,6 @@ The paper's Table 1 on a GPU cluster (or --only som_hard,som_mixed50 for some ro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -37,16 +36,17 @@ from typing import Callable
 from dist_nce.cli.common import dry_run_ok, error
 from dist_nce.cli.zeshel_retriever import JOB as RETRIEVER
 from dist_nce.core.config import ConfigError
+from dist_nce.core.flags import FlagParser, existing, names
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
 from dist_nce.zeshel.grid import GridRow, load_rows, row_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True, help="base retriever YAML")
-    ap.add_argument("--rows", required=True, help="rows YAML (configs/zeshel/*_rows.yaml)")
+    ap = FlagParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, type=existing("file", "config file"), help="base retriever YAML")
+    ap.add_argument("--rows", required=True, type=existing("file"), help="rows YAML (configs/zeshel/*_rows.yaml)")
     ap.add_argument("--out", required=True, help="grid directory (one sub-directory per row)")
-    ap.add_argument("--only", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--only", type=names(), help="comma-separated row names to run (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
     ap.add_argument("--dry-run", action="store_true",
                     help="check every row's config and input paths, then exit (no data generation, no Ray)")
@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = load_rows(args.rows)
         if args.only:
-            wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-            unknown = sorted(set(wanted) - {r.name for r in rows})
+            wanted = args.only
+            unknown = [w for w in wanted if w not in {r.name for r in rows}]
             if unknown:
-                raise ConfigError(f"--only: no rows named {unknown} in {args.rows}")
+                raise ConfigError(f"--only: {','.join(wanted)}: no rows named {', '.join(unknown)} in {args.rows}")
             rows = [r for r in rows if r.name in wanted]
         configs = [(r, row_config(args.config, r, out, args.set)) for r in rows]
         for _, cfg in configs:
