@@ -14,8 +14,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray renices its workers to 15. With two xdist workers on 2 cores, a test computing in its own
 # (nice 0) process left a neighbour's shard actors ~3% of a core: CI saw a 35 s job time out at
-# 400 s (actor creation alone took 86-111 s). Equal priority keeps each test's time bounded.
-os.environ.setdefault("RAY_worker_niceness", "0")
+# 400 s (actor creation alone took 86-111 s). At 0 they would compete evenly with Ray's own GCS and
+# raylets, which Ray keeps ahead of its workers to stay responsive (a grid of 3 parallel cells lost
+# its head's GCS in a run at 0); 5 gives workers ~1/3 of a nice-0 process's share, not ~1/30.
+os.environ.setdefault("RAY_worker_niceness", "5")
 if not os.path.exists("/dev/nvidiactl"):
     # No GPU: the Triton kernels run in Triton's interpreter (dist_nce/kernels/block_reduce.py);
     # set before anything imports triton, since triton reads it when its language is imported.

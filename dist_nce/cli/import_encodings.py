@@ -167,7 +167,8 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
              "--row-grid": (args.row_grid, cfg.service.index.row_grid()),
              "--storage-dtype": (args.storage_dtype, cfg.model.retriever.storage_dtype)}
     clash = [f"{flag} {mine} (the config: {theirs})" for flag, (mine, theirs) in given.items()
-             if mine is not None and str(mine) != str(theirs)]
+             if mine is not None and str(mine) != str(theirs)
+             and not (flag in ("--model", "--prepared") and theirs and Path(mine).resolve() == Path(theirs).resolve())]
     if clash:
         raise ValueError(f"{src}: {'; '.join(clash)}: the run would not use such a version; drop the flags or "
                          "change the config (--set)")

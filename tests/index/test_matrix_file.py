@@ -66,7 +66,8 @@ def test_a_hostile_pickle_is_refused_without_running_it(tmp_path, capsys):
         for obj in (0x1950A86A20F9469CFC6C, 1001, {"little_endian": True}):
             pickle.dump(obj, f, protocol=2)
         pickle.dump(_Evil(), f, protocol=2)
-    with pytest.raises(MatrixFileError, match=r"refuses to load global (__builtin__|builtins)\.print"):
+    # (a process that imported Ray pickles print as ray's safe_print: the global's name varies)
+    with pytest.raises(MatrixFileError, match=r"refuses to load global \S+print \(only a tensor"):
         open_matrix(path)
     assert "pwned" not in capsys.readouterr().out
 

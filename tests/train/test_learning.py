@@ -80,13 +80,13 @@ class Trainer(Worker):
 
 @pytest.fixture(scope="module")
 def process_group(dist_env):
-    """DeepSpeed's engine wants a torch.distributed group, even of one process."""
-    created = not torch.distributed.is_initialized()
-    if created:
+    """DeepSpeed's engine wants a torch.distributed group, even of one process. It is left in place
+    afterwards, as DeepSpeed's own init leaves it for the other tests: DeepSpeed keeps the world group
+    process-wide (deepspeed.utils.groups), and a later engine in this process would find a destroyed
+    one ("Group ... is not registered", seen in benchmarks/gpu_train's test)."""
+    if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     yield
-    if created:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
