@@ -17,9 +17,14 @@ merged by :func:`merge` (a softmax over shards of their LSEs weights their gradi
 second is estimated from R independent candidate sets drawn by the run's own sampler;
 :func:`estimate` returns the bias vector with its Monte Carlo standard error.
 
-Gradients are taken with autograd through ``scoring.score_all`` / ``score_candidates``, so the
-same code serves every preset (dual, poly-m, multi-m, SOM): d s / d q is whatever the score's
-attention makes it (the chosen column for hard attention, a mixture for soft).
+Gradients over candidate sets are taken with autograd through ``scoring.score_candidates``, so
+the same code serves every preset (dual, poly-m, multi-m, SOM): d s / d q is whatever the score's
+attention makes it (the chosen column for hard attention, a mixture for soft). Over the whole KB
+(:func:`lse_grad_all`) the hard-attention x->y presets (dual, multi-m, SOM) take the gradient in
+closed form instead: d s(x, y) / d q_i is the entity column that column i's max picked, so one
+forward pass that keeps the argmax gives it (:func:`_lse_grad_hard`). Autograd's backward through
+the [B, n, C, n'] similarity block cost about 3 forward passes on SOM, which made the monitor's
+exact term alone 7-8% of a random-negative SOM run (docs/mini_paper.md).
 """
 from __future__ import annotations
 
@@ -56,7 +61,8 @@ def _leaf(q: Reps, dtype: torch.dtype) -> tuple[Tensor, Reps]:
 
 
 def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 4096,
-                 dtype: torch.dtype = torch.float32, dead: Tensor | None = None) -> LseGrad:
+                 dtype: torch.dtype = torch.float32, dead: Tensor | None = None, autograd: bool = False
+                 ) -> LseGrad:
     """LSE over ALL entity rows and its gradient, streamed over chunks of rows.
 
     q: mention Reps [B, ...]; entities: entity Reps [n, ...]; dead: optional int64 local rows left
@@ -67,22 +73,102 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
     out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
                   torch.zeros(q.vecs.shape, dtype=torch.float64))
     n = entities.vecs.shape[0]
+    closed = closed_form(spec) and not autograd
     for a in range(0, n, chunk_rows):
         b = min(n, a + chunk_rows)
-        leaf, reps = _leaf(q, dtype)
-        block = Reps(_saveable(entities.vecs[a:b].to(dtype)),
-                     None if entities.mask is None else _saveable(entities.mask[a:b]))
-        scores = _wide(score_all(spec, reps, block))
         gone = None if dead is None else dead[(dead >= a) & (dead < b)] - a
-        if gone is not None and gone.numel():
-            if gone.numel() == b - a:
-                continue  # every row of the chunk removed: it adds nothing
-            scores = scores.index_fill(1, gone.to(scores.device), float("-inf"))
-        lse = torch.logsumexp(scores, dim=1)
-        # Query b's score depends on q[b] only, so the gradient of the sum is per row.
-        (grad,) = torch.autograd.grad(lse.sum(), leaf)
-        out = merge([out, LseGrad(lse.detach().double(), grad.double())])
+        if gone is not None and gone.numel() == b - a:
+            continue  # every row of the chunk removed: it adds nothing
+        block = Reps(entities.vecs[a:b], None if entities.mask is None else entities.mask[a:b])
+        part = _lse_grad_hard(q, block, gone, dtype) if closed else _lse_grad_autograd(spec, q, block, gone, dtype)
+        out = merge([out, part])
     return out
+
+
+def closed_form(spec: ScoreSpec) -> bool:
+    """Whether :func:`lse_grad_all` has the closed-form gradient for ``spec``: hard attention with
+    mention columns as queries (dual, multi-m, SOM); poly-m and genpoly-m go through autograd."""
+    return spec.attention == "hard" and spec.direction == "x->y"
+
+
+def _lse_grad_autograd(spec: ScoreSpec, q: Reps, block: Reps, gone: Tensor | None, dtype: torch.dtype) -> LseGrad:
+    """(lse [B], grad [B, *q_shape]) over the rows of ``block``, minus local rows ``gone``, by autograd."""
+    leaf, reps = _leaf(q, dtype)
+    block = Reps(_saveable(block.vecs.to(dtype)), None if block.mask is None else _saveable(block.mask))
+    scores = _wide(score_all(spec, reps, block))
+    if gone is not None and gone.numel():
+        scores = scores.index_fill(1, gone.to(scores.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=1)
+    # Query b's score depends on q[b] only, so the gradient of the sum is per row.
+    (grad,) = torch.autograd.grad(lse.sum(), leaf)
+    return LseGrad(lse.detach().double(), grad.double())
+
+
+def _lse_grad_hard(q: Reps, block: Reps, gone: Tensor | None, dtype: torch.dtype) -> LseGrad:
+    """(lse [B], grad [B, *q_shape]) over the rows of ``block`` for s(x, y) = sum_i max_j q_i . f_j(y)
+    (dual, multi-m and SOM; a padded column of either side takes no part).
+
+    d s / d q_i = f_{j*}(y) with j* = argmax_j q_i . f_j(y) (ties share it evenly, as autograd's
+    max does), so d LSE / d q_i = sum_y p(y) f_{j*}(y) with p the block's softmax: the forward
+    GEMM, then one GEMM of the softmax weights placed on the chosen columns (a gather of the
+    chosen columns, or max's indices, measured slower on CPU). As in ``score_all``, only real
+    mention columns are multiplied, rows go through shortest first with each piece cut to its
+    longest member, and a piece's [real columns, C, n'] similarities stay under 2^23 elements.
+    A sum over rows does not care about their order, so nothing is put back.
+    """
+    vecs = q.vecs.to(dtype)
+    cols = vecs.unsqueeze(1) if vecs.dim() == 2 else vecs  # [B, n, d]
+    batch, n_q, dim = cols.shape
+    real = None if q.mask is None or vecs.dim() == 2 else q.mask
+    queries = cols.reshape(batch * n_q, dim) if real is None else cols[real]  # [R, d] real columns only
+    owner = (torch.arange(batch, device=vecs.device).repeat_interleave(n_q) if real is None
+             else real.nonzero()[:, 0])
+    acc = torch.promote_types(dtype, torch.float32)
+    rows = block.vecs.shape[0]
+    evecs = block.vecs.unsqueeze(1) if block.vecs.dim() == 2 else block.vecs  # [N, n', d]
+    emask = None if block.vecs.dim() == 2 or block.mask is None or bool(block.mask.all()) else block.mask
+    order = None if emask is None else torch.argsort(emask.sum(-1), stable=True)
+    alive = None
+    if gone is not None and gone.numel():
+        alive = torch.ones(rows, dtype=torch.bool, device=evecs.device)
+        alive[gone.to(evecs.device)] = False
+    step = max(1, (1 << 23) // max(queries.shape[0] * evecs.shape[1], 1))
+    out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
+                  torch.zeros((batch, n_q, dim), dtype=torch.float64))
+    for a in range(0, rows, step):
+        pick = slice(a, a + step) if order is None else order[a:a + step]
+        ev = evecs[pick].to(dtype)
+        em = None
+        if emask is not None:
+            em = emask[pick]
+            width = int(em.sum(-1).max())  # rows come shortest first: cut the piece to its longest
+            ev, em = ev[:, :width], em[:, :width]
+        c, n_k, _ = ev.shape
+        keys = ev.reshape(c * n_k, dim)
+        sim = (queries @ keys.T).view(-1, c, n_k)  # [R, C, n']
+        if em is not None:
+            sim.masked_fill_(~em[None], float("-inf"))
+        best = sim.amax(dim=-1)  # [R, C]
+        scores = best.new_zeros((batch, c), dtype=acc).index_add_(0, owner, best.to(acc))  # [B, C]
+        if alive is not None:
+            scores = scores.masked_fill(~alive[pick][None], float("-inf"))
+        lse = torch.logsumexp(scores, dim=1)
+        finite = torch.isfinite(lse)
+        p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[:, None])  # [B, C]
+        hit = sim == best.unsqueeze(-1)  # the chosen column(s) of each (real column, row)
+        weight = hit.to(dtype).mul_(p.to(dtype)[owner][:, :, None])
+        # Counted as bytes: a bool reduction over the last dim measured 10x slower on CPU.
+        ties = hit.view(torch.uint8).sum(dim=-1, keepdim=True, dtype=torch.int16)
+        if bool((ties > 1).any()):
+            weight.div_(ties.to(dtype))
+        chosen = weight.view(-1, c * n_k) @ keys  # [R, d]
+        grad = torch.zeros((batch, n_q, dim), dtype=torch.float64, device=vecs.device)
+        if real is None:
+            grad = chosen.double().view(batch, n_q, dim)
+        else:
+            grad[real] = chosen.double()
+        out = merge([out, LseGrad(lse.double(), grad)])
+    return LseGrad(out.lse, out.grad.reshape(q.vecs.shape))
 
 
 def lse_grad_rows(spec: ScoreSpec, q: Reps, entities: Reps, rows: Tensor, dtype: torch.dtype = torch.float32

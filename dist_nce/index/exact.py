@@ -114,7 +114,8 @@ def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int) -> 
 def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int, k: int, gold: Tensor | None,
                  chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                  query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
-                 block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
+                 block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto",
+                 share_queries: bool = True) -> ShardResult:
     """Exact top-k (``seed`` None) or Gumbel-top-k over entity rows [row_start, row_start+n).
 
     queries: mention Reps [B, ...]; entities: entity Reps [n, ...] (as ``scoring.entity_reps``
@@ -135,18 +136,20 @@ def exact_search(spec: ScoreSpec, queries: Reps, entities: Reps, row_start: int,
     ``IndexConfig.kernel``.
     """
     return exact_search_pieces(spec, queries, [Piece(int(row_start), entities)], k, gold, chunk_rows, compute, seed,
-                               query_keys, version, sampler, block_rows, dead, kernel)
+                               query_keys, version, sampler, block_rows, dead, kernel, share_queries)
 
 
 def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
                         chunk_rows: int, compute: torch.dtype = torch.float32, seed: int | None = None,
                         query_keys: Tensor | None = None, version: int = 0, sampler: str = "dense",
-                        block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto") -> ShardResult:
+                        block_rows: int = 128, dead: Tensor | None = None, kernel: str = "auto",
+                        share_queries: bool = True) -> ShardResult:
     """:func:`exact_search` over the disjoint contiguous ``pieces`` a shard owns (its base range
     plus the row segments KB deltas gave it), as one search: every global block is scored once
     with all of this shard's rows in it, so the answer is the one a flat search over the same
     rows gives (bit for bit, both samplers, when the shards' pieces tile whole ``block_rows``
-    blocks, as ``NegativeService`` places them)."""
+    blocks, as ``NegativeService`` places them). On torch, repeated queries are scored once
+    (:func:`shared_queries`; ``share_queries`` False scores every row, the benchmark's baseline)."""
     if sampler not in ("dense", "block"):
         raise ValueError(f"exact_search: sampler must be 'dense' or 'block', got {sampler!r}")
     q = Reps(queries.vecs.to(compute), queries.mask)
@@ -172,12 +175,13 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
                 raise ValueError(f"index.kernel 'native': {why}")
             _say_once(f"index.kernel auto: the block sampler runs on torch here: {why}")
         return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
-                                   block_rows, dead)
+                                   block_rows, dead, share_queries)
     result = None
+    distinct, inverse = shared_queries(q) if share_queries else (q, None)
     for b0, parts in _grid_plan(pieces, chunk_rows):
         lo, hi = parts[0][1], parts[-1][2]
         block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
-        scores = score_all(spec, q, block)[:, lo - b0:hi - b0].float()
+        scores = _expand(score_all(spec, distinct, block), inverse)[:, lo - b0:hi - b0].float()
         scores = _exclude_(scores, parts, dead, lo)
         part = gumbel_topk_dense(scores, k, gold, seed, query_keys, row_start=lo, version=version)
         result = part if result is None else merge_results([result, part], k)
@@ -190,7 +194,7 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
 
 def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None,
                         chunk_rows: int, compute: torch.dtype, seed: int, query_keys: Tensor, version: int,
-                        block_rows: int, dead: Tensor | None = None) -> ShardResult:
+                        block_rows: int, dead: Tensor | None = None, share_queries: bool = True) -> ShardResult:
     """The block sampler over the score grid of :func:`exact_search` (see block_gumbel).
 
     Each chunk is scored in its full padded grid layout [B, chunk_rows]; rows outside the
@@ -204,10 +208,11 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: in
         raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
     batch = q.vecs.shape[0]
     stream = BlockStream(k, seed, query_keys, block_rows)
+    distinct, inverse = shared_queries(q) if share_queries else (q, None)
     for b0, parts in _grid_plan(pieces, chunk_rows):
         lo, hi = parts[0][1], parts[-1][2]
         block = _padded_chunk(pieces, parts, b0, chunk_rows, compute)
-        scores = score_all(spec, q, block)
+        scores = _expand(score_all(spec, distinct, block), inverse)
         scores = mask_gold_(scores if scores.dtype == torch.float32 else scores.float(), gold, b0)  # no copy
         scores = _exclude_(scores, parts, dead, b0)  # rows of no part, dead rows
         j0, j1 = (lo - b0) // block_rows, -(-(hi - b0) // block_rows)  # blocks meeting [lo, hi)
@@ -216,6 +221,34 @@ def _exact_block_gumbel(spec: ScoreSpec, q: Reps, pieces: Sequence[Piece], k: in
         log_mass = block_log_mass(blocks)[:, j0:j1]  # reduced on the same shapes on every shard
         stream.add(blocks[:, j0:j1], log_mass, counters)
     return rows_from_blocks(stream.finish(), k, seed, query_keys, stream.log_z, version)
+
+
+def shared_queries(q: Reps) -> tuple[Reps, Tensor | None]:
+    """(the distinct rows of ``q``, inverse [B] int64 mapping each row to its distinct row), or
+    (``q``, None) when every row differs.
+
+    The bias monitor asks for ``bias.draws`` candidate sets of each probe mention in one request:
+    the same query repeated with different Gumbel keys. Scored once per distinct query, the r
+    draws share one scoring pass (on SOM that pass was ~16x the work of the probe itself); the
+    noise, a function of each row's own key, still makes every draw independent.
+    """
+    batch = q.vecs.shape[0]
+    if batch < 2:
+        return q, None
+    key = q.vecs.reshape(batch, -1)
+    if q.mask is not None:
+        key = torch.cat([key, q.mask.reshape(batch, -1).to(key.dtype)], dim=1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if distinct.shape[0] == batch:
+        return q, None
+    first = torch.full((distinct.shape[0],), batch, dtype=torch.int64, device=inverse.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(batch, device=inverse.device), "amin")
+    return Reps(q.vecs[first], None if q.mask is None else q.mask[first]), inverse
+
+
+def _expand(scores: Tensor, inverse: Tensor | None) -> Tensor:
+    """Scores [U, C] of the distinct queries -> [B, C], one row per query (a copy: callers mask it)."""
+    return scores if inverse is None else scores.index_select(0, inverse)
 
 
 def _say_once(why: str) -> None:

@@ -123,3 +123,36 @@ def test_gradient_through_a_multi_vector_score_matches_finite_differences():
         down = torch.logsumexp(score_all(spec, Reps(bumped, q.mask), ent), 1)
         assert float(got.grad[0, t, j]) == pytest.approx(float((up - down) / (2 * eps)), rel=1e-5, abs=1e-8)
     assert float(got.grad[0, 2].abs().sum()) == 0.0  # a padded mention column takes no part
+
+
+@pytest.mark.parametrize("preset,m", [("dual", None), ("multi", 3), ("som", None)])
+def test_closed_form_full_gradient_equals_autograd(preset, m):
+    """lse_grad_all's closed form (one forward pass keeping the argmax) against autograd through
+    score_all: padded columns on both sides, removed rows, rows split over chunks and pieces."""
+    spec = ScoreSpec.preset(preset, m)
+    g = torch.Generator().manual_seed(5)
+    n, d = 37, 8
+    if preset == "dual":
+        q, ent = Reps(torch.randn(4, d, generator=g)), Reps(torch.randn(n, d, generator=g))
+    else:
+        cols = 3 if preset == "multi" else 5
+        emask = torch.rand(n, cols, generator=g) < 0.7
+        emask[:, 0] = True
+        vecs = torch.randn(n, cols, d, generator=g)
+        vecs[::3, 1] = vecs[::3, 0]  # repeated columns: a tie the max's gradient splits evenly
+        emask[::3, :2] = True
+        ent = Reps(vecs, emask)
+        if preset == "multi":
+            q = Reps(torch.randn(4, d, generator=g))
+        else:
+            qmask = torch.tensor([[True] * 4, [True, True, False, False], [True, False, True, False], [True] * 4])
+            q = Reps(torch.randn(4, 4, d, generator=g), qmask)
+    dead = torch.tensor([2, 3, 20, 36])
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        got = lse_grad_all(spec, q, ent, chunk_rows=16, dtype=dtype, dead=dead)
+        want = lse_grad_all(spec, q, ent, chunk_rows=16, dtype=dtype, dead=dead, autograd=True)
+        torch.testing.assert_close(got.lse, want.lse, rtol=tol, atol=tol)
+        torch.testing.assert_close(got.grad, want.grad, rtol=tol, atol=tol)
+    assert got.grad.shape == q.vecs.shape
+    if preset == "som":  # padded mention columns get no gradient
+        assert float(got.grad[1, 2:].abs().sum()) == 0.0 and float(got.grad[2, 3].abs().sum()) == 0.0
