@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import AT_LEAST_1, POSITIVE, Range
 from dist_nce.index.config import IndexConfig
+from dist_nce.link.request import Limits
 
 
 def _help(text: str, bounds: Range | None = None, **kw):
@@ -62,7 +63,7 @@ class ServeConfig:
     encoder_replicas: int = _help("Replicas of the mention-encoder deployment.", AT_LEAST_1, default=1)
     reranker_replicas: int = _help("Replicas of the reranker deployment (when link.reranker is set).",
                                    AT_LEAST_1, default=1)
-    ingress_replicas: int = _help("Replicas of the HTTP deployment (parse, search, answer).", AT_LEAST_1,
+    ingress_replicas: int = _help("Replicas of the HTTP deployment (read, check, tokenize, answer).", AT_LEAST_1,
                                   default=1)
     ingress_max_ongoing: int = _help("Requests one HTTP replica works on at once (more wait in Serve's queue).",
                                      AT_LEAST_1, default=64)
@@ -71,7 +72,47 @@ class ServeConfig:
                                 "batch.", AT_LEAST_1, default=32)
     batch_wait_timeout_s: float = _help("@serve.batch: seconds a partial batch waits for more requests.",
                                         Range(ge=0), default=0.01)
-    max_request_bytes: int = _help("Larger request bodies are refused with 413.", AT_LEAST_1, default=1_000_000)
-    max_mentions: int = _help("Requests with more mentions are refused with 413.", AT_LEAST_1, default=256)
-    request_timeout_s: float = _help("Seconds the ingress waits for the encoder and reranker.", POSITIVE,
-                                     default=60.0)
+    max_request_bytes: int = _help(
+        "Request bodies are read as a stream and refused with 413 at this many bytes plus one, with or "
+        "without a Content-Length.", AT_LEAST_1, default=1_000_000)
+    body_timeout_s: float = _help("Seconds a client has to send its whole body; slower ones get 408.", POSITIVE,
+                                  default=10.0)
+    max_json_depth: int = _help(
+        "Bodies nesting arrays/objects deeper are refused with 400 before decoding (a request needs 5: "
+        "{docs: [{mentions: [[start, end]]}]}).",
+        Range(ge=5, le=500, why="a request nests 5 deep; Python's JSON decoder recurses once per level"),
+        default=16)
+    max_docs: int = _help("Requests with more docs are refused with 413.", AT_LEAST_1, default=64)
+    max_text_chars: int = _help("Docs whose text (or KILT input) is longer, in characters, are refused with 413.",
+                                AT_LEAST_1, default=100_000)
+    max_mentions: int = _help("Requests with more mentions in all are refused with 413 (checked before "
+                              "tokenizing).", AT_LEAST_1, default=256)
+    max_mentions_per_doc: int = _help("Docs with more mentions (spans, or KILT [START_ENT] markers) are refused "
+                                      "with 413.", AT_LEAST_1, default=256)
+    max_span_chars: int = _help("Mention spans longer, in characters, are refused with 413.", AT_LEAST_1,
+                                default=1000)
+    max_k: int = _help("Requests asking for more entities per mention (k) are refused with 413; k is also at "
+                       "most the KB's entities.", AT_LEAST_1, default=100)
+    request_timeout_s: float = _help(
+        "Seconds one request may take once its body is read (tokenize, encode, search, rerank: one budget); "
+        "past it the answer is 504 naming the stage.", POSITIVE, default=60.0)
+    max_queued_requests: int = _help(
+        "Requests waiting for an HTTP replica (beyond ingress_max_ongoing each); more get Serve's 503.",
+        AT_LEAST_1, default=256)
+    replica_gpus: Optional[float] = _help(
+        "GPUs per encoder and reranker replica, and per searcher replica when it searches a local index; "
+        "None = 1 with a cuda link.device, else 0.", Range(ge=0), default=None)
+    searcher_replicas: int = _help(
+        "Replicas of the search deployment (each holds the KB index, or with link.searcher: service one set of "
+        "shard actors); every HTTP replica searches through it.", AT_LEAST_1, default=1)
+
+    def limits(self) -> Limits:
+        """The request limits of :mod:`dist_nce.link.request`."""
+        return Limits(self.max_request_bytes, self.max_json_depth, self.max_docs, self.max_text_chars,
+                      self.max_mentions, self.max_mentions_per_doc, self.max_span_chars, self.max_k)
+
+    def gpus(self) -> float:
+        """GPUs of an encoder or reranker replica (``replica_gpus``, or 1 on a cuda device)."""
+        if self.replica_gpus is not None:
+            return self.replica_gpus
+        return 1.0 if self.link.device.startswith("cuda") else 0.0

@@ -13,10 +13,14 @@ Left and right contexts and the mention are stripped, as the KILT reader strips 
 the BERT tokenizer splits on whitespace anyway, so the token ids do not depend on it.
 
 Every refusal is a ``ValueError`` whose message starts with ``doc <i>`` and names the field.
+
+A :class:`Mention` keeps a reference to its document's text, not copies of its contexts: a
+request of many spans over one long text would otherwise hold spans x text characters. Its
+``record`` is cut when asked for (:meth:`dist_nce.link.linker.Linker.prepare` asks a few at a time).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from dist_nce.core.records import BadRecord, MentionRecord
@@ -28,12 +32,25 @@ class Mention:
     """One mention to link: where it came from and its record for tokenization.
 
     doc: index of the document in the request; span: [start, end) characters of the
-    document's ``text`` (None for KILT inputs, whose text is the marked ``input``).
+    document's ``text`` (None for KILT inputs, whose text is the marked ``input``); mention:
+    the mention's text, stripped; source: the document's ``text`` or KILT ``input`` itself.
     """
 
     doc: int
     span: tuple[int, int] | None
-    record: MentionRecord
+    mention: str
+    mention_id: str
+    source: str = field(repr=False, compare=False)
+
+    @property
+    def record(self) -> MentionRecord:
+        """(left, mention, right) for tokenization; the contexts are copied on each call."""
+        if self.span is None:
+            left, mention, right = split_marked_input(self.source, f"doc {self.doc}", 0)
+        else:
+            a, b = self.span
+            left, mention, right = self.source[:a].strip(), self.mention, self.source[b:].strip()
+        return MentionRecord(mention_id=self.mention_id, left=left, mention=mention, right=right)
 
 
 def _is_int(x: Any) -> bool:
@@ -64,9 +81,7 @@ def _span_mentions(i: int, doc: Mapping[str, Any]) -> list[Mention]:
         mention = text[a:b].strip()
         if not mention:
             raise ValueError(f"{where}: span [{a}, {b}) holds only whitespace")
-        record = MentionRecord(mention_id=f"{i}:{j}", left=text[:a].strip(), mention=mention,
-                               right=text[b:].strip())
-        out.append(Mention(i, (a, b), record))
+        out.append(Mention(i, (a, b), mention, f"{i}:{j}", text))
     return out
 
 
@@ -75,13 +90,12 @@ def _kilt_mention(i: int, doc: Mapping[str, Any]) -> Mention:
     if not isinstance(text, str):
         raise ValueError(f"doc {i}: field 'input': expected a string, got {type(text).__name__}")
     try:
-        left, mention, right = split_marked_input(text, f"doc {i}", 0)
+        _, mention, _ = split_marked_input(text, f"doc {i}", 0)
     except BadRecord as e:
         raise ValueError(f"doc {i}: {e.reason}") from None
     if not mention:
         raise ValueError(f"doc {i}: field 'input': empty mention between {START_ENT} and {END_ENT}")
-    return Mention(i, None, MentionRecord(mention_id=str(doc.get("id", i)), left=left, mention=mention,
-                                          right=right))
+    return Mention(i, None, mention, str(doc.get("id", i)), text)
 
 
 def parse_docs(docs: Sequence[Mapping[str, Any]]) -> list[Mention]:

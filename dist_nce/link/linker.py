@@ -48,6 +48,9 @@ from dist_nce.sampling.topk import ShardResult
 from kb.store import EntityStore
 
 
+PREPARE_CHUNK = 64  # mentions whose records (context copies) exist at once in Linker.prepare
+
+
 @dataclass(frozen=True)
 class Prepared:
     """Mentions of a request, tokenized: ids int32 [N, L] (pad-filled), lengths int64 [N]."""
@@ -114,13 +117,15 @@ class Linker:
     @classmethod
     def from_pretrained(cls, run_dir: str | os.PathLike | None = None,
                         config: LinkConfig | Mapping[str, Any] | None = None, *,
-                        keep_encoder: bool = True, **overrides: Any) -> "Linker":
+                        keep_encoder: bool = True, open_searcher: bool = True, **overrides: Any) -> "Linker":
         """Load ``run_dir`` (``runs/<name>/<time>`` of jobs/aida_finetune.py), or, with no run,
         ``model`` + ``store`` (a retriever directory or BLINK biencoder file over a prepared KB).
 
         ``config`` / ``overrides``: :class:`LinkConfig` fields (``k=5``, ``reranker=...``,
         ``model=...``, ``snapshot=...``). ``keep_encoder=False`` drops the mention encoder once
-        the index is built (the Serve ingress encodes in another deployment).
+        the index is built (the Serve ingress encodes in another deployment);
+        ``open_searcher=False`` opens no index (the Serve ingress searches through its KBSearcher
+        deployment), leaving :meth:`search` unusable.
         """
         from kb.store import EntityStore
 
@@ -132,7 +137,7 @@ class Linker:
                                    "training")
         tok_sha = tokenizer_fingerprint(retriever.tokenizer)["sha256"]
         store = EntityStore(art.store, tokenizer_sha256=tok_sha)
-        searcher = cls._open_searcher(cfg, art, retriever, store, tok_sha)
+        searcher = cls._open_searcher(cfg, art, retriever, store, tok_sha) if open_searcher else None
         reranker = None
         if cfg.reranker:
             reranker = load_reranker(cfg.reranker, tokenizer_dir=cfg.tokenizer).eval().to(cfg.device)
@@ -177,7 +182,11 @@ class Linker:
     def prepare(self, docs: Sequence[Mapping[str, Any]]) -> Prepared:
         """Check ``docs`` (ValueError naming the doc and field) and tokenize every mention."""
         mentions = parse_docs(docs)
-        ids = encode_mentions(self.tokenizer, [m.record for m in mentions], self.mention_max_len)
+        # A record copies its contexts out of the doc's text: cut PREPARE_CHUNK at a time, so a
+        # request of many spans over a long text holds a few copies, not one per span.
+        parts = [encode_mentions(self.tokenizer, [m.record for m in mentions[a:a + PREPARE_CHUNK]],
+                                 self.mention_max_len) for a in range(0, len(mentions), PREPARE_CHUNK)]
+        ids = np.concatenate(parts) if parts else np.zeros((0, self.mention_max_len), dtype=np.int32)
         lengths = (ids != self.tokenizer.pad_token_id).sum(axis=1).astype(np.int64)
         return Prepared(mentions, ids, lengths)
 
@@ -196,6 +205,8 @@ class Linker:
 
     def search(self, reps: Reps, k: int) -> ShardResult:
         """Mention Reps [B, ...] -> the top k store rows and scores [B, k] over the whole KB."""
+        if self.searcher is None:
+            raise RuntimeError("this Linker was loaded with open_searcher=False")
         if isinstance(self.searcher, ShardIndex):
             return local_search(self.searcher, reps, k)
         return self.searcher.topk(reps, k).result()
@@ -228,7 +239,7 @@ class Linker:
             if rerank is not None:
                 ents = [ents[j] for j in np.argsort(-rerank[i], kind="stable")]
             out[m.doc]["mentions"].append({"span": None if m.span is None else list(m.span),
-                                           "mention": m.record.mention, "entities": ents})
+                                           "mention": m.mention, "entities": ents})
         return out
 
     # ------------------------------------------------------------------ all at once

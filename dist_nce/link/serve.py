@@ -7,22 +7,43 @@
     curl -s -X POST http://127.0.0.1:8000/link -H 'Content-Type: application/json' \\
         -d '{"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}], "k": 5}'
 
-* ``LinkIngress`` (HTTP): checks the request, tokenizes (``Linker.prepare``: the training
-  tokenization), sends every mention to the encoder, searches the KB (in the replica, or
-  through the trainer's sharded NegativeService, ``link.searcher: service``: the replica
-  then owns its shard actors) and, with a reranker, asks the reranker; answers
+* ``LinkIngress`` (HTTP): reads and checks the request (:mod:`dist_nce.link.request`), tokenizes
+  (``Linker.prepare``: the training tokenization), sends every mention to the encoder, the
+  vectors to the searcher and, with a reranker, the candidates to the reranker; answers
   ``{"docs": [...]}`` in the Python API's format (``Linker.link``).
 * ``MentionEncoder``: the run's (or ``link.model``'s) mention encoder; concurrent requests' mentions are encoded
   together (``@serve.batch``), which is where batching pays on a CPU or a GPU.
+* ``KBSearcher``: the KB index (in the replica), or the trainer's sharded NegativeService
+  (``link.searcher: service``: the replica owns the shard actors); one replica by default
+  (``searcher_replicas``), so every HTTP replica shares one index or one set of shards.
 * ``RerankerScorer`` (only with ``link.reranker``): (mention, k candidates) items batched
   the same way.
 
+With a ``cuda`` ``link.device`` the encoder, reranker and local-index searcher replicas reserve
+``replica_gpus`` (default 1) GPUs each; the HTTP replicas run no model and reserve CPUs only.
+
 Requests: ``{"docs": [doc, ...], "k": 5}``, a list of docs, or one doc; a doc is
 ``{"text", "mentions": [[start, end], ...]}`` or a KILT ``{"input": "... [START_ENT] m [END_ENT] ..."}``.
-Refusals, each with ``{"error": message}``: 400 (not JSON, wrong shape), 422 (a doc or k
-that :mod:`dist_nce.link.inputs` refuses: missing spans, span outside the text, empty
-text), 413 (body over ``max_request_bytes`` or more than ``max_mentions`` mentions), 405
-(not POST). A refused request changes nothing: the replicas keep serving.
+Every limit is checked before any tokenizing (``ServeConfig``'s ``max_*`` fields). Refusals,
+each with ``{"error": message}`` naming the field (and doc) at fault:
+
+* 400: not UTF-8 (the byte offset), nested deeper than ``max_json_depth``, not JSON, wrong shape;
+* 405: not POST;
+* 408: the body not sent within ``body_timeout_s`` (a slow client);
+* 413: body over ``max_request_bytes`` (read as a stream and cut there, with or without a
+  Content-Length), more than ``max_docs`` docs, a text over ``max_text_chars``, more than
+  ``max_mentions_per_doc`` spans in a doc or ``max_mentions`` in all, a span over
+  ``max_span_chars``, k over ``max_k``;
+* 422: a doc or k that :mod:`dist_nce.link.request` or :mod:`dist_nce.link.inputs` refuses
+  (a wrong type, missing spans, a span outside the text, empty text, k over the KB's size);
+* 503: more than ``max_queued_requests`` requests waiting for an HTTP replica (Serve's own
+  answer, plain text) or a downstream deployment overloaded;
+* 504: the request took longer than ``request_timeout_s`` (the message names the stage:
+  tokenize, encode, search or rerank);
+* 500: a failure of ours, as ``internal error (id <uuid>)``; the traceback is in the replica's
+  log under that id, never in the answer.
+
+A refused request changes nothing: the replicas keep serving.
 
 HTTP listens on loopback only unless configured otherwise (``http_options.host`` in the
 config; :func:`start_local` here): the endpoint has no authentication of its own.
@@ -30,7 +51,8 @@ config; :func:`start_local` here): the endpoint has no authentication of its own
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
+import uuid
 from typing import Any
 
 import numpy as np
@@ -39,9 +61,11 @@ from ray import serve
 
 from dist_nce.core.config import ConfigError, from_dict, to_dict
 from dist_nce.link.config import ServeConfig
+from dist_nce.link.request import BadRequest, Deadline, check_request, decode_utf8, parse_json, read_body
 from dist_nce.modeling.scoring import Reps
 
 DEFAULT_HOST = "127.0.0.1"
+LOG = logging.getLogger("ray.serve")  # the replica's log (logs/serve/replica_*.log), next to Serve's own
 
 
 def _pad(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,67 +187,88 @@ class RerankerScorer:
         return [scores[i, :len(r)] for i, (_, r) in enumerate(items)]
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
+@serve.deployment
+class KBSearcher:
+    """Mention vectors -> the top k store rows over the whole KB: the one index (or, with
+    ``link.searcher: service``, the one set of shard actors) that every HTTP replica searches."""
+
+    def __init__(self, config: dict):
+        keep_replica_grpc_on_loopback()
+        from dist_nce.cluster.runtime import configure_process
+        from dist_nce.link.linker import Linker
+
+        configure_process(1)
+        cfg = from_dict(ServeConfig, config)
+        link = dict(to_dict(cfg.link), reranker=None, progress=False)
+        if cfg.link.searcher == "service":
+            # The shards encode on their own devices; this replica only hands them the weights.
+            link["device"] = "cpu"
+        self.linker = Linker.from_pretrained(cfg.run or None, link, keep_encoder=False)
+
+    async def search(self, vecs: np.ndarray, mask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Mention vectors [B, D] (or [B, T, D] with mask [B, T]) -> (rows int64 [B, k], scores float32 [B, k])."""
+        reps = Reps(torch.from_numpy(vecs), None if mask is None else torch.from_numpy(mask))
+        # Blocking CPU work (faiss, torch) or a wait on shard actors: off the event loop.
+        found = await asyncio.to_thread(self.linker.search, reps, k)
+        return found.ids.numpy(), found.scores.float().numpy()
+
+    def __del__(self):
+        # Serve calls this when the replica stops: the shard actors go with it.
+        linker = getattr(self, "linker", None)
+        if linker is not None:
+            linker.close()
 
 
-def request_docs(payload: Any, default_k: int) -> tuple[list, int]:
-    """The docs and k of a request body (already JSON-decoded); BadRequest(400) on a wrong shape."""
-    k = default_k
-    if isinstance(payload, dict) and "docs" in payload:
-        unknown = sorted(set(payload) - {"docs", "k"})
-        if unknown:
-            raise BadRequest(400, f"unknown request field(s) {unknown}; expected 'docs' and optionally 'k'")
-        docs, k = payload["docs"], payload.get("k", default_k)
-    elif isinstance(payload, dict):
-        docs = [payload]
-    else:
-        docs = payload
-    if not isinstance(docs, list):
-        raise BadRequest(400, f"expected {{'docs': [...]}}, a list of docs or one doc; got {type(docs).__name__}")
-    return docs, k
+async def within(deadline: Deadline, stage: str, work: Any) -> Any:
+    """Await ``work`` in what is left of the request's ``deadline``: 504 naming ``stage`` when it runs
+    out, 503 when the deployment doing ``stage`` is overloaded or has no replica."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    try:
+        return await asyncio.wait_for(work, deadline.left())
+    except asyncio.TimeoutError:
+        raise deadline.timed_out(stage) from None
+    except (BackPressureError, DeploymentUnavailableError):
+        raise BadRequest(503, f"the service is overloaded ({stage}); retry later") from None
 
 
 @serve.deployment
 class LinkIngress:
-    """HTTP: parse, tokenize, encode (MentionEncoder), search, rerank (RerankerScorer), answer."""
+    """HTTP: read and check the request (:mod:`dist_nce.link.request`), tokenize, encode
+    (MentionEncoder), search (KBSearcher), rerank (RerankerScorer), answer."""
 
-    def __init__(self, encoder: Any, reranker: Any, config: dict):
+    def __init__(self, encoder: Any, searcher: Any, reranker: Any, config: dict):
         keep_replica_grpc_on_loopback()
         from dist_nce.cluster.runtime import configure_process
         from dist_nce.link.linker import Linker
 
         configure_process(1)
         self.cfg = from_dict(ServeConfig, config)
-        link = dict(to_dict(self.cfg.link), reranker=None, progress=False)  # the reranker runs in its deployment
-        self.linker = Linker.from_pretrained(self.cfg.run or None, link, keep_encoder=False)
-        self.encoder, self.reranker = encoder, reranker
+        self.limits = self.cfg.limits()
+        # Tokenizer, store and k's bounds only: encoding, search and reranking run in their deployments.
+        link = dict(to_dict(self.cfg.link), reranker=None, progress=False, device="cpu")
+        self.linker = Linker.from_pretrained(self.cfg.run or None, link, keep_encoder=False, open_searcher=False)
+        self.encoder, self.searcher, self.reranker = encoder, searcher, reranker
 
-    async def _link(self, payload: Any) -> list[dict]:
-        docs, k = request_docs(payload, self.cfg.link.k)
+    async def _link(self, docs: list, k: int, deadline: Deadline) -> list[dict]:
         try:
             k = self.linker.check_k(k)
-            prepared = self.linker.prepare(docs)
+            # Bounded by check_request's limits, yet CPU work: off the event loop, other requests go on.
+            prepared = await within(deadline, "tokenize", asyncio.to_thread(self.linker.prepare, docs))
         except ValueError as e:
             raise BadRequest(422, str(e)) from None
         n = len(prepared.mentions)
-        if n > self.cfg.max_mentions:
-            raise BadRequest(413, f"{n} mentions in one request; the limit is {self.cfg.max_mentions}")
         rows = [prepared.ids[i, :prepared.lengths[i]].tolist() for i in range(n)]
-        parts = await asyncio.wait_for(asyncio.gather(*[self.encoder.encode.remote(r) for r in rows]),
-                                       self.cfg.request_timeout_s)
-        # Searching is blocking CPU work (faiss, torch) or a wait on shard actors: off the event loop.
-        found = await asyncio.to_thread(self.linker.search, stack_reps(list(parts)), k)
-        cand = found.ids.numpy()
+        parts = await within(deadline, "encode", asyncio.gather(*[self.encoder.encode.remote(r) for r in rows]))
+        reps = stack_reps(list(parts))
+        cand, scores = await within(deadline, "search", self.searcher.search.remote(
+            reps.vecs.numpy(), None if reps.mask is None else reps.mask.numpy(), k))
         rerank = None
         if self.reranker is not None:
-            scored = await asyncio.wait_for(asyncio.gather(*[self.reranker.score.remote((rows[i], cand[i].tolist()))
-                                                             for i in range(n)]), self.cfg.request_timeout_s)
+            scored = await within(deadline, "rerank", asyncio.gather(
+                *[self.reranker.score.remote((rows[i], cand[i].tolist())) for i in range(n)]))
             rerank = np.stack(list(scored))
-        return self.linker.answers(prepared.mentions, len(docs), cand, found.scores.float().numpy(), rerank,
-                                   [d.get("id") for d in docs])
+        return self.linker.answers(prepared.mentions, len(docs), cand, scores, rerank, [d.get("id") for d in docs])
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -231,21 +276,30 @@ class LinkIngress:
         try:
             if request.method != "POST":
                 raise BadRequest(405, "POST a JSON body")
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_request_bytes:
-                raise BadRequest(413, f"body of {declared} bytes; the limit is {self.cfg.max_request_bytes}")
-            body = await request.body()
-            if len(body) > self.cfg.max_request_bytes:
-                raise BadRequest(413, f"body of {len(body)} bytes; the limit is {self.cfg.max_request_bytes}")
-            try:
-                payload = json.loads(body)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise BadRequest(400, f"body is not JSON: {e}") from None
-            return JSONResponse({"docs": await self._link(payload)})
+            body = await read_body(request.stream(), request.headers.get("content-length"),
+                                   self.limits.max_request_bytes, self.cfg.body_timeout_s)
+            payload = parse_json(decode_utf8(body), self.limits.max_json_depth)
+            del body
+            docs, k = check_request(payload, self.cfg.link.k, self.limits)
+            deadline = Deadline(self.cfg.request_timeout_s)
+            return JSONResponse({"docs": await self._link(docs, k, deadline)})
         except BadRequest as e:
             return JSONResponse({"error": e.message}, status_code=e.status)
-        except Exception as e:  # noqa: BLE001 - a failure of ours: answer it in JSON too, keep serving
-            return JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
+        except Exception:  # noqa: BLE001 - a failure of ours: logged here, never shown to the client
+            incident = uuid.uuid4().hex
+            LOG.exception("request failed (id %s)", incident)
+            return JSONResponse({"error": f"internal error (id {incident}); see the replica log"}, status_code=500)
+
+
+def replica_options(cfg: ServeConfig) -> dict[str, dict]:
+    """ray_actor_options per deployment: CPUs for each; GPUs (:meth:`ServeConfig.gpus`) for the
+    model replicas, and for the searcher when it searches a local index (it loads the model on
+    ``link.device`` to build it); the HTTP replicas and a service searcher's replica run no model."""
+    cpus = {"num_cpus": cfg.replica_cpus}
+    gpus = cfg.gpus()
+    model = {**cpus, "num_gpus": gpus} if gpus else cpus
+    return {"encoder": model, "reranker": model, "searcher": model if cfg.link.searcher == "local" else cpus,
+            "ingress": cpus}
 
 
 def build_app(args: dict) -> Any:
@@ -261,21 +315,26 @@ def build_app(args: dict) -> Any:
         art = resolve(cfg.run or None, cfg.link.model, cfg.link.store, cfg.link.snapshot)
     except ValueError as e:
         raise ConfigError(f"serve args: {e}") from None
-    actor = {"num_cpus": cfg.replica_cpus}
+    actor = replica_options(cfg)
     # A replica queues at most max_ongoing_requests calls: room for a full batch and the next one.
     batched = 2 * cfg.max_batch_size
-    encoder = MentionEncoder.options(num_replicas=cfg.encoder_replicas, ray_actor_options=actor,
+    encoder = MentionEncoder.options(num_replicas=cfg.encoder_replicas, ray_actor_options=actor["encoder"],
                                      max_ongoing_requests=batched).bind(
         str(art.model), cfg.link.tokenizer, cfg.link.device, cfg.max_batch_size, cfg.batch_wait_timeout_s)
+    # Every HTTP replica's requests may be searching at once.
+    searcher = KBSearcher.options(num_replicas=cfg.searcher_replicas, ray_actor_options=actor["searcher"],
+                                  max_ongoing_requests=cfg.ingress_max_ongoing * cfg.ingress_replicas).bind(
+        to_dict(cfg))
     reranker = None
     if cfg.link.reranker:
-        reranker = RerankerScorer.options(num_replicas=cfg.reranker_replicas, ray_actor_options=actor,
+        reranker = RerankerScorer.options(num_replicas=cfg.reranker_replicas, ray_actor_options=actor["reranker"],
                                           max_ongoing_requests=batched).bind(
             cfg.link.reranker, cfg.link.tokenizer, str(art.store), cfg.link.device, cfg.link.rerank_pairs,
             cfg.max_batch_size, cfg.batch_wait_timeout_s)
-    return LinkIngress.options(num_replicas=cfg.ingress_replicas, ray_actor_options=actor,
-                               max_ongoing_requests=cfg.ingress_max_ongoing).bind(
-        encoder, reranker, to_dict(cfg))
+    return LinkIngress.options(num_replicas=cfg.ingress_replicas, ray_actor_options=actor["ingress"],
+                               max_ongoing_requests=cfg.ingress_max_ongoing,
+                               max_queued_requests=cfg.max_queued_requests).bind(
+        encoder, searcher, reranker, to_dict(cfg))
 
 
 def start_local(port: int, host: str = DEFAULT_HOST) -> None:

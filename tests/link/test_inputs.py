@@ -13,6 +13,15 @@ def test_spans_cut_left_mention_right():
     assert (b.record.left, b.record.mention, b.record.right) == ("", "Paris", "is in  France .")
 
 
+def test_a_mention_holds_its_doc_text_not_copies_of_its_contexts():
+    text = "Paris is in France . " * 2000
+    mentions = parse_docs([{"text": text, "mentions": [[0, 5], [12, 18]]}])
+    assert all(m.source is text for m in mentions)  # one text for every span, however many
+    assert (mentions[1].mention, mentions[1].mention_id) == ("France", "0:1")
+    r = mentions[1].record  # cut when asked for
+    assert (r.left, r.mention, r.right) == ("Paris is in", "France", text[18:].strip())
+
+
 def test_kilt_input_uses_the_kilt_reader_cut():
     (m,) = parse_docs([{"id": "q1", "input": "left side [START_ENT] Big Apple [END_ENT] right side"}])
     assert (m.span, m.record.mention_id, m.record.left, m.record.mention, m.record.right) == (

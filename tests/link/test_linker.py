@@ -34,6 +34,25 @@ def test_kilt_inputs_are_tokenized_exactly_as_the_prepared_dev_mentions(linker, 
     np.testing.assert_array_equal(prepared.lengths, table.lengths)
 
 
+def test_many_spans_over_a_long_text_tokenize_as_each_alone(linker):
+    """prepare cuts records a chunk at a time: more spans than a chunk, over a text longer than the
+    tokenizer's window, give the rows of the per-record reference."""
+    from dist_nce.core.text import encode_mention
+    from dist_nce.link.linker import PREPARE_CHUNK
+
+    words = [f"w{i % 97} Tulsa-{i}" for i in range(3000)]
+    text = " ".join(words)
+    starts = np.cumsum([0] + [len(w) + 1 for w in words[:-1]])
+    picks = range(0, 3000, 3000 // (PREPARE_CHUNK + 9))
+    doc = {"text": text, "mentions": [[int(starts[i]), int(starts[i]) + len(words[i])] for i in picks]}
+    prepared = linker.prepare([doc])
+    assert len(prepared.mentions) > PREPARE_CHUNK
+    for row, m in zip(range(len(prepared.mentions)), prepared.mentions):
+        r = m.record
+        want = encode_mention(linker.tokenizer, r.left, r.mention, r.right, linker.mention_max_len)
+        assert prepared.ids[row, :prepared.lengths[row]].tolist() == want
+
+
 def test_rankings_are_the_exact_top_k_over_all_entities(linker, tiny_run, dev_file):
     docs = dev_docs(dev_file) + [{"text": "Tulsa lies in Oklahoma near Arkansas .", "mentions": [[14, 22], [28, 36]]}]
     got = linker.link(docs)

@@ -49,7 +49,8 @@ def server(ray_local, tiny_run, tiny_reranker, blink_files, tiny_store):
     _PRIOR_LISTENERS.update(_listeners(psutil.Process()))
     port = free_port()
     start_local(port)
-    args = {"run": str(tiny_run), "link": {"k": 3}, "replica_cpus": 0.25, "max_request_bytes": 20_000,
+    # 0.2 CPUs x 3 (link) + 4 (rerank) replicas leave room for the service tests' shards on 2 CPUs.
+    args = {"run": str(tiny_run), "link": {"k": 3}, "replica_cpus": 0.2, "max_request_bytes": 20_000,
             "max_mentions": 8, "max_batch_size": 16}
     serve.run(build_app(args), name="link", route_prefix="/link")
     serve.run(build_app({**args, "link": {"k": 3, "reranker": str(tiny_reranker)}}), name="rerank",
@@ -234,3 +235,70 @@ def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, de
     with Linker.from_pretrained(tiny_run, k=4, progress=False, searcher="service", service=service) as linker:
         assert linker.searcher.num_shards == 2
         assert_same_ranking(linker.link(docs), local)
+
+
+def bound_deployments(app) -> dict:
+    """name -> Deployment of an application and every deployment bound into it."""
+    from ray.serve.deployment import Application
+
+    out, todo = {}, [app]
+    while todo:
+        d = todo.pop()._bound_deployment
+        out[d.name] = d
+        todo += [a for a in [*d.init_args, *d.init_kwargs.values()] if isinstance(a, Application)]
+    return out
+
+
+def test_gpu_replicas_reserve_their_gpu_and_the_ingress_queue_is_bounded(tiny_run, tiny_reranker):
+    from dist_nce.link.serve import build_app
+
+    base = {"run": str(tiny_run), "replica_cpus": 0.5, "max_queued_requests": 7}
+    cpu = bound_deployments(build_app({**base, "link": {"reranker": str(tiny_reranker)}}))
+    assert set(cpu) == {"LinkIngress", "MentionEncoder", "KBSearcher", "RerankerScorer"}
+    assert all(d.ray_actor_options == {"num_cpus": 0.5} for d in cpu.values())
+    assert cpu["LinkIngress"].max_queued_requests == 7
+    cuda = bound_deployments(build_app({**base, "link": {"device": "cuda", "reranker": str(tiny_reranker)}}))
+    gpus = {name: d.ray_actor_options.get("num_gpus", 0) for name, d in cuda.items()}
+    # the ingress runs no model (tokenizer and store only)
+    assert gpus == {"LinkIngress": 0, "MentionEncoder": 1, "KBSearcher": 1, "RerankerScorer": 1}
+    shared = bound_deployments(build_app({**base, "replica_gpus": 0.5, "link": {"device": "cuda:1",
+                                                                                 "searcher": "service"}}))
+    # a service searcher's replica only hands the weights to the shards (their GPUs: service.num_gpus)
+    assert {n: d.ray_actor_options.get("num_gpus", 0) for n, d in shared.items()} == {
+        "LinkIngress": 0, "MentionEncoder": 0.5, "KBSearcher": 0}
+
+
+def test_http_replicas_share_one_set_of_shards(server, tiny_run, dev_file, tmp_path):
+    """Two HTTP replicas, searcher: service: one KBSearcher, so one set of shard actors, and both
+    replicas' answers equal the Python API's."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from dist_nce.link import Linker
+    from dist_nce.link.serve import build_app
+
+    def shards() -> int:
+        return len(list_actors(filters=[("class_name", "=", "EntityShard"), ("state", "=", "ALIVE")]))
+
+    before = shards()
+    service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards"), "encode_dtype": "fp32"}
+    args = {"run": str(tiny_run), "link": {"k": 4, "searcher": "service", "service": service}, "replica_cpus": 0,
+            "ingress_replicas": 2}
+    serve.run(build_app(args), name="shared", route_prefix="/shared")
+    try:
+        assert shards() - before == 2
+        replicas = list_actors(filters=[("class_name", "=", "ServeReplica:shared:LinkIngress"), ("state", "=", "ALIVE")])
+        assert len(replicas) == 2
+        docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:4]
+        want = Linker.from_pretrained(tiny_run, k=4, progress=False).link(docs)
+        with ThreadPoolExecutor(8) as pool:  # enough at once that both HTTP replicas answer some
+            got = list(pool.map(lambda _: post(f"{server}/shared", {"docs": docs}), range(16)))
+        for status, body in got:
+            assert status == 200, body
+            assert_same_ranking(body["docs"], want)
+    finally:
+        serve.delete("shared")
+    deadline = time.time() + 60
+    while shards() != before and time.time() < deadline:  # the searcher replica stopped its shards
+        time.sleep(1)
+    assert shards() == before
