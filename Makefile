@@ -17,11 +17,22 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: venv demo zeshel test test-fast bench clean-venv
+# The locks (requirements/*.txt) that scripts/install.sh passes to pip as constraints. `make lock`
+# regenerates them from setup.py with uv (`pip install uv`, or UV=/path/to/uv) against PyPI:
+# universal (every platform and Python >= 3.10 of setup.py; markers pick the line), one lock per
+# FAISS variant, and the dev extra as a separate layer, constrained by both so the packages it
+# shares with them have the same pins (Python >= 3.11 there: import-linter 2.17 needs it).
+# Review the diff, then `make clean-venv venv test`.
+UV ?= uv
+LOCK_FLAGS := --universal --no-python-downloads --default-index https://pypi.org/simple \
+	--custom-compile-command "make lock" --quiet
+LOCKS := requirements/cpu.txt requirements/gpu.txt requirements/dev.txt
+
+.PHONY: venv demo zeshel test test-fast bench clean-venv lock
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py Makefile scripts/install.sh
+$(VENV)/.installed: setup.py Makefile scripts/install.sh $(LOCKS)
 	$(PYTHON) -m venv $(VENV)
 	scripts/install.sh --python $(PY) $(FAISS)
 	touch $@
@@ -47,3 +58,10 @@ test-fast: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+lock:
+	$(UV) pip compile setup.py requirements/base.in --extra gpu --python-version 3.10 $(LOCK_FLAGS) -o requirements/gpu.txt
+	$(UV) pip compile setup.py requirements/base.in --extra cpu --override requirements/cpu-overrides.txt \
+	    --python-version 3.10 $(LOCK_FLAGS) -o requirements/cpu.txt
+	$(PYTHON) scripts/extra_requirements.py dev | $(UV) pip compile - -c requirements/cpu.txt -c requirements/gpu.txt \
+	    --python-version 3.11 $(LOCK_FLAGS) -o requirements/dev.txt

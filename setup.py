@@ -34,12 +34,18 @@ setup(
         ],
     },
     install_requires=[
-        # torch is pinned by the Makefile on CPU machines (see TORCH_SPEC there);
-        # this is only the compatibility floor.
+        # Floors and bounds only: the exact versions every install gets are in the locks of
+        # requirements/ (`make lock`), which scripts/install.sh passes to pip as constraints
+        # (torch==2.13.0 there and in install.sh's TORCH_SPEC).
         "torch>=2.3",
         "deepspeed>=0.16",
         "transformers>=4.45",
-        "ray[default,train,serve]>=2.40",  # serve: dist_nce/link/serve.py
+        # >=2.52: token authentication (RAY_AUTH_MODE=token, ray._raylet.AuthenticationTokenLoader).
+        # <2.61: private Ray APIs checked against 2.60 only: ray._raylet's token loader and
+        # ray._private.ray_constants (dist_nce/cluster/runtime.py), ray.serve._private.replica
+        # (dist_nce/link/serve.py), ray.autoscaler._private (tests/configs). Raise the bound
+        # after rechecking those uses on the newer Ray. serve: dist_nce/link/serve.py.
+        "ray[default,train,serve]>=2.52,<2.61",
         "numpy>=1.24",
         "pyarrow>=15",
         "tqdm>=4.66",

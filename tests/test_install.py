@@ -61,10 +61,11 @@ def dry_run_reports(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("reports")
     started = time.monotonic()
     procs = {}
-    for mode in FAISS:
-        report = out_dir / f"{mode}.json"
-        procs[mode] = (report, subprocess.Popen(
-            ["bash", str(SCRIPT), "--python", sys.executable, "--dry-run", str(report), mode],
+    # make venv's two paths (with dev), and the image's (gpu without dev)
+    for key, args in {"cpu": ["cpu"], "gpu": ["gpu"], "gpu-prod": ["--no-dev", "gpu"]}.items():
+        report = out_dir / f"{key}.json"
+        procs[key] = (report, subprocess.Popen(
+            ["bash", str(SCRIPT), "--python", sys.executable, "--dry-run", str(report), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     reports = {}
     for mode, (report, proc) in procs.items():
@@ -82,6 +83,27 @@ def test_resolution_installs_exactly_one_faiss(dry_run_reports, mode):
     assert {name for name in versions if name.startswith("faiss")} == {FAISS[mode]}, sorted(versions)
     assert "dist-nce" in versions and versions["torch"].split("+")[0] == "2.13.0"
     assert "kubernetes-validate" in versions  # the dev extra rides along on both paths
+
+
+@pytest.mark.slow
+def test_production_resolution_has_no_dev_packages_and_follows_the_lock(dry_run_reports):
+    versions = {_canonical(i["metadata"]["name"]): i["metadata"]["version"]
+                for i in dry_run_reports["gpu-prod"]["install"]}
+    dev = _requirement_names(_setup_kwargs()["extras_require"]["dev"])
+    assert dev and not dev & set(versions), sorted(dev & set(versions))
+    assert "pytest" not in versions and "faiss-gpu" in versions
+    from packaging.markers import Marker
+
+    pins = {}
+    for line in (REPO / "requirements" / "gpu.txt").read_text().splitlines():
+        req, _, marker = line.split("#")[0].strip().partition(" ; ")
+        if req and (not marker or Marker(marker).evaluate()):
+            name, version = req.split("==")
+            pins[_canonical(name)] = version
+    for name, version in versions.items():
+        if name != "dist-nce":
+            assert name in pins, f"{name} {version} resolved but not in requirements/gpu.txt"
+            assert version.split("+")[0] == pins[name], (name, version, pins[name])
 
 
 def test_install_script_refuses_an_environment_holding_the_other_faiss(tmp_path):
@@ -126,12 +148,12 @@ def test_every_install_path_runs_the_install_script():
     assert "pip install" not in plan, plan
 
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    assert re.search(r"^RUN .*scripts/install\.sh gpu$", dockerfile, re.MULTILINE)
+    assert re.search(r"^RUN .*scripts/install\.sh --no-dev gpu$", dockerfile, re.MULTILINE)
     assert "pip install" not in dockerfile
 
     for path in sorted((REPO / "configs" / "cluster").glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
-        assert config["setup_commands"] == ["/home/ray/dist-nce/scripts/install.sh gpu"], path.name
+        assert config["setup_commands"] == ["/home/ray/dist-nce/scripts/install.sh --no-dev gpu"], path.name
         assert config["file_mounts"]["/home/ray/dist-nce"] == ".", f"{path.name}: the script comes with the checkout"
         commands = [c for key, value in config.items() if key.endswith("_commands") for c in value]
         assert not any("pip install" in c for c in commands), path.name

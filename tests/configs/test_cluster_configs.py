@@ -70,13 +70,15 @@ def _docs() -> list[tuple[str, dict]]:
 
 
 def _cluster_specs() -> list[tuple[str, dict]]:
-    """Every RayClusterSpec: a RayCluster's spec and a RayJob's rayClusterSpec."""
+    """Every RayClusterSpec: a RayCluster's spec, a RayJob's rayClusterSpec, a RayService's rayClusterConfig."""
     specs = []
     for name, doc in _docs():
         if doc["kind"] == "RayCluster":
             specs.append((name, doc["spec"]))
         elif doc["kind"] == "RayJob":
             specs.append((name, doc["spec"]["rayClusterSpec"]))
+        elif doc["kind"] == "RayService":
+            specs.append((name, doc["spec"]["rayClusterConfig"]))
     return specs
 
 
@@ -123,17 +125,25 @@ def _as_pod_template(where: str, template: dict) -> dict:
 
 
 def test_kuberay_manifests_cover_the_cluster_the_job_and_the_volume():
-    kinds = sorted((name, d["apiVersion"], d["kind"]) for name, d in _docs())
-    assert kinds == [("raycluster.yaml", "ray.io/v1", "RayCluster"), ("rayjob.yaml", "ray.io/v1", "RayJob"),
+    kinds = sorted({(name, d["apiVersion"], d["kind"]) for name, d in _docs()})
+    assert kinds == [("networkpolicy.yaml", "networking.k8s.io/v1", "NetworkPolicy"),
+                     ("ray-tls.yaml", "v1", "ConfigMap"),
+                     ("raycluster.yaml", "ray.io/v1", "RayCluster"), ("rayjob.yaml", "ray.io/v1", "RayJob"),
+                     ("rayservice.yaml", "ray.io/v1", "RayService"),
                      ("shared-pvc.yaml", "v1", "PersistentVolumeClaim")]
-    assert len(_pod_templates()) == 5  # 2 heads, 2 worker groups, 1 submitter
+    assert len(_pod_templates()) == 7  # 3 heads, 3 worker groups, 1 submitter
 
 
 @pytest.mark.parametrize("where,template", _pod_templates(), ids=[w for w, _ in _pod_templates()])
 def test_every_ray_container_authenticates_with_the_token_from_the_secret(where, template):
     secret = _secret_name()
-    containers = template["spec"]["containers"] + template["spec"].get("initContainers", [])
+    containers = template["spec"]["containers"]
     assert containers, where
+    # Init containers run no Ray (ray-tls only writes the pod's certificate): they get no token.
+    # KubeRay's own wait-gcs-ready init container copies the Ray container's env.
+    for c in template["spec"].get("initContainers", []):
+        assert "RAY_AUTH_TOKEN" not in {e["name"] for e in c.get("env", [])}, f"{where}/{c['name']}"
+        assert "ray" not in " ".join(c.get("command", []) + c.get("args", [])).split(), f"{where}/{c['name']}"
     for c in containers:
         env = {e["name"]: e for e in c.get("env", [])}
         assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", f"{where}/{c['name']}: RAY_AUTH_MODE != token"
@@ -154,7 +164,7 @@ def test_kuberay_operator_knows_the_token():
 
 def test_the_documented_secret_recipe_matches_the_manifests_and_is_valid():
     recipes = _secret_recipes()
-    assert {name for name, _ in recipes} == {"raycluster.yaml", "rayjob.yaml"}
+    assert {name for name, _ in recipes} == {"raycluster.yaml", "rayjob.yaml", "rayservice.yaml"}
     for name, argv in recipes:
         secret = argv[4]
         literal = next(a for a in argv if a.startswith("--from-literal="))
@@ -193,6 +203,8 @@ def test_dashboard_binds_loopback_unless_the_operator_needs_it():
     params = {name: spec["headGroupSpec"]["rayStartParams"] for name, spec in _cluster_specs()}
     assert params["raycluster.yaml"]["dashboard-host"] == "127.0.0.1"
     assert params["rayjob.yaml"]["dashboard-host"] == "0.0.0.0"
+    # RayService: the operator deploys serveConfigV2 through the dashboard (networkpolicy.yaml fences it).
+    assert params["rayservice.yaml"]["dashboard-host"] == "0.0.0.0"
 
 
 def test_every_pod_runs_the_project_image():
@@ -200,7 +212,7 @@ def test_every_pod_runs_the_project_image():
         for c in template["spec"]["containers"]:
             assert IMAGE_RE.match(c["image"]), f"{where}/{c['name']}: image {c['image']!r} is not {PROJECT_IMAGE}"
     for path in LAUNCHER:
-        assert IMAGE_RE.match(_load(path)["docker"]["image"]), path.name
+        assert IMAGE_RE.match(_rendered(path)["docker"]["image"].split("@sha256:")[0]), path.name
     assert IMAGE_RE.match("registry.internal:5000/ml/" + PROJECT_IMAGE)  # a pushed copy is accepted
     assert not IMAGE_RE.match("rayproject/ray:2.60.0-py311-gpu")
 
@@ -225,6 +237,8 @@ def test_every_pod_mounts_the_shared_volume():
                       if "persistentVolumeClaim" in v}
             mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
             assert claims.get(mounts.get("/mnt/shared")) == pvc["metadata"]["name"], name
+        if name == "rayservice.yaml":
+            continue  # the linker's replicas run on CPUs (link.device cpu, as configs/serve/link.yaml)
         for group in spec["workerGroupSpecs"]:
             assert "nvidia.com/gpu" in group["template"]["spec"]["containers"][0]["resources"]["limits"], name
 
@@ -269,11 +283,38 @@ def test_no_placeholder_values():
 
 # ---------------------------------------------------------------- Ray cluster launcher
 
+# What an operator exports before scripts/cluster_up.py renders the launcher templates
+# (the renderer's own checks: tests/configs/test_launchers.py).
+LAUNCH_ENV = {
+    "OPERATOR_CIDR": "10.8.0.0/24", "SHARED_NFS": "10.1.2.3:/kb",
+    "DIST_NCE_IMAGE": f"registry.internal:5000/ml/{PROJECT_IMAGE}@sha256:{'0' * 64}",
+    "AWS_REGION": "us-east-1", "AWS_SUBNET_ID": "subnet-0123456789abcdef0",
+    "AWS_SECURITY_GROUP_ID": "sg-0123456789abcdef0",
+    "AWS_HEAD_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/dist-nce-head",
+    "AWS_WORKER_INSTANCE_PROFILE_ARN": "arn:aws:iam::123456789012:instance-profile/dist-nce-worker",
+    "GCP_PROJECT": "ml-research-4711", "GCP_REGION": "us-central1", "GCP_ZONE": "us-central1-a",
+    "GCP_SUBNETWORK": "dist-nce", "GCP_HEAD_SERVICE_ACCOUNT": "dist-nce-head@ml-research-4711.iam.gserviceaccount.com",
+    "GCP_WORKER_SERVICE_ACCOUNT": "dist-nce-worker@ml-research-4711.iam.gserviceaccount.com",
+}
+
+
+def _rendered(path: Path) -> dict:
+    """A launcher template as scripts/cluster_up.py renders it from LAUNCH_ENV."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cluster_up", REPO / "scripts" / "cluster_up.py")
+    cluster_up = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cluster_up)
+    cloud = path.name.split("-")[0]
+    assert cluster_up.TEMPLATES[cloud] == path
+    return yaml.safe_load(cluster_up.render(cloud, LAUNCH_ENV))
+
+
 @pytest.mark.parametrize("path", LAUNCHER, ids=lambda p: p.name)
 def test_launcher_config_passes_ray_validation(path):
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    config = _load(path)
+    config = _rendered(path)
     prepared = prepare_config(copy.deepcopy(config))
     validate_config(prepared)  # raises jsonschema.ValidationError / ValueError
     gpu = prepared["available_node_types"]["gpu_worker"]
@@ -281,6 +322,7 @@ def test_launcher_config_passes_ray_validation(path):
     assert gpu["min_workers"] >= 1
     opts = " ".join(prepared["docker"]["run_options"])
     assert "--shm-size" in opts and "nofile" in opts
+    assert "--ipc" not in opts, "--ipc=host shares the host's IPC namespace and makes --shm-size moot"
 
 
 def test_launcher_validation_rejects_a_broken_config():
@@ -331,15 +373,18 @@ def test_launcher_shared_storage_step_mounts_or_stops(path, tmp_path):
     (step,) = config["initialization_commands"]
     env, log = _fake_tools(tmp_path)
 
-    # As committed: no export configured, so the launch stops here, saying what to set.
-    done = subprocess.run(["bash", "-c", step], env=env, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 1, done
-    assert f"configs/cluster/{path.name}" in done.stderr and "SHARED_NFS" in done.stderr, done.stderr
-    assert not log.exists(), "nothing may run before the check"
+    # The template as committed (not rendered), or an empty export: the launch stops here,
+    # saying what to set; so does a value that is not HOST:/PATH.
+    assert step.count("SHARED_NFS='${SHARED_NFS}';") == 1
+    for unset in (step, step.replace("SHARED_NFS='${SHARED_NFS}';", "SHARED_NFS='';"),
+                  step.replace("SHARED_NFS='${SHARED_NFS}';", "SHARED_NFS='h:/kb x';")):
+        done = subprocess.run(["bash", "-c", unset], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 1, done
+        assert f"configs/cluster/{path.name}" in done.stderr and "SHARED_NFS" in done.stderr, done.stderr
+        assert not log.exists(), "nothing may run before the check"
 
-    # Configured: the export is mounted at /mnt/shared.
-    assert step.count("SHARED_NFS='';") == 1
-    configured = step.replace("SHARED_NFS='';", "SHARED_NFS='10.1.2.3:/kb';")
+    # Rendered from the environment: the export is mounted at /mnt/shared.
+    (configured,) = _rendered(path)["initialization_commands"]
     done = subprocess.run(["bash", "-c", configured], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done
     calls = log.read_text().splitlines()
