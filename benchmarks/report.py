@@ -472,13 +472,36 @@ def import_rss(data: dict) -> str:
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
+def monitor(data: dict) -> str:
+    """The live bias monitor's shard work on SOM, before and after it shared its scoring."""
+    c = data["config"]
+    lines = [f"One measurement of the live bias monitor on SOM: {c['probe']} probe mentions x {c['draws']} draws "
+             f"(K = {c['k']}) against {c['entities']:,} entities of {c['columns']} columns x {c['dim']}, one thread. "
+             "`before`: every query row scored and the KB gradient by autograd; `after`: the draws of a probe "
+             "mention share one scoring pass and the gradient is in closed form. Median (min-max) of "
+             f"{c['repeats']} interleaved calls. The share of training time is the committed mini paper's "
+             "`bias/cost` (median over its 3 seeds), and that share times the measured ratio: a projection, "
+             "not a rerun of the training.", ""]
+    rows = []
+    for r in data["rows"]:
+        before, after = data["methods"][f"{r['arm']} before"], data["methods"][f"{r['arm']} after"]
+        apart = "" if r["distinct"] else " (overlap)"
+        rows.append([r["arm"], f"{before['median']:.3f} ({before['min']:.3f}-{before['max']:.3f})",
+                     f"{after['median']:.3f} ({after['min']:.3f}-{after['max']:.3f})",
+                     f"{r['x_median']:.2f}x [{r['x_low']:.2f}-{r['x_high']:.2f}]{apart}",
+                     f"{100 * r['committed_share']:.1f}%", f"{100 * r['projected_share']:.1f}%"])
+    lines += _table(["arm", "before: s", "after: s", "after / before", "share of training then",
+                     "projected share"], rows)
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
                                                 "update": update, "attention": attention,
                                                 "gpu_mining": gpu_mining, "gpu_law": gpu_law,
                                                 "gpu_encode": gpu_encode, "gpu_train": gpu_train,
-                                                "import_rss": import_rss}
+                                                "import_rss": import_rss, "monitor": monitor}
 
 
 def sources(name: str) -> tuple[str, ...]:
