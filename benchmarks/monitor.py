@@ -7,10 +7,11 @@ probe repeated), the exact d/dq LSE over the whole KB, and d/dq LSE over every s
 the same run, interleaved, on the mini paper's SOM training KB (4 worlds x 500 entities, 32
 columns, hidden 32; probe 16, draws 16, K = 16):
 
-- ``before``: every query row scored (``share_queries=False``) and the KB gradient by autograd
-  (``autograd=True``), what the monitor did when the mini paper measured it;
-- ``after``: repeated queries scored once (``index.exact.shared_queries``) and the KB gradient
-  in closed form (``bias.gradbias._lse_grad_hard``).
+- ``before``: every query row scored (``share_queries=False``) and both gradients (over the KB
+  and over the sets) by autograd (``autograd=True``), what the monitor did when the mini paper
+  measured it;
+- ``after``: repeated queries scored once (``index.exact.shared_queries``) and both gradients
+  in closed form (``bias.gradbias._lse_grad_hard``, ``_lse_grad_rows_hard``).
 
 for the hard arm (draws from the exact Gumbel-top-k) and the random arm (no draw reaches a
 shard: only the two LSE passes). The JSON also carries the share of training time each arm's
@@ -64,7 +65,7 @@ def measurement(spec: ScoreSpec, ents: Reps, probe: Reps, draws: int, negatives:
         neg = torch.randint(0, ents.vecs.shape[0], (p * draws, negatives), generator=g)
     sets = torch.cat([gold.repeat(draws)[:, None], neg], dim=1).view(draws, p, -1).transpose(0, 1).contiguous()
     full = lse_grad_all(spec, probe, ents, chunk_rows, autograd=not shared)
-    cand = lse_grad_rows(spec, probe, ents, sets)
+    cand = lse_grad_rows(spec, probe, ents, sets, autograd=not shared)
     return sets, estimate(full, cand).bias
 
 
@@ -95,7 +96,7 @@ def main() -> None:
     ents, q = som_kb(n, cols, dim, probe)
     chunk = 4096
     # The same answer either way: the same draws, and the bias vectors equal up to float32
-    # rounding of the KB gradient (|grad| ~ 4 here; a bias norm itself can be far smaller).
+    # rounding of the gradients (|grad| ~ 4 here; a bias norm itself can be far smaller).
     for hard in (True, False):
         (sets_a, bias_a), (sets_b, bias_b) = (measurement(spec, ents, q, draws, k - 1, hard, shared, chunk)
                                               for shared in (False, True))

@@ -477,8 +477,8 @@ def monitor(data: dict) -> str:
     c = data["config"]
     lines = [f"One measurement of the live bias monitor on SOM: {c['probe']} probe mentions x {c['draws']} draws "
              f"(K = {c['k']}) against {c['entities']:,} entities of {c['columns']} columns x {c['dim']}, one thread. "
-             "`before`: every query row scored and the KB gradient by autograd; `after`: the draws of a probe "
-             "mention share one scoring pass and the gradient is in closed form. Median (min-max) of "
+             "`before`: every query row scored and the gradients by autograd; `after`: the draws of a probe "
+             "mention share one scoring pass and the gradients are in closed form. Median (min-max) of "
              f"{c['repeats']} interleaved calls. The share of training time is the committed mini paper's "
              "`bias/cost` (median over its 3 seeds), and that share times the measured ratio: a projection, "
              "not a rerun of the training.", ""]

@@ -171,16 +171,19 @@ def _lse_grad_hard(q: Reps, block: Reps, gone: Tensor | None, dtype: torch.dtype
     return LseGrad(out.lse, out.grad.reshape(q.vecs.shape))
 
 
-def lse_grad_rows(spec: ScoreSpec, q: Reps, entities: Reps, rows: Tensor, dtype: torch.dtype = torch.float32
-                  ) -> LseGrad:
+def lse_grad_rows(spec: ScoreSpec, q: Reps, entities: Reps, rows: Tensor, dtype: torch.dtype = torch.float32,
+                  autograd: bool = False) -> LseGrad:
     """LSE over given entity rows and its gradient, for S sets per query.
 
     q: mention Reps [B, ...]; entities: entity Reps [n, ...]; rows: [B, S, K] int64 LOCAL row
     indices into ``entities``, -1 = not in this part (a row another shard owns). Returns
-    lse [B, S] and grad [B, S, *q_shape].
+    lse [B, S] and grad [B, S, *q_shape]. The closed form where :func:`closed_form` says so
+    (``autograd`` forces autograd, the reference).
     """
     if rows.dim() != 3 or rows.shape[0] != q.vecs.shape[0]:
         raise ValueError(f"lse_grad_rows: rows must be [B={q.vecs.shape[0]}, S, K], got {tuple(rows.shape)}")
+    if closed_form(spec) and not autograd:
+        return _lse_grad_rows_hard(q, entities, rows, dtype)
     batch, sets, k = rows.shape
     real = rows >= 0
     safe = rows.clamp_min(0)
@@ -199,6 +202,46 @@ def lse_grad_rows(spec: ScoreSpec, q: Reps, entities: Reps, rows: Tensor, dtype:
     grad = torch.where(has.view(-1, *[1] * (grad.dim() - 1)), grad, torch.zeros_like(grad))
     shape = (batch, sets, *q.vecs.shape[1:])
     return LseGrad(lse.detach().double().reshape(batch, sets), grad.double().reshape(shape))
+
+
+def _lse_grad_rows_hard(q: Reps, entities: Reps, rows: Tensor, dtype: torch.dtype) -> LseGrad:
+    """:func:`lse_grad_rows` in closed form for s(x, y) = sum_i max_j q_i . f_j(y) (dual, multi-m,
+    SOM), as :func:`_lse_grad_hard` does over the whole KB: one batched GEMM per mention against
+    its S x K candidates' columns, then one more on the chosen columns, weighted set by set."""
+    batch, sets, k = rows.shape
+    vecs = q.vecs.to(dtype)
+    cols = vecs.unsqueeze(1) if vecs.dim() == 2 else vecs  # [B, n, d]
+    n_q, dim = cols.shape[1:]
+    qmask = None if q.mask is None or vecs.dim() == 2 else q.mask
+    if qmask is not None:
+        cols = cols.masked_fill(~qmask.unsqueeze(-1), 0)
+    acc = torch.promote_types(dtype, torch.float32)
+    real = rows >= 0
+    flat = rows.clamp_min(0).reshape(-1)
+    ents = entities.vecs[flat].to(dtype)
+    ents = ents.unsqueeze(1) if ents.dim() == 2 else ents  # [B*S*K, n', d]
+    n_k = ents.shape[1]
+    keys = ents.view(batch, sets * k * n_k, dim)
+    sim = torch.bmm(cols, keys.transpose(1, 2)).view(batch, n_q, sets * k, n_k)
+    if entities.mask is not None and entities.vecs.dim() == 3:
+        sim.masked_fill_(~entities.mask[flat].view(batch, 1, sets * k, n_k), float("-inf"))
+    top = sim.amax(dim=-1)  # [B, n, S*K]
+    best = top if qmask is None else top.masked_fill(~qmask[:, :, None], 0)
+    scores = best.sum(dim=1, dtype=acc).view(batch, sets, k).masked_fill(~real, float("-inf"))
+    lse = torch.logsumexp(scores, dim=2)  # [B, S]; -inf for a set with no row here
+    finite = torch.isfinite(lse)
+    p = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None])  # [B, S, K]; 0 off the set
+    hit = sim == top.unsqueeze(-1)  # the chosen column(s) of each (column, candidate)
+    weight = hit.to(dtype).mul_(p.to(dtype).view(batch, 1, sets * k, 1))
+    ties = hit.view(torch.uint8).sum(dim=-1, keepdim=True, dtype=torch.int16)
+    if bool((ties > 1).any()):
+        weight.div_(ties.to(dtype))
+    # grad[b, s, i] = sum over the set's K candidates and their columns of weight * column
+    w = weight.view(batch, n_q, sets, k * n_k).permute(0, 2, 1, 3).reshape(batch * sets, n_q, k * n_k)
+    grad = torch.bmm(w, ents.view(batch * sets, k * n_k, dim)).view(batch, sets, n_q, dim).double()
+    if qmask is not None:
+        grad = grad.masked_fill(~qmask[:, None, :, None], 0)
+    return LseGrad(lse.double(), grad.reshape(batch, sets, *q.vecs.shape[1:]))
 
 
 def merge(parts: Sequence[LseGrad]) -> LseGrad:

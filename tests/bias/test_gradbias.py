@@ -126,9 +126,10 @@ def test_gradient_through_a_multi_vector_score_matches_finite_differences():
 
 
 @pytest.mark.parametrize("preset,m", [("dual", None), ("multi", 3), ("som", None)])
-def test_closed_form_full_gradient_equals_autograd(preset, m):
-    """lse_grad_all's closed form (one forward pass keeping the argmax) against autograd through
-    score_all: padded columns on both sides, removed rows, rows split over chunks and pieces."""
+def test_closed_form_gradients_equal_autograd(preset, m):
+    """The closed forms of lse_grad_all and lse_grad_rows (a forward pass, then a GEMM on the chosen
+    columns) against autograd through score_all / score_candidates: padded columns on both sides,
+    tied columns, removed rows, rows split over chunks, sets with rows on another shard."""
     spec = ScoreSpec.preset(preset, m)
     g = torch.Generator().manual_seed(5)
     n, d = 37, 8
@@ -148,11 +149,19 @@ def test_closed_form_full_gradient_equals_autograd(preset, m):
             qmask = torch.tensor([[True] * 4, [True, True, False, False], [True, False, True, False], [True] * 4])
             q = Reps(torch.randn(4, 4, d, generator=g), qmask)
     dead = torch.tensor([2, 3, 20, 36])
+    # 3 sets of 5 per mention; -1 = a row another shard owns; mention 1's last set is all elsewhere
+    rows = torch.randint(0, n, (4, 3, 5), generator=g)
+    rows[0, 0, 1], rows[2, 1, :3], rows[1, 2] = -1, -1, -1
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         got = lse_grad_all(spec, q, ent, chunk_rows=16, dtype=dtype, dead=dead)
         want = lse_grad_all(spec, q, ent, chunk_rows=16, dtype=dtype, dead=dead, autograd=True)
         torch.testing.assert_close(got.lse, want.lse, rtol=tol, atol=tol)
         torch.testing.assert_close(got.grad, want.grad, rtol=tol, atol=tol)
+        sets = lse_grad_rows(spec, q, ent, rows, dtype=dtype)
+        ref = lse_grad_rows(spec, q, ent, rows, dtype=dtype, autograd=True)
+        assert sets.grad.shape == (4, 3, *q.vecs.shape[1:]) and sets.lse[1, 2] == float("-inf")
+        torch.testing.assert_close(sets.lse, ref.lse, rtol=tol, atol=tol)
+        torch.testing.assert_close(sets.grad, ref.grad, rtol=tol, atol=tol)
     assert got.grad.shape == q.vecs.shape
     if preset == "som":  # padded mention columns get no gradient
         assert float(got.grad[1, 2:].abs().sum()) == 0.0 and float(got.grad[2, 3].abs().sum()) == 0.0
