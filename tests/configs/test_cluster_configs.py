@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.configs.kuberay_manifests import cluster_specs as _cluster_specs
+from tests.configs.kuberay_manifests import docs as _docs
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "configs" / "cluster"
 LAUNCHER = sorted(CLUSTER.glob("*.yaml"))
@@ -61,26 +64,6 @@ def _strings(node):
 
 
 # ---------------------------------------------------------------- KubeRay manifests
-
-def _docs() -> list[tuple[str, dict]]:
-    out = []
-    for path in sorted(KUBERAY.glob("*.yaml")):
-        out += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return out
-
-
-def _cluster_specs() -> list[tuple[str, dict]]:
-    """Every RayClusterSpec: a RayCluster's spec, a RayJob's rayClusterSpec, a RayService's rayClusterConfig."""
-    specs = []
-    for name, doc in _docs():
-        if doc["kind"] == "RayCluster":
-            specs.append((name, doc["spec"]))
-        elif doc["kind"] == "RayJob":
-            specs.append((name, doc["spec"]["rayClusterSpec"]))
-        elif doc["kind"] == "RayService":
-            specs.append((name, doc["spec"]["rayClusterConfig"]))
-    return specs
-
 
 def _pod_templates() -> list[tuple[str, dict]]:
     """Every pod template that runs Ray: head, worker groups, and the RayJob submitter."""

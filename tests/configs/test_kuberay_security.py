@@ -25,6 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.configs.kuberay_manifests import cluster_specs as _cluster_specs
+from tests.configs.kuberay_manifests import docs as _docs
+
 REPO = Path(__file__).resolve().parents[2]
 KUBERAY = REPO / "configs" / "cluster" / "kuberay"
 LAUNCHER = sorted((REPO / "configs" / "cluster").glob("*.yaml"))
@@ -38,25 +41,6 @@ INSTANCES = {"raycluster.yaml": "dist-nce", "rayjob.yaml": "dist-nce-aida", "ray
 
 
 # ---------------------------------------------------------------- manifests
-
-def _docs() -> list[tuple[str, dict]]:
-    out = []
-    for path in sorted(KUBERAY.glob("*.yaml")):
-        out += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return out
-
-
-def _cluster_specs() -> list[tuple[str, dict]]:
-    keys = {"RayCluster": (), "RayJob": ("rayClusterSpec",), "RayService": ("rayClusterConfig",)}
-    out = []
-    for name, doc in _docs():
-        if doc["kind"] in keys:
-            spec = doc["spec"]
-            for key in keys[doc["kind"]]:
-                spec = spec[key]
-            out.append((name, spec))
-    return out
-
 
 def _ray_templates() -> list[tuple[str, str, str, dict]]:
     """(manifest, role, where, template) of every pod template that runs Ray; role is head or worker."""
