@@ -277,8 +277,14 @@ def test_http_replicas_share_one_set_of_shards(server, tiny_run, dev_file, tmp_p
     from dist_nce.link import Linker
     from dist_nce.link.serve import build_app
 
+    import ray
+
+    # This cluster's state API by its address: with other local clusters up (pytest-xdist's other
+    # worker), autodetection refuses to pick one.
+    here = ray.get_runtime_context().gcs_address
+
     def shards() -> int:
-        return len(list_actors(filters=[("class_name", "=", "EntityShard"), ("state", "=", "ALIVE")]))
+        return len(list_actors(address=here, filters=[("class_name", "=", "EntityShard"), ("state", "=", "ALIVE")]))
 
     before = shards()
     service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards"), "encode_dtype": "fp32"}
@@ -287,7 +293,8 @@ def test_http_replicas_share_one_set_of_shards(server, tiny_run, dev_file, tmp_p
     serve.run(build_app(args), name="shared", route_prefix="/shared")
     try:
         assert shards() - before == 2
-        replicas = list_actors(filters=[("class_name", "=", "ServeReplica:shared:LinkIngress"), ("state", "=", "ALIVE")])
+        replicas = list_actors(address=here, filters=[("class_name", "=", "ServeReplica:shared:LinkIngress"),
+                                                      ("state", "=", "ALIVE")])
         assert len(replicas) == 2
         docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:4]
         want = Linker.from_pretrained(tiny_run, k=4, progress=False).link(docs)

@@ -187,11 +187,16 @@ def error_of(body) -> str:
 
 def server_pids(app_name: str) -> dict[str, int]:
     """pid of the app's HTTP replica and of Serve's proxy (the processes a request's body reaches)."""
+    import ray
     from ray.util.state import list_actors
 
+    # By this cluster's address: with other local clusters up (pytest-xdist's other worker, a
+    # job's head), the state API's autodetection refuses to pick one.
+    here = ray.get_runtime_context().gcs_address
     alive = ("state", "=", "ALIVE")
-    (ingress,) = list_actors(filters=[("class_name", "=", f"ServeReplica:{app_name}:LinkIngress"), alive])
-    (proxy,) = list_actors(filters=[("class_name", "=", "ProxyActor"), alive])
+    (ingress,) = list_actors(address=here, filters=[("class_name", "=", f"ServeReplica:{app_name}:LinkIngress"),
+                                                    alive])
+    (proxy,) = list_actors(address=here, filters=[("class_name", "=", "ProxyActor"), alive])
     return {"ingress": ingress.pid, "proxy": proxy.pid}
 
 
