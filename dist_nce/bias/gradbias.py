@@ -17,14 +17,14 @@ merged by :func:`merge` (a softmax over shards of their LSEs weights their gradi
 second is estimated from R independent candidate sets drawn by the run's own sampler;
 :func:`estimate` returns the bias vector with its Monte Carlo standard error.
 
-Gradients over candidate sets are taken with autograd through ``scoring.score_candidates``, so
-the same code serves every preset (dual, poly-m, multi-m, SOM): d s / d q is whatever the score's
-attention makes it (the chosen column for hard attention, a mixture for soft). Over the whole KB
-(:func:`lse_grad_all`) the hard-attention x->y presets (dual, multi-m, SOM) take the gradient in
-closed form instead: d s(x, y) / d q_i is the entity column that column i's max picked, so one
-forward pass that keeps the argmax gives it (:func:`_lse_grad_hard`). Autograd's backward through
-the [B, n, C, n'] similarity block cost about 3 forward passes on SOM, which made the monitor's
-exact term alone 7-8% of a random-negative SOM run (docs/mini_paper.md).
+For hard attention with mention columns as queries (dual, multi-m, SOM) both gradients take a
+closed form: d s(x, y) / d q_i is the entity column that column i's max picked, so the forward
+pass and one more GEMM on the chosen columns give it (:func:`_lse_grad_hard` over the KB,
+:func:`_lse_grad_rows_hard` over the sets). The soft-attention presets (poly-m, genpoly-m) go
+through autograd (``scoring.score_all`` / ``score_candidates``), which is also the closed forms'
+reference (``autograd=True``). Autograd's backward through the [B, n, C, n'] similarity block cost
+several forward passes on SOM and made the monitor's exact terms alone 7-8% of a random-negative
+SOM run (docs/mini_paper.md; benchmarks/monitor.py measures the change).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
     q: mention Reps [B, ...]; entities: entity Reps [n, ...]; dead: optional int64 local rows left
     out (entities a KB delta removed). Memory is one chunk's scores and graph. Each chunk's
     (lse_j, grad_j) is folded into the running pair by the same rule as :func:`merge`, in float64.
+    ``autograd``: take the gradient by autograd even where :func:`closed_form` applies (the reference).
     """
     batch = q.vecs.shape[0]
     out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
@@ -86,8 +87,9 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
 
 
 def closed_form(spec: ScoreSpec) -> bool:
-    """Whether :func:`lse_grad_all` has the closed-form gradient for ``spec``: hard attention with
-    mention columns as queries (dual, multi-m, SOM); poly-m and genpoly-m go through autograd."""
+    """Whether :func:`lse_grad_all` and :func:`lse_grad_rows` have the closed-form gradient for
+    ``spec``: hard attention with mention columns as queries (dual, multi-m, SOM); poly-m and
+    genpoly-m go through autograd."""
     return spec.attention == "hard" and spec.direction == "x->y"
 
 
