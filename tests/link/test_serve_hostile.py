@@ -326,9 +326,14 @@ def test_hostile_clients_alongside_200_well_formed_ones(app, dev_file):
     assert len(bad_results) == len(cases) and all(r[3][0] == r[1] for r in bad_results), bad_results
     rise = {k: round(peak.peak[k] - settled[k], 1) for k in settled}
     print(f"hostile requests alone ({len(cases)} cases): peak RSS rise {rise} MB over {settled}")
-    # Bodies are cut at 0.1 MB and 8 requests run at once: under 1 MB of bodies and their decoding;
-    # 25 MB leaves room for the allocator. One 10 MB body read whole would be 10 MB, decoded 10-40 more.
-    assert all(r < 25 for r in rise.values()), rise
+    # The HTTP replica (ours) cuts bodies at 0.1 MB plus the chunk that crossed it (the proxy's chunk size)
+    # and 8 requests run at once; measured +1.8 to +15.1 MB, and 25 MB leaves room for the allocator. One 10 MB body read whole would be 10 MB,
+    # decoded 10-40 more. Serve's proxy (Ray's code, no body limit of its own) goes on reading a client's
+    # body until the replica's 413 reaches it, so it may briefly hold part of the two 10 MB bodies:
+    # measured +4.9 MB in one fresh-clone run and +25.7 MB in another on 2 busy cores. Its bound is the
+    # bytes the hostile cases send at most once each plus the allocator's room, not a multiple of them.
+    assert rise["ingress"] < 25, rise
+    assert rise["proxy"] < 50, rise
 
 
 def test_a_full_queue_answers_503_and_a_late_request_504(ray_local, tiny_run, app):
