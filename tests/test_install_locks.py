@@ -7,7 +7,6 @@ for Python, that every pip call of scripts/install.sh carries the locks.
 """
 from __future__ import annotations
 
-import ast
 import os
 import re
 import stat
@@ -19,6 +18,8 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from tests.test_install import _canonical, _setup_kwargs
+
 REPO = Path(__file__).resolve().parents[1]
 LOCKS = REPO / "requirements"
 SCRIPT = REPO / "scripts" / "install.sh"
@@ -26,22 +27,6 @@ SCRIPT = REPO / "scripts" / "install.sh"
 # of setup.py's range (the dev layer starts at 3.11: import-linter 2.17 needs it).
 PYTHONS = {"cpu": ["3.10", "3.11", "3.12", "3.13"], "gpu": ["3.10", "3.11", "3.12", "3.13"],
            "dev": ["3.11", "3.12", "3.13"]}
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _setup_kwargs() -> dict:
-    call = next(n for n in ast.walk(ast.parse((REPO / "setup.py").read_text())) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", "") == "setup")
-    out = {}
-    for k in call.keywords:
-        try:
-            out[k.arg] = ast.literal_eval(k.value)
-        except ValueError:
-            pass
-    return out
 
 
 def _lock_lines(name: str) -> list[tuple[str, str, str]]:
