@@ -240,10 +240,21 @@ class Retriever(nn.Module):
         return score_all(self.spec, m, e, chunk_size)
 
     def forward(
-        self, mention_ids: torch.Tensor, mention_mask: torch.Tensor, cand_ids: torch.Tensor, cand_mask: torch.Tensor
+        self, mention_ids: torch.Tensor, mention_mask: torch.Tensor, cand_ids: torch.Tensor | None = None,
+        cand_mask: torch.Tensor | None = None, cand_reps: Reps | None = None,
     ) -> torch.Tensor:
-        if cand_ids.dim() != 3 or cand_ids.shape[0] != mention_ids.shape[0]:
-            raise ValueError(f"expected cand_ids [B, K, L] with B={mention_ids.shape[0]}, got {tuple(cand_ids.shape)}")
+        """Scores [B, K] of the candidates: token ids ``cand_ids``/``cand_mask`` [B, K, L] through the
+        entity encoder, or ``cand_reps`` already encoded (vecs [B, K, ...], a frozen entity tower's
+        cache: ``dist_nce.train.entity_cache``)."""
+        b = mention_ids.shape[0]
+        if cand_reps is not None:
+            if cand_reps.vecs.shape[0] != b or cand_reps.vecs.dim() < 3:
+                raise ValueError(f"expected cand_reps.vecs [B, K, ...] with B={b}, got {tuple(cand_reps.vecs.shape)}")
+            m = self.encode_mentions(mention_ids, mention_mask)
+            return self.score_candidates(m, Reps(cand_reps.vecs.to(m.vecs.dtype), cand_reps.mask))
+        if cand_ids is None or cand_mask is None or cand_ids.dim() != 3 or cand_ids.shape[0] != b:
+            got = None if cand_ids is None else tuple(cand_ids.shape)
+            raise ValueError(f"expected cand_ids [B, K, L] with B={b}, got {got}")
         return self.score_candidates(self.encode_mentions(mention_ids, mention_mask),
                                      self.encode_entities(cand_ids, cand_mask))
 

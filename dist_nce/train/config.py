@@ -67,6 +67,11 @@ class ModelConfig:
                                      default=None)
     freeze_entity_encoder: bool = _help(
         "ELQ-style: keep the entity encoder frozen; the KB is encoded once and never refreshed.", default=False)
+    entity_cache: bool = _help(
+        "With freeze_entity_encoder: each worker encodes its KB once (eval mode, no dropout) and scores a "
+        "step's candidates from those reps instead of re-encoding B x K candidates every step. Memory: the "
+        "KB's reps in fp32 per worker (N x d for dual, N x m x d multi, N x entity_max_len x d SOM).",
+        default=False)
 
 
 @dataclass
@@ -196,6 +201,9 @@ class TrainJobConfig:
                 f"{self.run.num_workers}")
         if self.model.freeze_entity_encoder and self.refresh.mode != "never":
             raise ValueError("model.freeze_entity_encoder needs refresh.mode: never (the KB is encoded once)")
+        if self.model.entity_cache and not self.model.freeze_entity_encoder:
+            raise ValueError("model.entity_cache needs model.freeze_entity_encoder: true (a trained entity "
+                             "tower changes the reps every step)")
 
     @property
     def per_worker_batch(self) -> int:

@@ -32,6 +32,7 @@ from dist_nce.sampling.negatives import Negatives
 from dist_nce.train import checkpoint
 from dist_nce.train.batches import assemble_batch
 from dist_nce.train.config import TrainJobConfig
+from dist_nce.train.entity_cache import FrozenEntityCache
 from dist_nce.train.evaluate import evaluate
 from dist_nce.train.kb_follow import KbFollower
 from dist_nce.train.model import build_retriever, export_model, full_state_dict, standalone_copy
@@ -103,6 +104,13 @@ class Worker(WorkerScaffold):
             raise ValueError(f"{cfg.data.prepared_dir} was prepared with another tokenizer than the model's; "
                              "prepare the KB with the model's tokenizer")
         self.make_engine(retriever)
+        self.entity_cache: FrozenEntityCache | None = None
+        if cfg.model.entity_cache:
+            if self.zero3:  # the entity tower is partitioned across workers; the cache encodes outside forward
+                raise ValueError("model.entity_cache: not supported under ZeRO-3 (deepspeed.config "
+                                 f"{cfg.deepspeed.config}); use ZeRO 0-2")
+            self.entity_cache = FrozenEntityCache(self.module.entity_side, cfg.service.encode_batch_size,
+                                                  self.device)
 
     def restore(self, directory: str) -> checkpoint.TrainState:
         state, self.epoch_neg = checkpoint.load(self.engine, directory, self.rank, self.plan.as_dict())
@@ -232,7 +240,11 @@ class Worker(WorkerScaffold):
                                negatives).to(self.device)
         t3 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask).float()
+        if self.entity_cache is not None:
+            scores = self.engine(batch.mention_ids, batch.mention_mask,
+                                 cand_reps=self.entity_cache.candidates(self.store, batch.candidates)).float()
+        else:
+            scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask).float()
         loss = self.loss(scores, batch.log_q)
         if skipped == len(idx):  # every gold of the batch removed: no signal, the step keeps the schedule
             loss = loss * 0.0
