@@ -269,10 +269,12 @@ def rerank(
 def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, worlds: Sequence[str],
                     k: int = 64) -> dict[str, Any]:
     """Unnormalized / normalized accuracy (micro, macro over worlds, per world), the
-    candidates' recall@k, and the counts of :class:`CandidateSet`."""
-    rep = linking_report(cands.rows, gold, list(worlds), ks=(k,), pred=pred, k_norm=k)
+    candidates' recall@k, the retriever's own accuracy on the same mentions (``retriever_recall@1``:
+    its first candidate is the gold; the reranker helps where its unnormalized accuracy is higher),
+    and the counts of :class:`CandidateSet`."""
+    rep = linking_report(cands.rows, gold, list(worlds), ks=tuple(sorted({1, k})), pred=pred, k_norm=k)
     return {"unnormalized_accuracy": rep["accuracy"], "normalized_accuracy": rep[f"normalized_accuracy@{k}"],
-            f"candidate_recall@{k}": rep[f"recall@{k}"], **cands.counts()}
+            f"candidate_recall@{k}": rep[f"recall@{k}"], "retriever_recall@1": rep["recall@1"], **cands.counts()}
 
 
 # --------------------------------------------------------------------------- one split, end to end

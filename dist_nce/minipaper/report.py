@@ -18,6 +18,9 @@ from dist_nce.minipaper.stats import against, curve_band, group, spread, verdict
 LABELS = ("architecture", "arm")
 RESULT = "docs/mini_paper/mini_paper.json"  # the committed run docs/mini_paper.md shows
 PAGE = "docs/mini_paper.md"  # its page, linked from the README; tables between <!-- minipaper --> markers
+# Every generated block of the page -> the committed run it shows: "" is <!-- minipaper -->, a name N is
+# <!-- minipaper N --> ... <!-- /minipaper N -->.
+RESULTS = {"": RESULT}
 
 
 def _metric_names(rows: Sequence[Mapping[str, Any]], skip: Sequence[str] = ("/n", "bias/measurements")) -> list[str]:
@@ -164,6 +167,19 @@ RERANK_COLUMNS = [("val/U.Acc", "val U.Acc"), ("val/N.Acc", "val N.Acc"), ("test
                   ("test/N.Acc", "test N.Acc"), ("val/cand_R", "val cand. recall"), ("test/cand_R", "test cand. recall")]
 
 
+def rerank_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """RERANK_COLUMNS, with the retriever's own R@1 on the same mentions beside each U.Acc where the
+    run recorded it (the reranker helps when its U.Acc beats that)."""
+    metrics = set(result.get("reranker", {}).get("metrics", []))
+    cols = []
+    for metric, title in RERANK_COLUMNS:
+        split = metric.split("/")[0]
+        if metric.endswith("U.Acc") and f"{split}/retriever_R@1" in metrics:
+            cols.append((f"{split}/retriever_R@1", f"{split} retriever R@1"))
+        cols.append((metric, title))
+    return cols
+
+
 def steps_apart(result: Mapping[str, Any], part: str, arch: str, above: str, below: str,
                 metric: str = "bias/norm") -> tuple[int, int]:
     """(measurement steps at which every seed of ``above`` is above every seed of ``below``, steps
@@ -241,33 +257,45 @@ def statistics_text(result: Mapping[str, Any]) -> str:
 def tables(result: Mapping[str, Any], level: int = 2) -> str:
     """Markdown: the three tables, the bias ordering and how to read the marks, headings at ``level``."""
     h = "#" * level
+    planned = {c["part"] for c in result["cells"]}  # a part the run's config left out gets no section
     parts = [f"{h} Table 1 in miniature (Zeshel retrievers; recall in %, mean [min, max] over seeds)",
-             part_table(result, "zeshel", zeshel_columns(result)),
-             f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
-             part_table(result, "reranker", RERANK_COLUMNS),
-             f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result)),
-             f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result),
-             f"{h} How much a mark says", statistics_text(result)]
+             part_table(result, "zeshel", zeshel_columns(result))]
+    if "reranker" in planned:
+        parts += [f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
+                  part_table(result, "reranker", rerank_columns(result))]
+    if "aida" in planned:
+        parts += [f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result))]
+    parts += [f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result),
+              f"{h} How much a mark says", statistics_text(result)]
     return "\n\n".join(parts) + "\n"
 
 
 # ---------------------------------------------------------------------------------------- the page
 
 PAGE_LEVEL = 3  # the tables' headings on the page (under its "##" sections)
-PAGE_BLOCK = re.compile(r"(<!-- minipaper -->\n)(?P<body>.*?)(<!-- /minipaper -->)", re.S)
 
 
-def page_block(text: str) -> str | None:
-    """The generated part of docs/mini_paper.md: between ``<!-- minipaper -->`` and ``<!-- /minipaper -->``."""
-    m = PAGE_BLOCK.search(text)
+def _tag(name: str) -> str:
+    return f"minipaper {name}" if name else "minipaper"
+
+
+def _block_re(name: str) -> re.Pattern:
+    tag = re.escape(_tag(name))
+    return re.compile(rf"(<!-- {tag} -->\n)(?P<body>.*?)(<!-- /{tag} -->)", re.S)
+
+
+def page_block(text: str, name: str = "") -> str | None:
+    """A generated part of docs/mini_paper.md: between ``<!-- minipaper -->`` and ``<!-- /minipaper -->``
+    (``name``: ``<!-- minipaper name -->`` and ``<!-- /minipaper name -->``)."""
+    m = _block_re(name).search(text)
     return m.group("body") if m else None
 
 
-def rewrite_page(text: str, result: Mapping[str, Any]) -> str:
-    """``text`` with its ``<!-- minipaper -->`` block rendered from ``result`` (a mini_paper.json)."""
-    if page_block(text) is None:
-        raise ValueError(f"{PAGE} has no <!-- minipaper --> ... <!-- /minipaper --> block")
-    return PAGE_BLOCK.sub(lambda m: m.group(1) + tables(result, level=PAGE_LEVEL) + m.group(3), text)
+def rewrite_page(text: str, result: Mapping[str, Any], name: str = "") -> str:
+    """``text`` with its block ``name`` rendered from ``result`` (a mini_paper.json)."""
+    if page_block(text, name) is None:
+        raise ValueError(f"{PAGE} has no <!-- {_tag(name)} --> ... <!-- /{_tag(name)} --> block")
+    return _block_re(name).sub(lambda m: m.group(1) + tables(result, level=PAGE_LEVEL) + m.group(3), text)
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -338,18 +366,22 @@ def main(argv: list[str] | None = None) -> int:
 
     repo = Path(__file__).resolve().parents[2]
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--result", default=str(repo / RESULT), help="a mini_paper.json")
+    ap.add_argument("--block", default="", choices=sorted(RESULTS), help="the block --result renders ('': the "
+                    "<!-- minipaper --> block)")
+    ap.add_argument("--result", default=None, help=f"a mini_paper.json for --block (default: {RESULTS})")
     ap.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE}'s tables differ from the JSON")
     args = ap.parse_args(argv)
     page = repo / PAGE
-    text = page.read_text(encoding="utf-8")
-    new = rewrite_page(text, json.loads(Path(args.result).read_text(encoding="utf-8")))
+    text = new = page.read_text(encoding="utf-8")
+    for name, committed in RESULTS.items():
+        path = Path(args.result) if args.result and name == args.block else repo / committed
+        new = rewrite_page(new, json.loads(path.read_text(encoding="utf-8")), name)
     if args.check:
         print(f"{PAGE}: the mini-paper tables match the JSON" if new == text else f"{PAGE}: the mini-paper tables are stale")
         return 0 if new == text else 1
     if new != text:
         page.write_text(new, encoding="utf-8")
-    print(f"rendered the mini-paper tables of {PAGE} from {args.result}")
+    print(f"rendered the mini-paper tables of {PAGE} from {', '.join(RESULTS.values())}")
     return 0
 
 

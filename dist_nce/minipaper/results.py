@@ -5,8 +5,9 @@ Metric names (fractions in [0, 1]; the report prints percent):
 * Zeshel retriever: ``val/R@k``, ``test/R@k`` (own world, macro over worlds: the Zeshel
   protocol), ``val/R@1``, ``test/R@1`` (own-world top-1, macro), ``heldout/R@k`` (unseen
   mentions of the train worlds, ranked over the train worlds' entities: the trainer's dev);
-* reranker: ``val/U.Acc``, ``val/N.Acc``, ``test/U.Acc``, ``test/N.Acc`` (macro over worlds)
-  and the candidates' recall ``val/cand_R``, ``test/cand_R``;
+* reranker: ``val/U.Acc``, ``val/N.Acc``, ``test/U.Acc``, ``test/N.Acc`` (macro over worlds),
+  the candidates' recall ``val/cand_R``, ``test/cand_R``, and the retriever's R@1 on the same
+  mentions ``val/retriever_R@1``, ``test/retriever_R@1``;
 * AIDA: ``dev/accuracy`` and ``dev/R@k`` for the run's ``eval_k``;
 * every trained retriever: ``bias/final`` and ``bias/final_se`` (the live monitor's last
   measurement, on the trained model), ``bias/mean`` over the run's measurements, and
@@ -89,6 +90,8 @@ def reranker_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
         row[f"{split}/U.Acc"] = rep["unnormalized_accuracy"]["macro"]
         row[f"{split}/N.Acc"] = rep["normalized_accuracy"]["macro"]
         row[f"{split}/cand_R"] = next(v for k, v in rep.items() if k.startswith("candidate_recall@"))["macro"]
+        if "retriever_recall@1" in rep:  # runs before it was recorded have only the reranker's side
+            row[f"{split}/retriever_R@1"] = rep["retriever_recall@1"]["macro"]
         row[f"{split}/n"] = rep["n_mentions"]
     return row
 

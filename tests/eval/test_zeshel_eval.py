@@ -222,3 +222,8 @@ def test_reranker_report_table2_definitions(zeshel, reranker, tmp_path):
     per = [ok[(worlds == w) & has].mean() for w in sorted(set(worlds))]
     assert rep["normalized_accuracy"]["macro"] == pytest.approx(np.mean(per))
     assert rep["n_gold_not_in_candidates"] == int((~has).sum()) and rep["n_mentions"] == len(mentions)
+    first = cset.rows[:, 0] == gold  # the retriever's own top-1 on the same mentions
+    assert 0 < first.sum() < len(first)
+    assert rep["retriever_recall@1"]["micro"] == pytest.approx(first.mean())
+    assert rep["retriever_recall@1"]["macro"] == pytest.approx(
+        np.mean([first[worlds == w].mean() for w in sorted(set(worlds))]))

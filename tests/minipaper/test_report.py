@@ -115,3 +115,37 @@ def test_tables_and_plots_render_from_the_collected_json(grid):
     assert {p.name for p in written} == {"mini_paper.md", "zeshel_curves.png", "aida_curves.png", "zeshel_bias.png",
                                          "aida_bias.png"}
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_retriever_r1_sits_beside_u_acc_and_left_out_parts_get_no_section(grid, tmp_path):
+    """Table 2 shows the retriever's own R@1 on the same mentions beside the reranker's U.Acc where the
+    run recorded it; a result without reranker or AIDA cells (the MiniLM grid) has no such section."""
+    cfg, cells, done, failed, out = grid
+    zeshel = {k: c for k, c in cells.items() if c.part == "zeshel"}
+    result = json.loads(json.dumps(collect(cfg, zeshel, done, failed, {}, out, REPO)))
+    text = tables(result)
+    assert "Table 1" in text and "Table 2" not in text and "AIDA" not in text
+    rr = reranker_cells(cfg, zeshel, best_retriever(result), REPO)
+    rdone = {}
+    for n, c in rr.items():
+        s = reranker_run(c.dir(out, REPO), 0.3)
+        for rep in s["eval"].values():
+            rep["retriever_recall@1"] = {"macro": 0.25}
+        rdone[n] = s
+    result = json.loads(json.dumps(collect(cfg, {**zeshel, **rr}, {**done, **rdone}, failed, {}, out, REPO)))
+    table2 = tables(result).split("Table 2")[1].split("###")[0].split("## ")[0]
+    assert "| architecture | negatives | seeds | val retriever R@1 | val U.Acc | val N.Acc | test retriever R@1 |" \
+        in table2
+    assert "| som | hard | 3 | 25.0 [25.0, 25.0] | 30.0 [30.0, 30.0] |" in table2
+
+
+def test_named_page_blocks_render_apart():
+    from dist_nce.minipaper.report import page_block, rewrite_page
+
+    page = "a\n<!-- minipaper -->\nold\n<!-- /minipaper -->\nb\n<!-- minipaper minilm -->\nold2\n<!-- /minipaper minilm -->\n"
+    result = {"cells": [], "config": {}}
+    both = rewrite_page(rewrite_page(page, result), result, "minilm")
+    assert page_block(both) == page_block(both, "minilm") == tables(result, level=3)
+    assert "old" not in both and both.startswith("a\n") and "\nb\n" in both
+    with pytest.raises(ValueError, match="no <!-- minipaper seeds --> ... <!-- /minipaper seeds --> block"):
+        rewrite_page(page, result, "seeds")
