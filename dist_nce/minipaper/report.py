@@ -208,10 +208,14 @@ def bias_text(result: Mapping[str, Any]) -> str:
             lines.append(f"- {part} {b['architecture']}: {', '.join(steps)}")
         if result.get(part, {}).get("bias_order"):
             lines.append(f"  ({part}: > : on the trained models every seed above every seed; ~ : ranges overlap)")
-    costs = [r["metrics"]["bias/cost"] for r in result["cells"] if r.get("metrics", {}).get("bias/cost") is not None]
-    if costs:
-        lines.append(f"- monitor cost at the grid's cadence: median {100 * sorted(costs)[len(costs) // 2]:.1f}% "
-                     f"of training time (max {100 * max(costs):.1f}%, {len(costs)} runs)")
+    costs: dict[str, list[float]] = {}
+    for r in result["cells"]:
+        if r.get("metrics", {}).get("bias/cost") is not None:
+            costs.setdefault(f"{r['part']} {r['architecture']}", []).append(r["metrics"]["bias/cost"])
+    if costs:  # per architecture: a SOM pass costs what a dual one does not
+        each = "; ".join(f"{name} median {100 * sorted(c)[len(c) // 2]:.1f}% (max {100 * max(c):.1f}%, {len(c)} runs)"
+                         for name, c in costs.items())
+        lines.append(f"- monitor cost at the grid's cadence, as a share of training time: {each}")
     return "\n".join(lines) or "(no bias measurements)"
 
 

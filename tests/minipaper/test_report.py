@@ -110,7 +110,7 @@ def test_tables_and_plots_render_from_the_collected_json(grid):
     marks = text.count("(+)") + text.count("(-)")
     expected = float(how.split("chance alone would leave about ")[1].split(" ")[0])
     assert n >= marks + 1 and n / 20 < expected < n / 10  # marks + the bias pair; 1/20 or 1/10 each
-    assert "monitor cost at the grid's cadence: median 5.0%" in text
+    assert "monitor cost at the grid's cadence, as a share of training time: zeshel dual median 5.0%" in text
     written = write_outputs(result, out)
     assert {p.name for p in written} == {"mini_paper.md", "zeshel_curves.png", "aida_curves.png", "zeshel_bias.png",
                                          "aida_bias.png"}
