@@ -3,8 +3,9 @@
 Metric names (fractions in [0, 1]; the report prints percent):
 
 * Zeshel retriever: ``val/R@k``, ``test/R@k`` (own world, macro over worlds: the Zeshel
-  protocol), ``val/R@1``, ``test/R@1`` (own-world top-1, macro), ``heldout/R@k`` (unseen
-  mentions of the train worlds, ranked over the train worlds' entities: the trainer's dev);
+  protocol), ``val/R@1``, ``test/R@1`` (own-world top-1, macro), ``heldout/R@k`` and, where the
+  run's eval_k has 1, ``heldout/R@1`` (unseen mentions of the train worlds, ranked over the train
+  worlds' entities: the trainer's dev);
 * reranker: ``val/U.Acc``, ``val/N.Acc``, ``test/U.Acc``, ``test/N.Acc`` (macro over worlds),
   the candidates' recall ``val/cand_R``, ``test/cand_R``, and the retriever's R@1 on the same
   mentions ``val/retriever_R@1``, ``test/retriever_R@1``;
@@ -79,8 +80,9 @@ def zeshel_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
             row[f"{split}/R@1"] = rep["own_world"]["accuracy"]["macro"]
             row[f"{split}/n"] = rep["own_world"]["n_mentions"]
     dev = summary.get("dev_after") or {}
-    if f"recall@{k}" in dev:
-        row[f"heldout/R@{k}"] = dev[f"recall@{k}"]
+    for cut in dict.fromkeys((k, 1)):
+        if f"recall@{cut}" in dev:
+            row[f"heldout/R@{cut}"] = dev[f"recall@{cut}"]
     return {**row, **_bias(d, summary)}
 
 

@@ -149,3 +149,17 @@ def test_named_page_blocks_render_apart():
     assert "old" not in both and both.startswith("a\n") and "\nb\n" in both
     with pytest.raises(ValueError, match="no <!-- minipaper seeds --> ... <!-- /minipaper seeds --> block"):
         rewrite_page(page, result, "seeds")
+
+
+def test_heldout_r1_gets_a_column_when_the_runs_recorded_it(tmp_path):
+    from dist_nce.minipaper.report import zeshel_columns
+    from dist_nce.minipaper.results import zeshel_row
+
+    summary = retriever_run(tmp_path / "run", 0.4, "hard")
+    assert "heldout/R@1" not in zeshel_row(tmp_path / "run", summary)  # its dev has no recall@1
+    summary["dev_after"]["recall@1"] = 0.25
+    row = zeshel_row(tmp_path / "run", summary)
+    assert row["heldout/R@1"] == 0.25 and row["heldout/R@64"] == pytest.approx(0.5)
+    titles = [t for _, t in zeshel_columns({"zeshel": {"metrics": list(row)}})]
+    assert titles[4:7] == ["heldout R@64", "heldout R@1", "bias (trained)"]
+    assert "heldout R@1" not in [t for _, t in zeshel_columns({"zeshel": {"metrics": ["heldout/R@64"]}})]
