@@ -3,7 +3,7 @@ renders, and that run is complete."""
 import json
 from pathlib import Path
 
-from dist_nce.minipaper.report import PAGE, PAGE_LEVEL, RESULT, main, page_block, rewrite_page, tables
+from dist_nce.minipaper.report import PAGE, PAGE_LEVEL, RESULT, RESULTS, main, page_block, rewrite_page, tables
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,9 +14,28 @@ def committed() -> dict:
 
 def test_page_block_equals_what_the_committed_json_renders():
     text = (REPO / PAGE).read_text(encoding="utf-8")
-    assert page_block(text) == tables(committed(), level=PAGE_LEVEL), \
-        f"{PAGE}'s <!-- minipaper --> block differs from {RESULT}: run `.venv/bin/python -m dist_nce.minipaper.report`"
+    for name, path in RESULTS.items():
+        result = json.loads((REPO / path).read_text(encoding="utf-8"))
+        assert page_block(text, name) == tables(result, level=PAGE_LEVEL), \
+            f"{PAGE}'s block {name!r} differs from {path}: run `.venv/bin/python -m dist_nce.minipaper.report`"
     assert main(["--check"]) == 0
+
+
+def test_the_committed_minilm_run_is_complete_with_its_seeds_and_plots():
+    """The unseen-world grid (configs/mini_paper/minilm_cpu.yaml): every cell finished; the dual encoder's
+    untrained start and random, hard and mixed-50 on 3 seeds each; its PNGs are on the page."""
+    result = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
+    missing = [c["name"] for c in result["cells"] if c["status"] != "done"]
+    assert not missing, f"the committed MiniLM run lacks {missing}"
+    groups = {(g["architecture"], g["arm"]): g for g in result["zeshel"]["groups"]}
+    for arm in ("random", "hard", "mixed50"):
+        assert sorted(groups[("dual", arm)]["seeds"]) == [0, 1, 2], arm
+    assert [s["architecture"] for s in result["zeshel"]["start"]] == ["dual"]
+    assert result["config"]["zeshel"]["config"] == "configs/zeshel/retriever_minilm_cpu.yaml"
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    for png in ("zeshel_curves.png", "zeshel_bias.png"):
+        assert f"](mini_paper/minilm/{png})" in text, png
+        assert (REPO / "docs" / "mini_paper" / "minilm" / png).stat().st_size > 1000
 
 
 def test_page_shows_the_committed_plots():
