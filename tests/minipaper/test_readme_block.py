@@ -70,3 +70,14 @@ def test_a_changed_number_makes_the_block_stale():
     metric = next(m for m in result["zeshel"]["metrics"] if m.startswith("val/R@"))
     g[metric]["mean"] += 0.01
     assert rewrite_page(fresh, result) != fresh
+
+
+def test_the_page_quotes_the_som_monitor_rerun_from_its_json():
+    """The SOM monitor shares the page states are the committed rerun's bias/cost (configs/mini_paper/
+    som_monitor_cpu.yaml), and every cell of that rerun finished."""
+    result = json.loads((REPO / "docs/mini_paper/som_monitor/mini_paper.json").read_text(encoding="utf-8"))
+    assert all(c["status"] == "done" for c in result["cells"])
+    cost = {c["arm"]: c["metrics"]["bias/cost"] for c in result["cells"]}
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    assert f"costs {100 * cost['hard']:.1f}% (hard) and {100 * cost['random']:.1f}% (random)" in text
+    assert max(cost.values()) < 0.05
