@@ -153,7 +153,8 @@ def zeshel_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     k = next((m.split("@")[1] for m in metrics if m.startswith("val/R@") and m != "val/R@1"), "64")
     held_r1 = [("heldout/R@1", "heldout R@1")] if "heldout/R@1" in metrics else []  # runs that recorded it
     return [(f"val/R@{k}", f"val R@{k}"), (f"test/R@{k}", f"test R@{k}"), ("val/R@1", "val R@1"),
-            ("test/R@1", "test R@1"), (f"heldout/R@{k}", f"heldout R@{k}"), *held_r1, ("bias/final", "bias (trained)")]
+            ("test/R@1", "test R@1"), (f"heldout/R@{k}", f"heldout R@{k}"), *held_r1,
+            ("bias/final", "bias (trained)")]
 
 
 def aida_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:

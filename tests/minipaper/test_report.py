@@ -142,7 +142,8 @@ def test_retriever_r1_sits_beside_u_acc_and_left_out_parts_get_no_section(grid, 
 def test_named_page_blocks_render_apart():
     from dist_nce.minipaper.report import page_block, rewrite_page
 
-    page = "a\n<!-- minipaper -->\nold\n<!-- /minipaper -->\nb\n<!-- minipaper minilm -->\nold2\n<!-- /minipaper minilm -->\n"
+    page = ("a\n<!-- minipaper -->\nold\n<!-- /minipaper -->\nb\n"
+            "<!-- minipaper minilm -->\nold2\n<!-- /minipaper minilm -->\n")
     result = {"cells": [], "config": {}}
     both = rewrite_page(rewrite_page(page, result), result, "minilm")
     assert page_block(both) == page_block(both, "minilm") == tables(result, level=3)
