@@ -87,7 +87,7 @@ def test_forward_rejects_cand_reps_of_another_batch(tiny_model_dir):
         model(ids, torch.ones_like(ids, dtype=torch.bool))
 
 
-def test_config_needs_a_frozen_entity_tower(tmp_path):
+def test_config_needs_a_frozen_entity_tower():
     with pytest.raises(ValueError, match="model.entity_cache needs model.freeze_entity_encoder"):
         load_config(TrainJobConfig, TEST_CONFIG, ["model.entity_cache=true"])
 
