@@ -117,7 +117,7 @@ def test_tables_and_plots_render_from_the_collected_json(grid):
     assert all(p.stat().st_size > 1000 for p in written)
 
 
-def test_retriever_r1_sits_beside_u_acc_and_left_out_parts_get_no_section(grid, tmp_path):
+def test_retriever_r1_sits_beside_u_acc_and_left_out_parts_get_no_section(grid):
     """Table 2 shows the retriever's own R@1 on the same mentions beside the reranker's U.Acc where the
     run recorded it; a result without reranker or AIDA cells (the MiniLM grid) has no such section."""
     cfg, cells, done, failed, out = grid
