@@ -7,15 +7,17 @@ narrower protocols of their own (``dist_nce.bias.monitor.BiasSource``,
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from dist_nce.actors.shard import LseGradPart
 from dist_nce.modeling.scoring import Reps
 from dist_nce.sampling.live_rows import LiveRows
 from dist_nce.sampling.samplers import MineResult, Pending, Sampler
 from dist_nce.sampling.topk import ShardResult
+
+if TYPE_CHECKING:  # the actor module imports Ray; consumers of the protocol need not
+    from dist_nce.actors.shard import LseGradPart
 
 
 class RefreshPending(Protocol):

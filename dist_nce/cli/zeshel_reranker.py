@@ -25,7 +25,9 @@ On a Ray cluster::
         --set data.candidates_dir=/mnt/shared/runs/zeshel_som_mixed50/candidates
 
 Running the same command again resumes from the last checkpoint (same run.name and
-run.storage_path). Every config field: ``--help-config``.
+run.storage_path). Without Ray or DeepSpeed (one GPU, say): ``--set run.backend=local`` trains
+the same worker in this process with plain torch, without checkpoints. Every config field:
+``--help-config``.
 """
 from __future__ import annotations
 
@@ -49,30 +51,41 @@ def main(argv: list[str] | None = None) -> int:
         return cfg
     start = time.perf_counter()
 
-    import ray
-
-    from dist_nce.cluster.fit import DoesNotFit, check_fits, workers_request
-    from dist_nce.cluster.runtime import configure_process, init_ray
+    from dist_nce.cluster.runtime import configure_process
     from dist_nce.core.artifacts import atomic_write_json
     from dist_nce.rerank.data import load_training_set, make_plan
     from dist_nce.rerank.loop import RESULT_FILE
-    from dist_nce.rerank.trainer import accuracy_table, describe_plan, fit, use_gpu
+    from dist_nce.rerank.trainer import accuracy_table, describe_plan
 
     configure_process(threads=None)
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)
     ts = load_training_set(cfg)
     plan = make_plan(cfg, ts)
-    init_ray()
-    try:  # else Ray Train waits for workers it cannot place, then times out
-        check_fits([workers_request(cfg.run, use_gpu(cfg))], ray.cluster_resources())
-    except DoesNotFit as e:
-        return error(e)
-    print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, ts, use_gpu(cfg)), flush=True)
-    # 2. train, evaluate, export (on the workers; resumes a run with the same name)
-    result = fit(cfg)
+    if cfg.run.backend == "local":
+        from dist_nce.rerank.loop import local_device, run_local
+
+        gpu = local_device(cfg).type == "cuda"
+        print(f"run {cfg.run.name} (local: this process, plain torch):\n" + describe_plan(cfg, plan, ts, gpu),
+              flush=True)
+        done = bool(run_local(cfg).get("done"))
+    else:
+        import ray
+
+        from dist_nce.cluster.fit import DoesNotFit, check_fits, workers_request
+        from dist_nce.cluster.runtime import init_ray
+        from dist_nce.rerank.trainer import fit, use_gpu
+
+        init_ray()
+        try:  # else Ray Train waits for workers it cannot place, then times out
+            check_fits([workers_request(cfg.run, use_gpu(cfg))], ray.cluster_resources())
+        except DoesNotFit as e:
+            return error(e)
+        print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, ts, use_gpu(cfg)), flush=True)
+        # 2. train, evaluate, export (on the workers; resumes a run with the same name)
+        done = bool((fit(cfg).metrics or {}).get("done"))
     out = Path(cfg.run.output_dir)
     final = json.loads((out / RESULT_FILE).read_text()) if (out / RESULT_FILE).exists() else {}
-    done = bool((result.metrics or {}).get("done")) and final.get("step") == plan.total_steps
+    done = done and final.get("step") == plan.total_steps
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
                "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
                "export": final.get("export"), "blink_export": final.get("blink_export"),

@@ -69,6 +69,11 @@ class RerankRunConfig(WorkerRunConfig):
                             default="runs/zeshel_reranker")
     eval_batch_size: int = _help("Mentions per reranker forward in evaluation (x C pairs).", AT_LEAST_1,
                                  default=2)
+    backend: Literal["ray", "local"] = _help(
+        "ray: Ray Train + DeepSpeed workers, checkpoints, resume. local: the same worker in the job's own "
+        "process with plain torch (no Ray, no DeepSpeed, no checkpoints; run.num_workers 1; a GPU if "
+        "run.use_gpu is true or null and torch sees one), for a machine without Ray or DeepSpeed.",
+        default="ray")
 
 
 @dataclass
@@ -82,6 +87,9 @@ class RerankJobConfig:
 
     def validate(self) -> None:
         # Single-field ranges are checked by the loader (field metadata); this relates fields.
+        if self.run.backend == "local" and self.run.num_workers != 1:
+            raise ValueError(f"run.backend=local trains in one process: run.num_workers must be 1, got "
+                             f"{self.run.num_workers}")
         if self.optim.batch_size % self.run.num_workers:
             raise ValueError(f"optim.batch_size={self.optim.batch_size} must be divisible by run.num_workers="
                              f"{self.run.num_workers}")

@@ -9,7 +9,9 @@
 
 Unlike the retriever there is no negative service: the candidates are fixed by the
 retriever that wrote them. Device, accelerator, engine, resume, logging and checkpoints are
-the scaffold shared with the retriever (``dist_nce.worker.scaffold``).
+the scaffold shared with the retriever (``dist_nce.worker.scaffold``). ``run.backend: local``
+runs the same worker in the job's own process with plain torch (:func:`run_local`,
+``dist_nce.worker.local``): no Ray, no DeepSpeed, no checkpoints.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_set
 from dist_nce.train.evaluate import rank_slice
 from dist_nce.train.model import full_state_dict
 from dist_nce.train.plan import stop_step
+from dist_nce.worker.local import LocalWorker
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 MODEL_DIR = "reranker"
@@ -178,3 +181,21 @@ class RerankWorker(WorkerScaffold):
             atomic_write_json(Path(cfg.run.output_dir) / RESULT_FILE, out)
         self.end_checkpoint({"step": self.state.step, "done": done})
         return out
+
+
+class LocalRerankWorker(LocalWorker, RerankWorker):
+    """The reranker worker on a plain torch engine, alone in this process."""
+
+
+def local_device(cfg: RerankJobConfig) -> torch.device:
+    """``run.use_gpu`` (null: a GPU if torch sees one) as this process's device."""
+    want = cfg.run.use_gpu if cfg.run.use_gpu is not None else torch.cuda.is_available()
+    if want and not torch.cuda.is_available():
+        raise RuntimeError("run.use_gpu=true but torch sees no CUDA device in this process")
+    return torch.device("cuda" if want else "cpu")
+
+
+def run_local(cfg: RerankJobConfig) -> dict[str, Any]:
+    """Train, evaluate and export in this process (``run.backend: local``); the worker's final
+    result, also written to ``<run.output_dir>/result.json`` as the Ray workers do."""
+    return LocalRerankWorker(cfg, 0, 1, local_device(cfg)).run()

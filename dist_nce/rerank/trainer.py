@@ -28,6 +28,8 @@ def describe_plan(cfg: RerankJobConfig, plan: RerankPlan, ts: TrainingSet, gpu: 
     lines = [
         f"model: joint cross-encoder ({r.head} head) from {cfg.model.init_from or r.model or 'MiniLM'}, pairs of "
         f"L = {r.max_len} tokens",
+        f"worker: this process, plain torch (no DeepSpeed), {'bf16 autocast' if bf16 else 'fp32'} on "
+        f"{'GPU' if gpu else 'CPU'}" if cfg.run.backend == "local" else
         f"workers: {plan.num_workers} x DeepSpeed ZeRO-{stage} {'bf16' if bf16 else 'fp32'} on "
         f"{'GPU (NCCL)' if gpu else 'CPU (gloo)'}",
         f"global batch: {plan.global_batch} mentions = {plan.num_workers} workers x {plan.per_worker_batch}, "

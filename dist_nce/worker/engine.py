@@ -168,28 +168,14 @@ def linear_warmup_decay(total_steps: int, warmup_proportion: float):
     return factor
 
 
-def build_engine(
-    model: torch.nn.Module,
-    ds_config: dict[str, Any],
-    lr: float,
-    weight_decay: float,
-    total_steps: int,
-    warmup_proportion: float,
-    dist_init_required: bool = False,
-):
-    """``deepspeed.initialize`` with a torch AdamW and a LambdaLR; returns (engine, optimizer, scheduler).
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, total_steps: int,
+                    warmup_proportion: float):
+    """A torch AdamW (no decay on biases and LayerNorm weights, as BERT/BLINK) and its LambdaLR
+    (:func:`linear_warmup_decay`); returns (optimizer, scheduler).
 
-    ``dist_init_required=False`` inside Ray Train, which has already made the process group.
     The AdamW is fused (torch's own kernel, nothing compiled) when every trainable parameter is on
-    a CUDA device, as the engine's fp32 master partitions then are too. The ZeRO optimizer gets the
-    one-call clipping norm (:func:`foreach_grad_norm`) and, ZeRO-3, a step that leaves parameters which are
-    their own partition gathered (:func:`keep_resident_parameters`).
+    a CUDA device.
     """
-    from dist_nce.cluster.runtime import pin_jit_builds
-
-    pin_jit_builds()  # before deepspeed.comm builds its CPU shm op
-    import deepspeed
-
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
     params = [
         {"params": [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith(no_decay)],
@@ -201,6 +187,32 @@ def build_engine(
     fused = bool(params) and all(p.is_cuda for g in params for p in g["params"])
     optimizer = torch.optim.AdamW(params, lr=lr, fused=True) if fused else torch.optim.AdamW(params, lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_decay(total_steps, warmup_proportion))
+    return optimizer, scheduler
+
+
+def build_engine(
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    lr: float,
+    weight_decay: float,
+    total_steps: int,
+    warmup_proportion: float,
+    dist_init_required: bool = False,
+):
+    """``deepspeed.initialize`` with :func:`build_optimizer`'s AdamW and LambdaLR; returns (engine,
+    optimizer, scheduler).
+
+    ``dist_init_required=False`` inside Ray Train, which has already made the process group.
+    The AdamW is fused when the engine's fp32 master partitions are on a CUDA device. The ZeRO
+    optimizer gets the one-call clipping norm (:func:`foreach_grad_norm`) and, ZeRO-3, a step that
+    leaves parameters which are their own partition gathered (:func:`keep_resident_parameters`).
+    """
+    from dist_nce.cluster.runtime import pin_jit_builds
+
+    pin_jit_builds()  # before deepspeed.comm builds its CPU shm op
+    import deepspeed
+
+    optimizer, scheduler = build_optimizer(model, lr, weight_decay, total_steps, warmup_proportion)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

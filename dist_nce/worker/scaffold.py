@@ -146,8 +146,10 @@ class WorkerScaffold:
         self.log.write(f"{self.label} {self.rank}/{self.world}: " + (
             f"resumed at step {self.state.step}" if resumed else "fresh start")
             + f"; this job trains steps [{self.state.step}, {self.end}) of {self.plan.total_steps} on "
-            f"{e['device']} (DeepSpeed accelerator {e['accelerator']}, ZeRO-{e['zero_stage']}"
-            f"{', bf16' if e['bf16'] else ''})")
+            f"{e['device']} ("
+            + (f"DeepSpeed accelerator {e['accelerator']}, ZeRO-{e['zero_stage']}" if e["accelerator"] else
+               "plain torch, no DeepSpeed")
+            + f"{', bf16' if e['bf16'] else ''})")
 
     # ------------------------------------------------------------------ steps, checkpoints
 

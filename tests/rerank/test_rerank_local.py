@@ -1,0 +1,122 @@
+"""``run.backend: local``: the reranker worker on a plain torch engine takes the steps the
+DeepSpeed worker takes (fp32, CPU), and the job runs it where Ray and DeepSpeed cannot be imported.
+
+The data is tests/rerank/test_rerank_data.py's (synthetic Zeshel, the random tiny BERT).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_nce.rerank.loop import LocalRerankWorker, RerankWorker
+from dist_nce.worker.tb import read_metrics
+from tests.rerank.test_rerank_data import config, setup  # noqa: F401  (setup: a fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small_config(root, model_dir, out):
+    cfg = config(root)
+    cfg.model.reranker.model, cfg.model.reranker.head, cfg.model.reranker.dropout = model_dir, "cls", 0.0
+    cfg.model.reranker.max_len, cfg.optim.epochs = 48, 4
+    cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_proportion, cfg.optim.grad_clip = 5e-3, 0.01, 0.25, 0.5
+    # zero0_fp32.json's gradient_clipping (1.0) wins over optim.grad_clip: a clip at 0.5 needs a JSON of "auto"
+    ds = json.loads((REPO / "configs" / "deepspeed" / "zero0_fp32.json").read_text())
+    (out.parent / "ds.json").write_text(json.dumps({**ds, "gradient_clipping": "auto"}))
+    cfg.deepspeed.config = str(out.parent / "ds.json")
+    cfg.run.output_dir, cfg.run.progress, cfg.run.eval_batch_size = str(out), False, 4
+    return cfg
+
+
+def _recording(base):
+    class Run(base):
+        """Keeps its losses and final weights; writes no checkpoints (no Ray Train here)."""
+
+        def save_checkpoint(self, metrics, suffix: str = "") -> None:
+            pass
+
+        def train_step(self, step: int):
+            metrics = super().train_step(step)
+            self.losses = [*getattr(self, "losses", []), metrics["train/loss"]]
+            return metrics
+
+        def finish(self):
+            out = super().finish()
+            out["losses"] = list(self.losses)
+            out["weights"] = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            return out
+
+    return Run
+
+
+@pytest.fixture(scope="module")
+def process_group(dist_env):
+    # left in place afterwards, as DeepSpeed leaves its own (see tests/train/test_learning.py)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+
+
+@pytest.mark.slow
+def test_local_worker_takes_the_deepspeed_workers_steps(setup, tiny_model_dir, tmp_path, process_group):  # noqa: F811
+    outs = {}
+    for name, base in (("deepspeed", RerankWorker), ("local", LocalRerankWorker)):
+        cfg = small_config(setup, tiny_model_dir, tmp_path / name)
+        outs[name] = _recording(base)(cfg, 0, 1, "cpu").run()
+    ds, local = outs["deepspeed"], outs["local"]
+    assert ds["done"] and local["done"] and len(local["losses"]) == ds["plan"]["total_steps"] >= 8
+    # Warm-up, decay, weight decay and clipping at 0.5 (it binds) must all match for these to.
+    np.testing.assert_allclose(local["losses"], ds["losses"], rtol=1e-6, atol=1e-7)
+    for k, w in ds["weights"].items():
+        torch.testing.assert_close(local["weights"][k], w, rtol=1e-6, atol=1e-7, msg=k)
+    assert local["eval"] == ds["eval"]  # same predictions on val and test
+    assert local["engine"]["backend"] == "local" and local["engine"]["accelerator"] is None
+    assert local["losses"][-1] < local["losses"][0]
+
+
+# Runs the job with Ray and DeepSpeed made unimportable: the local backend must not need them.
+BLOCKED = """
+import importlib.abc, runpy, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("ray", "deepspeed"):
+            raise ImportError(f"{name} is blocked in this test")
+sys.meta_path.insert(0, Block())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_job_runs_locally_without_ray_or_deepspeed(setup, tiny_model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "job"
+    sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}",
+            f"data.candidates_dir={setup / 'cands'}", "data.num_candidates=6", f"model.reranker.model={tiny_model_dir}",
+            f"run.output_dir={out}", "run.backend=local", "run.use_gpu=false", "optim.epochs=2"]
+    cmd = [sys.executable, "-c", BLOCKED, str(REPO / "jobs" / "zeshel_reranker.py"),
+           "--config", str(REPO / "configs" / "zeshel" / "reranker_test_tiny.yaml"), *(a for s in sets for a in ("--set", s))]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "local: this process, plain torch" in r.stdout and "plain torch (no DeepSpeed), fp32 on CPU" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] and summary["step"] == summary["plan"]["total_steps"]
+    assert summary["engine"]["backend"] == "local" and summary["engine"]["device"] == "cpu"
+    assert set(summary["eval"]) == {"val", "test"} and "retriever_recall@1" in summary["eval"]["val"]
+    assert (out / "reranker" / "manifest.json").exists()
+    losses = [m["train/loss"] for _, m in sorted(read_metrics(out / "metrics.jsonl").items()) if "train/loss" in m]
+    assert len(losses) == summary["plan"]["total_steps"]
+
+
+def test_local_backend_needs_one_worker():
+    from dist_nce.core.config import ConfigError, load_config
+    from dist_nce.rerank.config import RerankJobConfig
+
+    with pytest.raises((ValueError, ConfigError), match="run.backend=local trains in one process"):
+        load_config(RerankJobConfig, str(REPO / "configs" / "zeshel" / "reranker_test_tiny.yaml"),
+                    ["run.backend=local", "run.num_workers=2", "optim.batch_size=4"])
