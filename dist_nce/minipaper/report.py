@@ -182,6 +182,36 @@ def rerank_columns(result: Mapping[str, Any]) -> list[tuple[str, str]]:
     return cols
 
 
+def rerank_gains(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per reranker group and split: U.Acc minus the retriever's R@1 on the same mentions, seed by
+    seed (points), where the run recorded both: Table 2's question, whether reranking helps."""
+    out = []
+    for g in (result.get("reranker") or {}).get("groups", []):
+        for split in ("val", "test"):
+            u, r = g.get(f"{split}/U.Acc"), g.get(f"{split}/retriever_R@1")
+            if not u or not r or not u["n"] or len(u["values"]) != len(r["values"]):
+                continue
+            gains = [100 * (a - b) for a, b in zip(u["values"], r["values"])]
+            out.append({"architecture": g["architecture"], "arm": g["arm"], "split": split, "seeds": g["seeds"],
+                        "gains": gains, "above": all(x > 0 for x in gains), "below": all(x < 0 for x in gains)})
+    return out
+
+
+def rerank_gain_text(result: Mapping[str, Any]) -> str:
+    gains = rerank_gains(result)
+    if not gains:
+        return ""
+    rows = [[g["architecture"], g["arm"], g["split"], ", ".join(f"{x:+.1f}" for x in g["gains"]),
+             "above at every seed" if g["above"] else "below at every seed" if g["below"] else "mixed"]
+            for g in gains]
+    n = sum(len(g["gains"]) for g in gains)
+    above = sum(x > 0 for g in gains for x in g["gains"])
+    return ("Does reranking help? The reranker's U.Acc minus its own retriever's R@1 on the same mentions, "
+            "seed by seed (each reranker seed reranks the retriever run of the same seed; points):\n\n"
+            + _table(["architecture", "retriever negatives", "split", "U.Acc - retriever R@1", "verdict"], rows)
+            + f"\n\nAbove at {above} of {n} (seed, split) pairs.")
+
+
 def steps_apart(result: Mapping[str, Any], part: str, arch: str, above: str, below: str,
                 metric: str = "bias/norm") -> tuple[int, int]:
     """(measurement steps at which every seed of ``above`` is above every seed of ``below``, steps
@@ -269,6 +299,9 @@ def tables(result: Mapping[str, Any], level: int = 2) -> str:
     if "reranker" in planned:
         parts += [f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
                   part_table(result, "reranker", rerank_columns(result))]
+        gain = rerank_gain_text(result)
+        if gain:
+            parts.append(gain)
     if "aida" in planned:
         parts += [f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result))]
     parts += [f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result),

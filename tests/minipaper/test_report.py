@@ -164,3 +164,32 @@ def test_heldout_r1_gets_a_column_when_the_runs_recorded_it(tmp_path):
     titles = [t for _, t in zeshel_columns({"zeshel": {"metrics": list(row)}})]
     assert titles[4:7] == ["heldout R@64", "heldout R@1", "bias (trained)"]
     assert "heldout R@1" not in [t for _, t in zeshel_columns({"zeshel": {"metrics": ["heldout/R@64"]}})]
+
+
+def test_reranker_gain_over_its_retriever_is_paired_seed_by_seed(grid):
+    """Table 2's question (does reranking help?) per seed: U.Acc minus the R@1 of the retriever run it
+    reranked, on the same mentions; "above" only when every seed is above."""
+    from dist_nce.minipaper.report import rerank_gains
+
+    cfg, cells, done, failed, out = grid
+    zeshel = {k: c for k, c in cells.items() if c.part == "zeshel"}
+    result = json.loads(json.dumps(collect(cfg, zeshel, done, failed, {}, out, REPO)))
+    rr = reranker_cells(cfg, zeshel, best_retriever(result), REPO)
+    rdone = {}
+    for n, c in rr.items():
+        seed, arm = c.labels["seed"], c.labels["arm"]
+        s = reranker_run(c.dir(out, REPO), 0.3 + 0.01 * seed if arm == "hard" else 0.2)
+        s["eval"]["val"] = {**s["eval"]["val"], "retriever_recall@1": {"macro": 0.28 + 0.02 * seed}}
+        s["eval"]["test"] = {**s["eval"]["test"], "retriever_recall@1": {"macro": 0.1}}
+        (c.dir(out, REPO) / "summary.json").write_text(json.dumps(s))
+        rdone[n] = s
+    result = json.loads(json.dumps(collect(cfg, {**zeshel, **rr}, {**done, **rdone}, failed, {}, out, REPO)))
+    gains = {(g["arm"], g["split"]): g for g in rerank_gains(result)}
+    assert gains[("hard", "val")]["gains"] == pytest.approx([2.0, 1.0, 0.0])
+    assert not gains[("hard", "val")]["above"] and not gains[("hard", "val")]["below"]  # 0.0 is not above
+    assert gains[("random", "val")]["below"] and gains[("random", "val")]["gains"] == pytest.approx([-8.0, -10.0, -12.0])
+    assert gains[("hard", "test")]["above"] and gains[("random", "test")]["above"]
+    text = tables(result)
+    assert "| som | hard | val | +2.0, +1.0, +0.0 | mixed |" in text
+    assert "| som | random | val | -8.0, -10.0, -12.0 | below at every seed |" in text
+    assert "Above at 8 of 12 (seed, split) pairs." in text
