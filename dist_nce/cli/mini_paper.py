@@ -19,6 +19,7 @@ is rewritten; at the end also ``mini_paper.md`` and the PNGs (dev curves per arm
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import signal
@@ -207,6 +208,19 @@ def gates_for(cells: dict) -> dict[str, tuple[str, ...]]:
     return {name: (first[c.part],) for name, c in cells.items() if name != first[c.part]}
 
 
+def needs_ray(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path) -> bool:
+    """Whether some cell left to run needs the Ray head: any unfinished retriever or AIDA cell,
+    or Table 2 unless its reranker config trains locally (``run.backend: local``)."""
+    from dist_nce.minipaper.cells import read_summary
+    from dist_nce.rerank.config import RerankJobConfig
+
+    if any(read_summary(c.dir(out, ROOT)) is None for c in cells.values()):
+        return True
+    if "reranker" not in parts:
+        return False
+    return load_config(RerankJobConfig, ROOT / cfg.reranker.config, cfg.reranker.set).run.backend != "local"
+
+
 def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, config_path: str) -> int:
     from dist_nce.cluster.head import LocalHead
     from dist_nce.cluster.runtime import ray_env
@@ -229,8 +243,13 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
     # SIGTERM (ray job stop, kill) unwinds like Ctrl-C: the cells stop and the Ray head with them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Two logical CPUs a cell (a 1-CPU worker + shards) so that `parallel` of them fit together.
-    with LocalHead(num_cpus=2 * cfg.parallel) as head:
-        env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address}
+    # No head when every cell left to run trains in its own process (local reranker cells on a
+    # machine without Ray: what the GPU machine that ran the MiniLM Table 2 is).
+    ray_needed = needs_ray(cfg, parts, cells, out)
+    with (LocalHead(num_cpus=2 * cfg.parallel) if ray_needed else contextlib.nullcontext()) as head:
+        env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address} if head else ray_env()
+        if not ray_needed:
+            log("[mini-paper] no Ray head: every cell left to run is a local (run.backend=local) reranker cell")
         runner = Runner(out, env, cfg.parallel, log)
         runner.run(cells, gates_for(cells), snapshot)
         if "reranker" in parts:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.rerank.loop import RESULT_FILE
     from dist_nce.rerank.trainer import accuracy_table, describe_plan
 
-    configure_process(threads=None)
+    configure_process(threads=None, faiss=False)  # the reranker searches nothing
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)
     ts = load_training_set(cfg)
     plan = make_plan(cfg, ts)

