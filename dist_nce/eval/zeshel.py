@@ -250,14 +250,13 @@ def rerank(
 
     rows = np.asarray(rows, dtype=np.int64)
     pred = np.full(rows.shape[0], PAD, dtype=np.int64)
-    device = next(reranker.parameters()).device
     reranker.eval()
     for start in tqdm(range(0, rows.shape[0], batch_size), desc=f"rerank {getattr(mentions, 'split', '')}",
                       unit="batch", disable=not progress, mininterval=2.0):
         idx = np.arange(start, min(start + batch_size, rows.shape[0]))
         cand = rows[idx]
-        m_ids = torch.from_numpy(mentions.token_ids(idx).astype(np.int64)).to(device)
-        e_ids = torch.from_numpy(store.token_ids(np.where(cand >= 0, cand, 0)).astype(np.int64)).to(device)
+        m_ids = torch.from_numpy(mentions.token_ids(idx).astype(np.int64))
+        e_ids = torch.from_numpy(store.token_ids(np.where(cand >= 0, cand, 0)).astype(np.int64))
         with torch.inference_mode():
             scores = reranker.score(m_ids, e_ids).float().cpu()
         scores = scores.masked_fill(torch.from_numpy(cand < 0), float("-inf"))

@@ -212,8 +212,14 @@ class Reranker(nn.Module):
         return self.score_layer(self.dropout(first)).reshape(b, k)
 
     def score(self, mention_ids: torch.Tensor, entity_ids: torch.Tensor) -> torch.Tensor:
-        """mention_ids [B, Tm], entity_ids [B, K, Te] (prepared-KB rows) -> scores [B, K]."""
-        return self(build_pairs(mention_ids, entity_ids, self.special_ids, self.config.max_len))
+        """mention_ids [B, Tm], entity_ids [B, K, Te] (prepared-KB rows, any device) -> scores [B, K].
+
+        The pairs are laid out on the CPU (build_pairs' index arithmetic), then moved to the model.
+        """
+        pairs = build_pairs(torch.as_tensor(mention_ids).cpu(), torch.as_tensor(entity_ids).cpu(), self.special_ids,
+                            self.config.max_len)
+        device = next(self.parameters()).device
+        return self(type(pairs)(*(t.to(device) for t in pairs)))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """``encoder/`` (Hugging Face format), ``head.safetensors``, ``tokenizer/``, ``manifest.json``."""
