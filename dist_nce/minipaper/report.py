@@ -20,7 +20,11 @@ RESULT = "docs/mini_paper/mini_paper.json"  # the committed run docs/mini_paper.
 PAGE = "docs/mini_paper.md"  # its page, linked from the README; tables between <!-- minipaper --> markers
 # Every generated block of the page -> the committed run it shows: "" is <!-- minipaper -->, a name N is
 # <!-- minipaper N --> ... <!-- /minipaper N -->.
-RESULTS = {"": RESULT, "minilm": "docs/mini_paper/minilm/mini_paper.json"}
+RESULTS = {"": RESULT, "minilm": "docs/mini_paper/minilm/mini_paper.json",
+           "minilm_table2": "docs/mini_paper/minilm_table2/mini_paper.json"}
+# Blocks that show only some parts of their run: the MiniLM Table 2 run reused the "minilm" block's
+# retriever cells, whose Table 1 is on the page already.
+BLOCK_PARTS = {"minilm_table2": ("reranker",)}
 
 
 def _metric_names(rows: Sequence[Mapping[str, Any]], skip: Sequence[str] = ("/n", "bias/measurements")) -> list[str]:
@@ -251,10 +255,11 @@ def bias_text(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) or "(no bias measurements)"
 
 
-def _comparisons(result: Mapping[str, Any]) -> list[tuple[str, int, int]]:
-    """Every range comparison the tables mark: (verdict, seeds of the arm, seeds of the other)."""
+def _comparisons(result: Mapping[str, Any], parts: Sequence[str] = ("zeshel", "aida", "reranker")
+                 ) -> list[tuple[str, int, int]]:
+    """Every range comparison the tables of ``parts`` mark: (verdict, seeds of the arm, seeds of the other)."""
     out = []
-    for part in ("zeshel", "aida", "reranker"):
+    for part in parts:
         p = result.get(part) or {}
         groups = {(g["architecture"], g["arm"]): g for g in p.get("groups", [])}
         for v in p.get("versus_random", []):
@@ -269,12 +274,12 @@ def _comparisons(result: Mapping[str, Any]) -> list[tuple[str, int, int]]:
     return out
 
 
-def statistics_text(result: Mapping[str, Any]) -> str:
+def statistics_text(result: Mapping[str, Any], parts: Sequence[str] = ("zeshel", "aida", "reranker")) -> str:
     """How much a (+), (-) or > says: the chance of a full separation by seed alone, and how many
-    comparisons the page makes (so how many marks chance alone would leave)."""
+    comparisons the tables of ``parts`` make (so how many marks chance alone would leave)."""
     from dist_nce.minipaper.stats import separation_chance
 
-    comps = _comparisons(result)
+    comps = _comparisons(result, parts)
     if not comps:
         return "(no comparisons)"
     sizes = sorted({(n, m) for _, n, m in comps})
@@ -290,23 +295,29 @@ def statistics_text(result: Mapping[str, Any]) -> str:
             "as a result.")
 
 
-def tables(result: Mapping[str, Any], level: int = 2) -> str:
-    """Markdown: the three tables, the bias ordering and how to read the marks, headings at ``level``."""
+def tables(result: Mapping[str, Any], level: int = 2, parts: Sequence[str] | None = None) -> str:
+    """Markdown: the three tables, the bias ordering and how to read the marks, headings at ``level``
+    (``parts``: only those parts' tables, and the bias section only with zeshel or aida)."""
     h = "#" * level
     planned = {c["part"] for c in result["cells"]}  # a part the run's config left out gets no section
-    parts = [f"{h} Table 1 in miniature (Zeshel retrievers; recall in %, mean [min, max] over seeds)",
-             part_table(result, "zeshel", zeshel_columns(result))]
-    if "reranker" in planned:
-        parts += [f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
-                  part_table(result, "reranker", rerank_columns(result))]
+    show = set(parts) if parts is not None else {"zeshel", "aida", "reranker"}
+    out = []
+    if "zeshel" in show:
+        out += [f"{h} Table 1 in miniature (Zeshel retrievers; recall in %, mean [min, max] over seeds)",
+                part_table(result, "zeshel", zeshel_columns(result))]
+    if "reranker" in planned and "reranker" in show:
+        out += [f"{h} Table 2 in miniature (Zeshel joint reranker over each retriever's candidates; %)",
+                part_table(result, "reranker", rerank_columns(result))]
         gain = rerank_gain_text(result)
         if gain:
-            parts.append(gain)
-    if "aida" in planned:
-        parts += [f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result))]
-    parts += [f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result),
-              f"{h} How much a mark says", statistics_text(result)]
-    return "\n\n".join(parts) + "\n"
+            out.append(gain)
+    if "aida" in planned and "aida" in show:
+        out += [f"{h} AIDA (dual encoder; %)", part_table(result, "aida", aida_columns(result))]
+    if show & {"zeshel", "aida"}:
+        out += [f"{h} Gradient bias on the trained models (Appendix C), from the live monitor", bias_text(result)]
+    out += [f"{h} How much a mark says", statistics_text(result, [p for p in ("zeshel", "aida", "reranker")
+                                                                 if p in show])]
+    return "\n\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------- the page
@@ -334,7 +345,12 @@ def rewrite_page(text: str, result: Mapping[str, Any], name: str = "") -> str:
     """``text`` with its block ``name`` rendered from ``result`` (a mini_paper.json)."""
     if page_block(text, name) is None:
         raise ValueError(f"{PAGE} has no <!-- {_tag(name)} --> ... <!-- /{_tag(name)} --> block")
-    return _block_re(name).sub(lambda m: m.group(1) + tables(result, level=PAGE_LEVEL) + m.group(3), text)
+    return _block_re(name).sub(lambda m: m.group(1) + block_tables(result, name) + m.group(3), text)
+
+
+def block_tables(result: Mapping[str, Any], name: str = "") -> str:
+    """What the page's block ``name`` holds for ``result``: its tables at the page's heading level."""
+    return tables(result, level=PAGE_LEVEL, parts=BLOCK_PARTS.get(name))
 
 
 # ---------------------------------------------------------------------------------------- plots

@@ -3,7 +3,7 @@ renders, and that run is complete."""
 import json
 from pathlib import Path
 
-from dist_nce.minipaper.report import PAGE, PAGE_LEVEL, RESULT, RESULTS, main, page_block, rewrite_page, tables
+from dist_nce.minipaper.report import PAGE, RESULT, RESULTS, block_tables, main, page_block, rewrite_page
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ def test_page_block_equals_what_the_committed_json_renders():
     text = (REPO / PAGE).read_text(encoding="utf-8")
     for name, path in RESULTS.items():
         result = json.loads((REPO / path).read_text(encoding="utf-8"))
-        assert page_block(text, name) == tables(result, level=PAGE_LEVEL), \
+        assert page_block(text, name) == block_tables(result, name), \
             f"{PAGE}'s block {name!r} differs from {path}: run `.venv/bin/python -m dist_nce.minipaper.report`"
     assert main(["--check"]) == 0
 
@@ -81,3 +81,29 @@ def test_the_page_quotes_the_som_monitor_rerun_from_its_json():
     text = (REPO / PAGE).read_text(encoding="utf-8")
     assert f"costs {100 * cost['hard']:.1f}% (hard) and {100 * cost['random']:.1f}% (random)" in text
     assert max(cost.values()) < 0.05
+
+
+def test_the_minilm_table2_run_is_complete_and_its_prose_quotes_its_json():
+    """Table 2 with MiniLM (configs/mini_paper/minilm_table2_gpu.yaml): both retrievers' rerankers on seeds
+    0-2, each with its retriever's R@1 on the same mentions; the page's claim (above at every seed, by the
+    quoted range) and its spread figure are the JSON's."""
+    from dist_nce.minipaper.report import rerank_gains
+
+    result = json.loads((REPO / RESULTS["minilm_table2"]).read_text(encoding="utf-8"))
+    assert all(c["status"] == "done" for c in result["cells"])
+    assert result["config"]["reranker"]["config"] == "configs/zeshel/reranker_minilm_gpu.yaml"
+    groups = {g["arm"]: g for g in result["reranker"]["groups"]}
+    assert set(groups) == {"hard", "random"} and all(sorted(g["seeds"]) == [0, 1, 2] for g in groups.values())
+    gains = rerank_gains(result)
+    assert len(gains) == 4 and all(g["above"] for g in gains)
+    every = [x for g in gains for x in g["gains"]]
+    spread = max(100 * (g[m]["max"] - g[m]["min"]) for g in groups.values() for m in result["reranker"]["metrics"]
+                 if not m.endswith("/n"))
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    assert f"by +{min(every):.1f} to +{max(every):.1f} points of U.Acc" in text
+    assert f"The smallest gain, {min(every):.1f} points" in text and f"({spread:.1f} points," in text
+    # Table 1's retriever R@1 (the "minilm" block) is what the reranker's report measured on the same mentions.
+    t1 = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
+    r1 = {g["arm"]: g["val/R@1"]["values"] for g in t1["zeshel"]["groups"]}
+    for arm, g in groups.items():
+        assert g["val/retriever_R@1"]["values"] == r1[arm], arm
