@@ -98,16 +98,19 @@ _GPU_CHUNK_BYTES = 1 << 29
 _CPU_CHUNK_ROWS = 8192
 
 
-def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int) -> int:
+def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int, vectors_per_row: int = 1) -> int:
     """``index.chunk_rows: 0`` (auto): 8192 rows on a CPU (the chunk stays in cache); on a GPU
     the power of two that keeps a [B, chunk] float32 score chunk near 512 MB (1M rows at
-    B = 128, 128k at B = 1024), between 64k and 4M rows. A multiple of ``block_rows``. It
-    depends on the device type and B only, so the shards and the flat search of one call
-    use the same grid."""
+    B = 128, 128k at B = 1024), between 64k and 4M rows. Divided by ``vectors_per_row`` (T for
+    SOM, m for multi-m) and rounded up to a multiple of ``block_rows``: a shard's partial blocks
+    are zero-padded to the full grid and scored, which for SOM's 32 token vectors per row made
+    a 500-row world cost 8192 rows of GEMM. It depends on the device type, B and the entity
+    reps' shape only, so the shards and the flat search of one call use the same grid."""
     if torch.device(device).type != "cuda":
         rows = _CPU_CHUNK_ROWS
     else:
         rows = 1 << max(16, min(22, (_GPU_CHUNK_BYTES // (4 * max(batch, 1))).bit_length() - 1))
+    rows = max(1, rows // max(int(vectors_per_row), 1))
     return -(-rows // block_rows) * block_rows
 
 
@@ -156,7 +159,9 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
     dead = dead.cpu() if dead is not None and dead.numel() else None  # the chunk loops look it up on the host
     if not chunk_rows:
-        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows)
+        ents = pieces[0].reps.vecs
+        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows,
+                                     ents.shape[1] if ents.ndim == 3 else 1)
     if (seed is None or sampler == "block") and kernel in ("auto", "triton"):
         why = _fused_usable(spec, q, pieces, chunk_rows, block_rows, kernel)
         if why is None:

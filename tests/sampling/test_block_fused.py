@@ -182,6 +182,36 @@ def test_chunk_grid_is_chosen_for_the_device():
                        exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=8192, **kw).keys)
 
 
+def test_auto_grid_shrinks_with_the_vectors_per_row(monkeypatch):
+    """A shard's partial block is padded to the grid and scored: with 8192 rows of 32 SOM columns a
+    500-row world paid for 8192 rows. The auto grid keeps ~8192 vectors per block instead, and a
+    sharded SOM sample on it is still the flat one, bit for bit."""
+    assert auto_chunk_rows("cpu", 128, 128, vectors_per_row=32) == 256
+    assert auto_chunk_rows("cpu", 128, 128, vectors_per_row=8) == 1024
+    assert auto_chunk_rows("cpu", 128, 128, vectors_per_row=1000) == 128  # never below one block
+    assert auto_chunk_rows("cuda", 128, 128, vectors_per_row=32) == (1 << 20) // 32
+    som = ScoreSpec.preset("som")
+    g = torch.Generator().manual_seed(5)
+    n, t, d, b = 500, 32, 16, 6
+    ents = Reps(torch.randn(n, t, d, generator=g), torch.arange(t)[None] < torch.randint(4, t + 1, (n, 1), generator=g))
+    q = Reps(torch.randn(b, t, d, generator=g), torch.arange(t)[None] < torch.randint(2, t + 1, (b, 1), generator=g))
+    gold = torch.randint(0, n, (b,), generator=g)
+    from dist_nce.index import exact as ex
+    scored = []
+    real = ex.score_all
+    monkeypatch.setattr(ex, "score_all", lambda spec, m, e, *a, **k: scored.append(e.vecs.shape[0]) or
+                        real(spec, m, e, *a, **k))
+    kw = dict(seed=3, query_keys=torch.arange(b), sampler="block", block_rows=128, kernel="torch")
+    flat = exact_search(som, q, ents, 0, 5, gold, chunk_rows=0, **kw)
+    assert sum(scored) == 512  # two 256-row blocks, not one of 8192
+    pieces = [Piece(0, Reps(ents.vecs[:256], ents.mask[:256])), Piece(256, Reps(ents.vecs[256:], ents.mask[256:]))]
+    parts = [exact_search_pieces(som, q, [p], 5, gold, 0, **kw) for p in pieces]
+    merged = merge_results(parts, 5)
+    assert torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
+    top = exact_search(som, q, ents, 0, 5, gold, chunk_rows=0, kernel="torch")
+    assert torch.equal(top.ids, exact_search(som, q, ents, 0, 5, gold, chunk_rows=8192, kernel="torch").ids)
+
+
 def test_kernel_choice():
     e, q, gold = _data(n=300, batch=4)
     poly = ScoreSpec.preset("poly", m=2)
