@@ -495,13 +495,37 @@ def monitor(data: dict) -> str:
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
+def som_grid(data: dict) -> str:
+    """SOM's exact search on the old 8192-row CPU grid and on the grid scaled by the vectors per row."""
+    c = data["config"]
+    lines = [f"SOM's exact search with MiniLM's shapes ({c['columns']} token vectors of {c['dim']} per entity and "
+             "per mention), one thread. `then`: the old CPU auto grid of 8192 rows, which a shard's partial block "
+             "is zero-padded to and scored whole; `now`: the auto grid divided by the vectors per row. `eval world`: "
+             "a batch's exact top-64 in one world; `train KB`: a training step's hard negatives by the exact "
+             f"Gumbel-top-k (block sampler). Median (min-max) of {c['repeats']} interleaved calls; `same ids`: the "
+             "share of returned ids equal on the two grids.", ""]
+    rows = []
+    for r in data["rows"]:
+        then, now = data["methods"][f"{r['workload']} before"], data["methods"][f"{r['workload']} after"]
+        apart = "" if r["distinct"] else " (overlap)"
+        rows.append([r["workload"], f"{r['entities']:,}", str(r["batch"]), f"{r['grid_before']} / {r['grid_after']}",
+                     f"{then['median']:.3f} ({then['min']:.3f}-{then['max']:.3f})",
+                     f"{now['median']:.3f} ({now['min']:.3f}-{now['max']:.3f})",
+                     f"{r['x_median']:.3f}x [{r['x_low']:.3f}-{r['x_high']:.3f}]{apart}",
+                     f"{r['mentions_per_s_before']:.1f} / {r['mentions_per_s_after']:.1f}", f"{r['same_ids']:.4f}"])
+    lines += _table(["workload", "entities", "mentions", "grid rows then / now", "then: s", "now: s", "now / then",
+                     "mentions/s then / now", "same ids"], rows)
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
                                                 "update": update, "attention": attention,
                                                 "gpu_mining": gpu_mining, "gpu_law": gpu_law,
                                                 "gpu_encode": gpu_encode, "gpu_train": gpu_train,
-                                                "import_rss": import_rss, "monitor": monitor}
+                                                "import_rss": import_rss, "monitor": monitor,
+                                                "som_grid": som_grid}
 
 
 def sources(name: str) -> tuple[str, ...]:
