@@ -135,3 +135,47 @@ def test_the_minilm_replication_keeps_the_r1_marks_the_page_says_it_keeps():
 
     assert bias_pairs(first)[("random", "mixed50")] == bias_pairs(again)[("random", "mixed50")] == "wins"
     assert bias_pairs(first)[("mixed50", "hard")] == "wins" and bias_pairs(again)[("mixed50", "hard")] != "wins"
+
+
+def test_the_minilm_som_run_is_complete_and_its_prose_quotes_its_json():
+    """SOM with MiniLM (configs/mini_paper/minilm_som_cpu.yaml): the dual grid's settings key for key but the
+    architecture, every cell done on seeds 0-2; the page's numbers and marks are the JSON's."""
+    first = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
+    som = json.loads((REPO / RESULTS["minilm_som"]).read_text(encoding="utf-8"))
+    assert all(c["status"] == "done" for c in som["cells"])
+    assert list(som["config"]["zeshel"]["architectures"]) == ["som"]
+    assert {k: v for k, v in som["config"]["zeshel"].items() if k != "architectures"} == \
+        {k: v for k, v in first["config"]["zeshel"].items() if k != "architectures"}
+    assert som["config"]["seeds"] == first["config"]["seeds"] == [0, 1, 2]
+    groups = {g["arm"]: g for g in som["zeshel"]["groups"]}
+    assert set(groups) == {"random", "hard", "mixed50"} and all(sorted(g["seeds"]) == [0, 1, 2]
+                                                                 for g in groups.values())
+    verdicts = {(v["arm"], m): x["verdict"] for v in som["zeshel"]["versus_random"] for m, x in v.items()
+                if isinstance(x, dict)}
+    r1 = [(arm, f"{split}/R@1") for arm in ("hard", "mixed50") for split in ("val", "test", "heldout")]
+    assert all(verdicts[k] == "wins" for k in r1)  # "hard and mixed-50 beat random at R@1, every seed apart"
+    assert verdicts[("mixed50", "test/R@64")] == "loses"
+
+    def pct(arm, metric):
+        return f"{100 * groups[arm][metric]['mean']:.1f}"
+
+    text = (REPO / PAGE).read_text(encoding="utf-8")
+    assert (f"Val R@1 is {pct('hard', 'val/R@1')}\n  (hard) and {pct('mixed50', 'val/R@1')} (mixed-50) against "
+            f"{pct('random', 'val/R@1')} for random") in text
+    assert (f"test R@1 {pct('hard', 'test/R@1')} and {pct('mixed50', 'test/R@1')} against "
+            f"{pct('random', 'test/R@1')}") in text
+    low, high = min(groups["hard"]["test/R@1"]["values"]), max(groups["random"]["test/R@1"]["values"])
+    ns = {c["metrics"]["test/n"] for c in som["cells"] if c["arm"] in ("hard", "random")}
+    assert len(ns) == 1
+    n = int(ns.pop())
+    assert f"its lowest seed ({100 * low:.1f}) is above random's highest ({100 * high:.1f}) by " \
+           f"{round((low - high) * n)} of {n} mentions" in text
+    cost = groups["random"]["bias/cost"]["values"] + groups["hard"]["bias/cost"]["values"] + \
+        groups["mixed50"]["bias/cost"]["values"]
+    assert max(cost) < 0.05 and f"(median; at most {100 * max(cost):.1f}%)" in text
+    assert f"random's bias is {groups['random']['bias/final']['mean']:.1f} against " \
+           f"{groups['hard']['bias/final']['mean']:.1f} for hard" in text
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    band = {arm: "{:.1f} [{:.1f}, {:.1f}]".format(*(100 * groups[arm]["val/R@1"][k] for k in ("mean", "min", "max")))
+            for arm in ("hard", "random")}
+    assert f"MiniLM SOM: val R@1 {band['hard']} with hard negatives against {band['random']}\n" in readme
