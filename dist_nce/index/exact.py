@@ -159,9 +159,8 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
     dead = dead.cpu() if dead is not None and dead.numel() else None  # the chunk loops look it up on the host
     if not chunk_rows:
-        ents = pieces[0].reps.vecs
-        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows,
-                                     ents.shape[1] if ents.ndim == 3 else 1)
+        per_row = pieces[0].reps.vecs.shape[1] if pieces and pieces[0].reps.vecs.ndim == 3 else 1
+        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows, per_row)
     if (seed is None or sampler == "block") and kernel in ("auto", "triton"):
         why = _fused_usable(spec, q, pieces, chunk_rows, block_rows, kernel)
         if why is None:

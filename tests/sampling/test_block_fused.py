@@ -208,6 +208,8 @@ def test_auto_grid_shrinks_with_the_vectors_per_row(monkeypatch):
     parts = [exact_search_pieces(som, q, [p], 5, gold, 0, **kw) for p in pieces]
     merged = merge_results(parts, 5)
     assert torch.equal(merged.ids, flat.ids) and torch.equal(merged.keys, flat.keys)
+    # a shard that owns no rows still answers (no piece to read the reps' shape from)
+    assert exact_search_pieces(som, q, [], 5, gold, 0, kernel="torch").ids.shape == (b, 5)
     top = exact_search(som, q, ents, 0, 5, gold, chunk_rows=0, kernel="torch")
     assert torch.equal(top.ids, exact_search(som, q, ents, 0, 5, gold, chunk_rows=8192, kernel="torch").ids)
 
