@@ -338,3 +338,15 @@ def process_memory(pid: int) -> dict:
     except OSError:  # not Linux
         pass
     return {"rss_mib": full.rss / 2 ** 20, "uss_mib": full.uss / 2 ** 20, "peak_rss_mib": peak}
+
+
+def som_kb(n: int, cols: int, dim: int, probe: int, seed: int = 0) -> tuple[Reps, Reps]:
+    """Entity reps [n, cols, dim] with 8..cols real columns, probe mention reps [probe, cols, dim] with
+    4..cols: SOM token reps for benchmarks.monitor and benchmarks.som_grid."""
+    from dist_nce.modeling.scoring import Reps
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, cols + 1, (n,), generator=g)
+    ents = Reps(torch.randn(n, cols, dim, generator=g), torch.arange(cols)[None, :] < lengths[:, None])
+    q_len = torch.randint(4, cols + 1, (probe,), generator=g)
+    return ents, Reps(torch.randn(probe, cols, dim, generator=g), torch.arange(cols)[None, :] < q_len[:, None])

@@ -32,22 +32,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (add_hygiene_args, compare, interleaved, load_guard, machine_info, print_table,
-                               save_results)
+                               save_results, som_kb)
 from dist_nce.bias.gradbias import estimate, lse_grad_all, lse_grad_rows
 from dist_nce.cluster.runtime import configure_threads
 from dist_nce.index.exact import exact_search
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 
 MINI_PAPER = Path(__file__).resolve().parents[1] / "docs" / "mini_paper" / "mini_paper.json"
-
-
-def som_kb(n: int, cols: int, dim: int, probe: int, seed: int = 0) -> tuple[Reps, Reps]:
-    """Entity reps [n, cols, dim] with 8..cols real columns, probe mention reps [probe, cols, dim]."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, cols + 1, (n,), generator=g)
-    ents = Reps(torch.randn(n, cols, dim, generator=g), torch.arange(cols)[None, :] < lengths[:, None])
-    q_len = torch.randint(4, cols + 1, (probe,), generator=g)
-    return ents, Reps(torch.randn(probe, cols, dim, generator=g), torch.arange(cols)[None, :] < q_len[:, None])
 
 
 def measurement(spec: ScoreSpec, ents: Reps, probe: Reps, draws: int, negatives: int, hard: bool,

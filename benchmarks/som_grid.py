@@ -27,18 +27,12 @@ import argparse
 import torch
 
 from benchmarks.common import (add_hygiene_args, compare, interleaved, load_guard, machine_info, print_table,
-                               save_results)
+                               save_results, som_kb)
 from dist_nce.cluster.runtime import configure_threads
 from dist_nce.index.exact import auto_chunk_rows, exact_search
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 
 OLD_CPU_GRID = 8192
-
-
-def token_reps(n: int, cols: int, dim: int, shortest: int, g: torch.Generator) -> Reps:
-    """[n, cols, dim] reps with shortest..cols real columns (stored SOM reps are padded to cols)."""
-    lengths = torch.randint(shortest, cols + 1, (n,), generator=g)
-    return Reps(torch.randn(n, cols, dim, generator=g), torch.arange(cols)[None, :] < lengths[:, None])
 
 
 def workloads(quick: bool) -> list[dict]:
@@ -64,12 +58,10 @@ def main() -> None:
     cols, dim = 32, 384
     repeats = 2 if args.quick else args.repeats
     spec = ScoreSpec.preset("som")
-    g = torch.Generator().manual_seed(0)
     rows, times = [], {}
-    for w in workloads(args.quick):
-        ents = token_reps(w["entities"], cols, dim, 8, g)
-        q = token_reps(w["batch"], cols, dim, 4, g)
-        gold = torch.randint(0, w["entities"], (w["batch"],), generator=g)
+    for i, w in enumerate(workloads(args.quick)):
+        ents, q = som_kb(w["entities"], cols, dim, w["batch"], seed=i)
+        gold = torch.arange(w["batch"]) * 7 % w["entities"]
         before = search(spec, q, ents, gold, w["k"], w["sampler"], OLD_CPU_GRID)
         after = search(spec, q, ents, gold, w["k"], w["sampler"], 0)
         same = (before.ids == after.ids).float().mean().item()
