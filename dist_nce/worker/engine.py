@@ -1,8 +1,11 @@
 """DeepSpeed engine construction from a JSON config in configs/deepspeed/.
 
-The JSONs leave the batch geometry as ``"auto"`` (the Hugging Face Trainer convention)
-so one file serves every cluster size: the trainer fills in the micro batch from
-``optim.batch_size / num_workers``. The optimizer and scheduler are plain torch objects
+The JSONs leave the batch geometry and the clipping as ``"auto"`` (the Hugging Face Trainer
+convention) so one file serves every cluster size and the YAML is the one place for them: the
+trainer fills in the micro batch from ``optim.batch_size / num_workers`` and ``gradient_clipping``
+from ``optim.grad_clip``. A number in the JSON that disagrees with the YAML is refused, naming both
+keys, as the Trainer refuses one that disagrees with its arguments: either silently winning would
+train with a setting the user did not ask for. The optimizer and scheduler are plain torch objects
 handed to DeepSpeed: naming an optimizer inside the JSON would compile fused_adam on
 first use (a minute here, and a frequent installation failure elsewhere). On a GPU the torch
 AdamW is ``fused=True`` (one kernel over each flat fp32 partition DeepSpeed hands it, no build).
@@ -105,7 +108,9 @@ def load_deepspeed_config(
     """Read a DeepSpeed JSON, fill ``"auto"`` fields and apply overrides.
 
     Raises ConfigError naming the file for a missing file, invalid JSON, an optimizer
-    or scheduler section (we pass torch objects instead), or an inconsistent batch.
+    or scheduler section (we pass torch objects instead), an inconsistent batch, or a micro
+    batch or ``gradient_clipping`` that disagrees with ``micro_batch`` / ``grad_clip`` (give
+    ``"auto"`` to take them).
     With one worker (``world_size == 1``) ZeRO's ``overlap_comm`` is turned off, and ZeRO-3 keeps every
     parameter persistent and does not prefetch (module docstring).
     """
@@ -125,12 +130,17 @@ def load_deepspeed_config(
     if accum == "auto":
         accum = 1
     cfg["gradient_accumulation_steps"] = int(accum)
-    if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    for key, ours, yaml_key in (("train_micro_batch_size_per_gpu", micro_batch, "optim.batch_size / run.num_workers"),
+                                ("gradient_clipping", grad_clip, "optim.grad_clip")):
+        given = cfg.get(key, "auto")
+        if given == "auto":
+            cfg[key] = ours
+        elif not isinstance(given, (int, float)) or isinstance(given, bool) or float(given) != float(ours):
+            raise ConfigError(
+                f'{path}: {key}={given!r} disagrees with {yaml_key}={ours}; set it to "auto" to take '
+                f"the YAML's value (the shipped JSONs do), or make the two agree")
     if cfg.get("train_batch_size", "auto") == "auto":
         cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * accum * world_size
-    if cfg.get("gradient_clipping", "auto") == "auto":
-        cfg["gradient_clipping"] = grad_clip
     expected = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
     if cfg["train_batch_size"] != expected:
         raise ConfigError(

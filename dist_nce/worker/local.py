@@ -10,7 +10,7 @@ What differs from the DeepSpeed path, by design:
 
 * bf16 is torch autocast over fp32 weights (DeepSpeed's bf16 engine keeps bf16 weights and
   fp32 master copies in the optimizer): the same matmul precision, other rounding;
-* clipping is ``torch.nn.utils.clip_grad_norm_`` at the JSON's ``gradient_clipping``, as
+* clipping is ``torch.nn.utils.clip_grad_norm_`` at ``optim.grad_clip``, as
   DeepSpeed's ZeRO-0 (whose norm sums squared norms: the same number up to rounding).
 
 With fp32 on a CPU the two paths take the same steps (tests/rerank/test_rerank_local.py).
@@ -76,7 +76,7 @@ class LocalWorker:
         module = model.to(self.device)
         optimizer, scheduler = build_optimizer(module, cfg.optim.lr, cfg.optim.weight_decay, self.plan.total_steps,
                                                cfg.optim.warmup_proportion)
-        # The JSON's gradient_clipping wins over optim.grad_clip (which fills only "auto"), as in DeepSpeed.
+        # gradient_clipping is optim.grad_clip (the JSON says "auto" or the same number).
         self.engine = LocalEngine(module, optimizer, scheduler, float(ds.get("gradient_clipping", 0.0)),
                                   bool(ds.get("bf16", {}).get("enabled", False)))
         self.optimizer, self.scheduler, self.module = optimizer, scheduler, module

@@ -86,7 +86,35 @@ def test_auto_fields_and_overrides():
                                 grad_clip=0.5, zero_stage=3, bf16=True)
     assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["train_batch_size"] == 4
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["bf16"]["enabled"] is True
-    assert cfg["gradient_clipping"] == 1.0  # the JSON's explicit value wins over the default
+    assert cfg["gradient_clipping"] == 0.5  # the shipped JSONs take optim.grad_clip
+
+
+@pytest.mark.parametrize("key, given, ours", [("gradient_clipping", 1.0, dict(grad_clip=0.5)),
+                                              ("gradient_clipping", "off", dict(grad_clip=1.0)),
+                                              ("train_micro_batch_size_per_gpu", 8, dict(micro_batch=2))])
+def test_a_json_number_that_disagrees_with_the_yaml_is_refused(tmp_path, key, given, ours):
+    """Neither side wins silently (the Hugging Face Trainer's rule): the error names the file and both keys."""
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({key: given}))
+    args = {"micro_batch": 2, "world_size": 1, "grad_clip": 1.0, **ours}
+    yaml_key = "optim.grad_clip" if key == "gradient_clipping" else "optim.batch_size / run.num_workers"
+    with pytest.raises(ConfigError, match=rf"mine.json: {key}={given!r} disagrees with {yaml_key}"):
+        load_deepspeed_config(path, **args)
+
+
+def test_a_json_number_that_agrees_with_the_yaml_is_kept(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 2}))
+    cfg = load_deepspeed_config(path, micro_batch=2, world_size=2, grad_clip=0.5)
+    assert cfg["gradient_clipping"] == 0.5 and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert cfg["train_batch_size"] == 4
+
+
+def test_every_shipped_json_takes_batch_and_clipping_from_the_yaml():
+    for name in sorted(os.listdir(DS_DIR)):
+        raw = json.loads(open(os.path.join(DS_DIR, name)).read())
+        assert raw["gradient_clipping"] == "auto" and raw["train_micro_batch_size_per_gpu"] == "auto", name
+        assert load_deepspeed_config(os.path.join(DS_DIR, name), 3, 1, grad_clip=0.25)["gradient_clipping"] == 0.25
 
 
 def test_bad_deepspeed_configs(tmp_path):
