@@ -263,6 +263,9 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
                 log(f"[mini-paper] Table 2 over the candidates of {chosen} (best non-random by mean val R@k, "
                     "and the random arm of its architecture)")
                 runner.run(rr, gates_for(rr), snapshot)
+        if head and runner.failed:  # a cell that could not reach the head is diagnosed from the head's side
+            head.keep_logs = True
+            log(f"[mini-paper] {len(runner.failed)} cells failed; the Ray head's logs are kept in {head.temp_dir}")
     result = snapshot()
     write_outputs(result, out)
     log(f"[mini-paper] {len(runner.done)} cells done, {len(runner.failed)} failed in "

@@ -69,7 +69,9 @@ class LocalHead:
         self._own_temp = temp_dir is None
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="rh_", dir="/tmp"))
         self.log_path = Path(log) if log else self.temp_dir / "ray_start.log"
-        self.ports = {flag: free_port() for flag in PORT_FLAGS}
+        self.ports: dict[str, int] = {}
+        for flag in PORT_FLAGS:  # nine distinct ports: none is bound until `ray start` runs
+            self.ports[flag] = free_port(taken=set(self.ports.values()))
         self.proc: subprocess.Popen | None = None
 
     @property

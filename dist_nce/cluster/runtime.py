@@ -14,6 +14,7 @@ explicitly at their start.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -264,10 +265,45 @@ def forget_stopped_head(port: int) -> bool:
     return True
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports chosen here are bound later by another process (`ray start`, a Ray driver, torch.distributed),
+# seconds later on a loaded machine. A port from the kernel's ephemeral range can be taken in between
+# by any socket bound to port 0: every Ray process on the machine binds several. Below that range and
+# above Ray's default worker ports (10002-19999) a port is taken only by someone who names it.
+PORT_RANGE = (20000, 32767)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _port_range() -> tuple[int, int]:
+    lo, hi = PORT_RANGE
+    try:
+        with open(EPHEMERAL_RANGE_FILE, encoding="ascii") as f:
+            hi = min(hi, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return lo, hi
+
+
+def free_port(taken: "set[int] | frozenset[int]" = frozenset()) -> int:
+    """A TCP port on 127.0.0.1 that is free now and not in ``taken``, outside the ephemeral range
+    (comment above); the kernel's choice (ephemeral) only if 200 random tries all find a port in use."""
+    lo, hi = _port_range()
+    draw = random.SystemRandom()  # not the global RNG: seeded tests in two processes would agree
+    for _ in range(200 if hi >= lo else 0):
+        port = draw.randint(lo, hi)
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def single_process_dist_env(port: int | None = None) -> dict[str, str]:

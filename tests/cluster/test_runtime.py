@@ -156,3 +156,45 @@ def test_joining_is_not_retried_forever_nor_for_other_failures(monkeypatch):
     with pytest.raises(ConnectionError):
         runtime.init_ray(address="127.0.0.1:1")
     assert calls == [("init", "127.0.0.1:1")]
+
+
+
+def test_free_ports_lie_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """A chosen port is bound later by another process: one from the kernel's ephemeral range could be
+    given to any socket bound to port 0 in between (runtime.PORT_RANGE)."""
+    import os
+    import socket
+
+    from dist_nce.cluster import runtime
+
+    ephemeral = runtime.EPHEMERAL_RANGE_FILE
+    first_ephemeral = int(open(ephemeral).read().split()[0]) if os.path.exists(ephemeral) else 32768
+    assert all(20000 <= runtime.free_port() < min(32768, first_ephemeral) for _ in range(50))
+
+    def free(port):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    base = next(p for p in iter(runtime.free_port, None) if free(p + 1) and free(p + 2))
+    # Of three ports, one in use and one in `taken`: only the third is ever returned.
+    monkeypatch.setattr(runtime, "_port_range", lambda: (base, base + 2))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", base))
+        assert {runtime.free_port(taken={base + 1}) for _ in range(30)} == {base + 2}
+        # Nothing left in the range: the kernel's choice, still not a taken one.
+        monkeypatch.setattr(runtime, "_port_range", lambda: (base, base + 1))
+        assert runtime.free_port(taken={base + 1}) not in (base, base + 1)
+
+
+def test_a_local_heads_ports_are_distinct(tmp_path, monkeypatch):
+    from dist_nce.cluster import head as head_mod
+
+    # The draws repeat a port: the head must not hand it to two of its listeners.
+    draws = iter([21000, 21000, 21001, 21000, 21002, 21003, 21004, 21005, 21006, 21007, 21008])
+    monkeypatch.setattr("dist_nce.cluster.runtime.random.SystemRandom.randint", lambda self, a, b: next(draws))
+    h = head_mod.LocalHead(env={"HOME": str(tmp_path)}, temp_dir=str(tmp_path / "t"))
+    assert sorted(h.ports.values()) == list(range(21000, 21009)) and len(h.ports) == len(head_mod.PORT_FLAGS)
