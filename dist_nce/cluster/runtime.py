@@ -283,7 +283,7 @@ def _port_range() -> tuple[int, int]:
     return lo, hi
 
 
-def free_port(taken: "set[int] | frozenset[int]" = frozenset()) -> int:
+def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     """A TCP port on 127.0.0.1 that is free now and not in ``taken``, outside the ephemeral range
     (comment above); the kernel's choice (ephemeral) only if 200 random tries all find a port in use."""
     lo, hi = _port_range()

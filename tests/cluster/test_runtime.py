@@ -168,7 +168,7 @@ def test_free_ports_lie_outside_the_ephemeral_range_and_skip_taken_ones(monkeypa
     from dist_nce.cluster import runtime
 
     ephemeral = runtime.EPHEMERAL_RANGE_FILE
-    first_ephemeral = int(open(ephemeral).read().split()[0]) if os.path.exists(ephemeral) else 32768
+    first_ephemeral = int(Path(ephemeral).read_text().split()[0]) if os.path.exists(ephemeral) else 32768
     assert all(20000 <= runtime.free_port() < min(32768, first_ephemeral) for _ in range(50))
 
     def free(port):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_a_json_number_that_agrees_with_the_yaml_is_kept(tmp_path):
 
 def test_every_shipped_json_takes_batch_and_clipping_from_the_yaml():
     for name in sorted(os.listdir(DS_DIR)):
-        raw = json.loads(open(os.path.join(DS_DIR, name)).read())
+        raw = json.loads(Path(DS_DIR, name).read_text())
         assert raw["gradient_clipping"] == "auto" and raw["train_micro_batch_size_per_gpu"] == "auto", name
         assert load_deepspeed_config(os.path.join(DS_DIR, name), 3, 1, grad_clip=0.25)["gradient_clipping"] == 0.25
 
