@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,22 @@ def test_bad_configs_name_the_key(tmp_path, patch, message):
     path.write_text(yaml.safe_dump(patch))
     with pytest.raises(ConfigError, match=message):
         load_config(MiniPaperConfig, path)
+
+
+def test_the_one_unseen_world_job_is_the_dual_and_som_grids_cell_for_cell():
+    """configs/mini_paper/minilm_unseen_cpu.yaml runs both MiniLM grids of docs/mini_paper.md as one job: its
+    cells carry the names and keys (so the directories) of minilm_cpu.yaml's and minilm_som_cpu.yaml's."""
+    def cells(name):
+        cfg = load_config(MiniPaperConfig, REPO / "configs" / "mini_paper" / name)
+        return {c.name: (c.key(REPO), c.after) for c in zeshel_cells(cfg, REPO).values()}
+
+    dual, som, both = cells("minilm_cpu.yaml"), cells("minilm_som_cpu.yaml"), cells("minilm_unseen_cpu.yaml")
+    assert len(dual) == len(som) == 10 and both == {**dual, **som}
+    # The committed runs are these very cells: the job reuses their directories, or reruns their settings.
+    for run, arch in (("minilm", "dual"), ("minilm_som", "som")):
+        committed = json.loads((REPO / "docs" / "mini_paper" / run / "mini_paper.json").read_text(encoding="utf-8"))
+        assert {c["name"]: Path(c["dir"]).name for c in committed["cells"]} == \
+            {n: f"{n}-{key}" for n, (key, _) in both.items() if n.startswith(f"zeshel-{arch}-")}
+    for name in ("minilm_cpu.yaml", "minilm_som_cpu.yaml", "minilm_unseen_cpu.yaml"):
+        cfg = load_config(MiniPaperConfig, REPO / "configs" / "mini_paper" / name)
+        assert not cfg.reranker.enabled and cfg.seeds == [0, 1, 2], name
