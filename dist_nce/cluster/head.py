@@ -7,7 +7,9 @@ guarantees, in order:
   first (:func:`dist_nce.cluster.runtime.ensure_auth_token`), ``RAY_AUTH_MODE=token`` is set for the
   head and for every client it hands out (:attr:`LocalHead.env`);
 * nothing listens beyond loopback: node address, dashboard and agents on 127.0.0.1, and every
-  port chosen free, so a head runs beside any other Ray on the machine;
+  port chosen free, distinct and below the kernel's ephemeral range (where the other Rays on the
+  machine take ports by the dozen while this one starts: :func:`~dist_nce.cluster.runtime.free_port`),
+  so a head runs beside any other Ray on the machine;
 * the head runs ``--block`` in its own process session and dies with the process that
   started it (Linux ``PR_SET_PDEATHSIG``): a killed demo or test leaves no cluster behind;
   :meth:`LocalHead.stop` ends exactly this cluster (``ray stop`` would end every Ray here).
