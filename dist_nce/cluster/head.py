@@ -12,7 +12,13 @@ guarantees, in order:
   so a head runs beside any other Ray on the machine;
 * the head runs ``--block`` in its own process session and dies with the process that
   started it (Linux ``PR_SET_PDEATHSIG``): a killed demo or test leaves no cluster behind;
-  :meth:`LocalHead.stop` ends exactly this cluster (``ray stop`` would end every Ray here).
+  :meth:`LocalHead.stop` ends exactly this cluster (``ray stop`` would end every Ray here);
+* it is up only when ``ray start`` says so ("Ray runtime started.") and its dashboard answers.
+  The dashboard answers before the node is up, and on a loaded machine the node can still fail:
+  the raylet gives the dashboard agent 15 s to write its port file and aborts when a slow Python
+  start-up misses that (seen at a load of ~16 on 2 cores: the head looked up, every client then
+  timed out on a dead GCS). Such a start is tried again, ``START_ATTEMPTS`` in all, each on new
+  ports, the failed attempt's ``ray start`` log kept beside the next.
 """
 from __future__ import annotations
 
@@ -32,6 +38,11 @@ from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, fre
 
 # Every listener of a head, each given an explicit free port (the defaults, e.g. the agent's
 # 52365 or the client server's 10001, may belong to another Ray on the machine).
+# "Ray runtime started." is printed once the node is up; a failed start prints none. The retry is
+# the remedy the raylet's fixed agent window leaves: the second start finds Ray's modules in the
+# page cache.
+STARTED = "Ray runtime started."
+START_ATTEMPTS = 3
 PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
               "--node-manager-port", "--object-manager-port")
@@ -62,6 +73,8 @@ class LocalHead:
         self.bin_dir = Path(sys.executable).parent
         self.env = ray_env({"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                             "RAY_AUTH_MODE": "token", **(env or {})})
+        # Unbuffered, so that `ray start --block` has written STARTED to its log before it blocks.
+        self._start_env = {**self.env, "PYTHONUNBUFFERED": "1"}
         self.env.pop("RAY_ADDRESS", None)  # a head of its own, not a client of another cluster
         for var, value in (env or {}).items():  # an override given as "" removes the variable
             if value == "":
@@ -71,10 +84,16 @@ class LocalHead:
         self._own_temp = temp_dir is None
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="rh_", dir="/tmp"))
         self.log_path = Path(log) if log else self.temp_dir / "ray_start.log"
-        self.ports: dict[str, int] = {}
-        for flag in PORT_FLAGS:  # nine distinct ports: none is bound until `ray start` runs
-            self.ports[flag] = free_port(taken=set(self.ports.values()))
+        self.ports = self._choose_ports()
         self.proc: subprocess.Popen | None = None
+        self.failed_logs: list[Path] = []  # the `ray start` logs of failed attempts
+
+    @staticmethod
+    def _choose_ports() -> dict[str, int]:
+        ports: dict[str, int] = {}
+        for flag in PORT_FLAGS:  # nine distinct ports: none is bound until `ray start` runs
+            ports[flag] = free_port(taken=set(ports.values()))
+        return ports
 
     @property
     def address(self) -> str:
@@ -91,17 +110,37 @@ class LocalHead:
                 "--disable-usage-stats", f"--temp-dir={self.temp_dir / 'ray'}"]
 
     def start(self) -> "LocalHead":
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-        deadline = time.monotonic() + self.timeout_s
-        while not self._dashboard_up():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                said = self.log_path.read_text()[-3000:]
-                self.stop()
-                raise RuntimeError(f"ray start --head did not come up (log {self.log_path}):\n{said}")
-            time.sleep(1)
+        attempt = 1
+        while (why := self._start_once()) is not None:
+            said = self.log_path.read_text(errors="replace")[-3000:]
+            self._end_process()
+            forget_stopped_head(self.ports["--port"])
+            if attempt == START_ATTEMPTS:  # its logs stay for the reader of this error
+                raise RuntimeError(f"ray start --head did not come up in {START_ATTEMPTS} attempts ({why}; log "
+                                   f"{self.log_path}, earlier attempts {[str(p) for p in self.failed_logs]}):\n{said}")
+            kept = self.log_path.with_name(f"{self.log_path.stem}.attempt{attempt}{self.log_path.suffix}")
+            self.log_path.replace(kept)
+            self.failed_logs.append(kept)
+            attempt += 1
+            print(f"ray start --head failed ({why}; log {kept}); starting it again on new ports "
+                  f"({attempt}/{START_ATTEMPTS})", file=sys.stderr, flush=True)
+            self.ports = self._choose_ports()
         return self
+
+    def _start_once(self) -> str | None:
+        """One ``ray start``: None once it is up (module docstring), else why not."""
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), env=self._start_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                return f"ray start exited with {self.proc.returncode}"
+            if STARTED in self.log_path.read_text(errors="replace") and self._dashboard_up():
+                return None
+            if time.monotonic() > deadline:
+                return f"not up after {self.timeout_s:g} s"
+            time.sleep(1)
 
     def _dashboard_up(self) -> bool:
         try:
@@ -117,6 +156,14 @@ class LocalHead:
         SIGKILL to the process group for anything left behind."""
         if self.proc is None:
             return
+        self._end_process()
+        forget_stopped_head(self.ports["--port"])
+        if self._own_temp and not self.keep_logs:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _end_process(self) -> None:
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -130,9 +177,6 @@ class LocalHead:
         self.proc.wait(timeout=10)
         self.proc = None
         self._log.close()
-        forget_stopped_head(self.ports["--port"])
-        if self._own_temp and not self.keep_logs:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalHead":
         return self.start()

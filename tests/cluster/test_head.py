@@ -89,3 +89,63 @@ def test_demo_head_on_a_fresh_home_requires_the_token(ray_head):
     said = (wrong.stdout + wrong.stderr).lower()
     assert wrong.returncode != 0 and "invalid authentication token" in said, said[-3000:]
     assert _submit(address, {"Authorization": f"Bearer {token_file.read_text()}"}) == 200
+
+
+FAKE_RAY_START = r"""
+import http.server, pathlib, sys, threading, time
+count = pathlib.Path(sys.argv[1])
+attempt = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(attempt))
+port = int(sys.argv[sys.argv.index("--dashboard-port") + 1])
+server = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()  # the dashboard answers at once
+print("Local node IP: 127.0.0.1", flush=True)
+if attempt <= int(sys.argv[2]):  # the raylet aborted: ray start fails after its dashboard came up
+    time.sleep(2)
+    print("Exception: The current node timed out during startup.", flush=True)
+    sys.exit(1)
+print("Ray runtime started.", flush=True)
+time.sleep(600)
+"""
+
+
+def _fake_head(tmp_path, monkeypatch, failures):
+    from dist_nce.cluster import head as head_mod
+
+    script = tmp_path / "fake_ray_start.py"
+    script.write_text(FAKE_RAY_START)
+    count = tmp_path / "attempts"
+    real = head_mod.LocalHead.command
+    monkeypatch.setattr(head_mod.LocalHead, "command",
+                        lambda self: [sys.executable, str(script), str(count), str(failures), *real(self)[4:]])
+    return head_mod.LocalHead(env={"HOME": str(tmp_path)}, temp_dir=str(tmp_path / "t"), timeout_s=60), count
+
+
+def test_a_head_whose_node_fails_after_its_dashboard_answered_is_started_again(tmp_path, monkeypatch):
+    """The failure of a loaded machine (module docstring of dist_nce.cluster.head): the dashboard answers,
+    then `ray start` exits. That start is not taken for a head; the next one, on new ports, is."""
+    (tmp_path / "t").mkdir()
+    head, count = _fake_head(tmp_path, monkeypatch, failures=1)
+    first_ports = dict(head.ports)
+    try:
+        head.start()
+        assert count.read_text() == "2" and head.proc.poll() is None
+        assert "Ray runtime started." in head.log_path.read_text()
+        assert [p.name for p in head.failed_logs] == ["ray_start.attempt1.log"]
+        assert "timed out during startup" in head.failed_logs[0].read_text()
+        assert head.ports != first_ports and len(set(head.ports.values())) == len(head.ports)
+    finally:
+        head.stop()
+    assert head.proc is None
+
+
+def test_a_head_that_never_comes_up_is_an_error_that_keeps_its_logs(tmp_path, monkeypatch):
+    from dist_nce.cluster import head as head_mod
+
+    (tmp_path / "t").mkdir()
+    head, count = _fake_head(tmp_path, monkeypatch, failures=head_mod.START_ATTEMPTS)
+    with pytest.raises(RuntimeError, match=rf"did not come up in {head_mod.START_ATTEMPTS} attempts") as e:
+        head.start()
+    assert count.read_text() == str(head_mod.START_ATTEMPTS) and head.proc is None
+    assert "timed out during startup" in str(e.value) and head.log_path.exists()
+    assert all(p.exists() for p in head.failed_logs) and len(head.failed_logs) == head_mod.START_ATTEMPTS - 1
