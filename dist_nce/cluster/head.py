@@ -36,13 +36,13 @@ from typing import Mapping
 
 from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, free_port, ray_env
 
-# Every listener of a head, each given an explicit free port (the defaults, e.g. the agent's
-# 52365 or the client server's 10001, may belong to another Ray on the machine).
 # "Ray runtime started." is printed once the node is up; a failed start prints none. The retry is
 # the remedy the raylet's fixed agent window leaves: the second start finds Ray's modules in the
 # page cache.
 STARTED = "Ray runtime started."
 START_ATTEMPTS = 3
+# Every listener of a head, each given an explicit free port (the defaults, e.g. the agent's
+# 52365 or the client server's 10001, may belong to another Ray on the machine).
 PORT_FLAGS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
               "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
               "--node-manager-port", "--object-manager-port")
@@ -73,12 +73,12 @@ class LocalHead:
         self.bin_dir = Path(sys.executable).parent
         self.env = ray_env({"PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                             "RAY_AUTH_MODE": "token", **(env or {})})
-        # Unbuffered, so that `ray start --block` has written STARTED to its log before it blocks.
-        self._start_env = {**self.env, "PYTHONUNBUFFERED": "1"}
         self.env.pop("RAY_ADDRESS", None)  # a head of its own, not a client of another cluster
         for var, value in (env or {}).items():  # an override given as "" removes the variable
             if value == "":
                 self.env.pop(var, None)
+        # Unbuffered, so that `ray start --block` has written STARTED to its log before it blocks.
+        self._start_env = {**self.env, "PYTHONUNBUFFERED": "1"}
         self.token_location = ensure_auth_token(self.env)
         # Short: Ray's socket paths under the temp dir have a length limit (~107 bytes).
         self._own_temp = temp_dir is None
