@@ -70,8 +70,18 @@ def test_local_worker_takes_the_deepspeed_workers_steps(setup, tiny_model_dir, t
     assert ds["done"] and local["done"] and len(local["losses"]) == ds["plan"]["total_steps"] >= 8
     # Warm-up, decay, weight decay and clipping at 0.5 (it binds) must all match for these to.
     np.testing.assert_allclose(local["losses"], ds["losses"], rtol=1e-6, atol=1e-7)
+    # These get no gradient in exact arithmetic: a key bias adds the same amount to every score of
+    # a query's softmax, and the score's bias and the last LayerNorm's bias (under the CLS head)
+    # the same amount to all 64 candidates of the loss's softmax. Adam scales their rounding noise
+    # into lr-sized steps, whose signs follow each engine's summation order (which differ on
+    # AVX512 CPUs), so they are left out. They change no prediction (the eval check below).
+    last = max(int(k.split(".")[3]) for k in ds["weights"] if k.startswith("model.encoder.layer."))
+    shift_invariant = {"score_layer.bias", f"model.encoder.layer.{last}.output.LayerNorm.bias"} | {
+        k for k in ds["weights"] if k.endswith("attention.self.key.bias")}
+    assert len(shift_invariant) == last + 3 and shift_invariant <= set(ds["weights"])
     for k, w in ds["weights"].items():
-        torch.testing.assert_close(local["weights"][k], w, rtol=1e-6, atol=1e-7, msg=k)
+        if k not in shift_invariant:
+            torch.testing.assert_close(local["weights"][k], w, rtol=1e-6, atol=1e-7, msg=k)
     assert local["eval"] == ds["eval"]  # same predictions on val and test
     assert local["engine"]["backend"] == "local" and local["engine"]["accelerator"] is None
     assert local["losses"][-1] < local["losses"][0]
