@@ -57,21 +57,31 @@ def test_setup_puts_faiss_only_in_the_cpu_and_gpu_extras():
 
 @pytest.fixture(scope="module")
 def dry_run_reports(tmp_path_factory):
-    """pip's resolution report for each path, both resolved at once (each is ~20-30 s of PyPI)."""
+    """pip's resolution report for each path (each is ~15-30 s of PyPI).
+
+    Two at a time, never both GPU paths at once: pip unpacks the CUDA wheels it reads metadata
+    from into /tmp (~1.1 GB per GPU resolution, seen), and the disk may be short."""
     out_dir = tmp_path_factory.mktemp("reports")
     started = time.monotonic()
-    procs = {}
-    # make venv's two paths (with dev), and the image's (gpu without dev)
-    for key, args in {"cpu": ["cpu"], "gpu": ["gpu"], "gpu-prod": ["--no-dev", "gpu"]}.items():
-        report = out_dir / f"{key}.json"
-        procs[key] = (report, subprocess.Popen(
-            ["bash", str(SCRIPT), "--python", sys.executable, "--dry-run", str(report), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     reports = {}
-    for mode, (report, proc) in procs.items():
+
+    def start(key, args):
+        report = out_dir / f"{key}.json"
+        return key, report, subprocess.Popen(
+            ["bash", str(SCRIPT), "--python", sys.executable, "--dry-run", str(report), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(key, report, proc):
         out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"dry run ({mode}) failed:\n{out}\n{err}"
-        reports[mode] = json.loads(report.read_text())
+        assert proc.returncode == 0, f"dry run ({key}) failed:\n{out}\n{err}"
+        reports[key] = json.loads(report.read_text())
+
+    # make venv's two paths (with dev), and the image's (gpu without dev)
+    cpu, gpu = start("cpu", ["cpu"]), start("gpu", ["gpu"])
+    finish(*gpu)
+    prod = start("gpu-prod", ["--no-dev", "gpu"])
+    finish(*cpu)
+    finish(*prod)
     print(f"dry-run resolution of both paths: {time.monotonic() - started:.1f} s")
     return reports
 
