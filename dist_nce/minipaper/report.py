@@ -24,7 +24,8 @@ RESULTS = {"": RESULT, "minilm": "docs/mini_paper/minilm/mini_paper.json",
            "minilm_seeds789": "docs/mini_paper/minilm_seeds789/mini_paper.json",
            "minilm_table2": "docs/mini_paper/minilm_table2/mini_paper.json",
            "minilm_som": "docs/mini_paper/minilm_som/mini_paper.json",
-           "minilm_som_seeds789": "docs/mini_paper/minilm_som_seeds789/mini_paper.json"}
+           "minilm_som_seeds789": "docs/mini_paper/minilm_som_seeds789/mini_paper.json",
+           "minilm_multi": "docs/mini_paper/minilm_multi/mini_paper.json"}
 # Blocks that show only some parts of their run: the MiniLM Table 2 run reused the "minilm" block's
 # retriever cells, whose Table 1 is on the page already.
 BLOCK_PARTS = {"minilm_table2": ("reranker",)}
