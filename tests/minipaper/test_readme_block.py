@@ -3,13 +3,14 @@ renders, and that run is complete."""
 import json
 from pathlib import Path
 
-from dist_nce.minipaper.report import PAGE, RESULT, RESULTS, block_tables, main, page_block, rewrite_page
+from dist_nce.minipaper.report import PAGE, RESULTS, block_tables, main, page_block, rewrite_page
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def committed() -> dict:
-    return json.loads((REPO / RESULT).read_text(encoding="utf-8"))
+def committed(block: str = "") -> dict:
+    """The committed run behind the page's block ``block`` ("": the main <!-- minipaper --> block)."""
+    return json.loads((REPO / RESULTS[block]).read_text(encoding="utf-8"))
 
 
 def test_page_block_equals_what_the_committed_json_renders():
@@ -24,7 +25,7 @@ def test_page_block_equals_what_the_committed_json_renders():
 def test_the_committed_minilm_run_is_complete_with_its_seeds_and_plots():
     """The unseen-world grid (configs/mini_paper/minilm_cpu.yaml): every cell finished; the dual encoder's
     untrained start and random, hard and mixed-50 on 3 seeds each; its PNGs are on the page."""
-    result = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
+    result = committed("minilm")
     missing = [c["name"] for c in result["cells"] if c["status"] != "done"]
     assert not missing, f"the committed MiniLM run lacks {missing}"
     groups = {(g["architecture"], g["arm"]): g for g in result["zeshel"]["groups"]}
@@ -89,7 +90,7 @@ def test_the_minilm_table2_run_is_complete_and_its_prose_quotes_its_json():
     quoted range) and its spread figure are the JSON's."""
     from dist_nce.minipaper.report import rerank_gains
 
-    result = json.loads((REPO / RESULTS["minilm_table2"]).read_text(encoding="utf-8"))
+    result = committed("minilm_table2")
     assert all(c["status"] == "done" for c in result["cells"])
     assert result["config"]["reranker"]["config"] == "configs/zeshel/reranker_minilm_gpu.yaml"
     groups = {g["arm"]: g for g in result["reranker"]["groups"]}
@@ -103,7 +104,7 @@ def test_the_minilm_table2_run_is_complete_and_its_prose_quotes_its_json():
     assert f"by +{min(every):.1f} to +{max(every):.1f} points of U.Acc" in text
     assert f"The smallest gain, {min(every):.1f} points" in text and f"({spread:.1f} points," in text
     # Table 1's retriever R@1 (the "minilm" block) is what the reranker's report measured on the same mentions.
-    t1 = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
+    t1 = committed("minilm")
     r1 = {g["arm"]: g["val/R@1"]["values"] for g in t1["zeshel"]["groups"]}
     for arm, g in groups.items():
         assert g["val/retriever_R@1"]["values"] == r1[arm], arm
@@ -112,8 +113,8 @@ def test_the_minilm_table2_run_is_complete_and_its_prose_quotes_its_json():
 def replication(first_block: str, again_block: str) -> tuple[dict, dict]:
     """The committed runs of seeds 0-2 and 7-9: the rerun complete, its config that of seeds 0-2 but the
     seeds, its shared start the same cell (reused: the untrained MiniLM has no seed to vary)."""
-    first = json.loads((REPO / RESULTS[first_block]).read_text(encoding="utf-8"))
-    again = json.loads((REPO / RESULTS[again_block]).read_text(encoding="utf-8"))
+    first = committed(first_block)
+    again = committed(again_block)
     assert all(c["status"] == "done" for c in again["cells"])
     assert again["config"]["seeds"] == [7, 8, 9] and first["config"]["seeds"] == [0, 1, 2]
     assert {k: v for k, v in again["config"].items() if k != "seeds"} == \
@@ -147,8 +148,8 @@ def test_the_minilm_replication_keeps_the_r1_marks_the_page_says_it_keeps():
 def test_the_minilm_som_run_is_complete_and_its_prose_quotes_its_json():
     """SOM with MiniLM (configs/mini_paper/minilm_som_cpu.yaml): the dual grid's settings key for key but the
     architecture, every cell done on seeds 0-2; the page's numbers and marks are the JSON's."""
-    first = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
-    som = json.loads((REPO / RESULTS["minilm_som"]).read_text(encoding="utf-8"))
+    first = committed("minilm")
+    som = committed("minilm_som")
     assert all(c["status"] == "done" for c in som["cells"])
     assert list(som["config"]["zeshel"]["architectures"]) == ["som"]
     assert {k: v for k, v in som["config"]["zeshel"].items() if k != "architectures"} == \
@@ -231,8 +232,8 @@ def test_the_minilm_som_replication_keeps_the_marks_the_page_says_it_keeps():
 def test_the_minilm_multi_run_is_the_dual_encoder_and_its_prose_quotes_its_json():
     """multi-8 with MiniLM (configs/mini_paper/minilm_multi_cpu.yaml): the dual grid's settings key for key but
     the architecture; with the entity tower frozen its recall is the dual grid's, cell for cell, as the page says."""
-    dual = json.loads((REPO / RESULTS["minilm"]).read_text(encoding="utf-8"))
-    multi = json.loads((REPO / RESULTS["minilm_multi"]).read_text(encoding="utf-8"))
+    dual = committed("minilm")
+    multi = committed("minilm_multi")
     assert all(c["status"] == "done" for c in multi["cells"]) and len(multi["cells"]) == 10
     assert list(multi["config"]["zeshel"]["architectures"]) == ["multi8"]
     assert {k: v for k, v in multi["config"]["zeshel"].items() if k != "architectures"} == \
