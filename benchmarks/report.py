@@ -11,8 +11,8 @@ their min-max spread, ratios with the range their spreads allow, the load averag
 started at); the prose between the blocks is written by hand. ``tests/test_benchmarks_report.py``
 fails when a block differs from what the committed JSON renders, or when a result has no block on
 the page, so a table cannot drift from its measurement. The README quotes a few headline figures
-and links here, and carries one generated block of its own (the GPU mining table), rewritten and
-checked with the page's.
+and links here; docs/gpu.md and docs/real_data.md carry copies of one block each (COPIES: the GPU
+mining table, the BLINK import's memory table), rewritten and checked with the page's.
 
     .venv/bin/python -m benchmarks.report            # rewrite the page's blocks from the JSON
     .venv/bin/python -m benchmarks.report --check    # exit 1 if any block is stale or missing
@@ -542,8 +542,9 @@ def render(name: str, results: Path = RESULTS) -> str:
     return RENDERERS[name](_load(results, name))
 
 
-# The README carries a generated block too (its GPU table); the page must carry every block.
-README = REPO / "README.md"
+# Pages that carry copies of some of the page's blocks beside their own prose, and the blocks each must
+# carry (the page itself must carry every block). The README carries none, but one it gains is checked too.
+COPIES = {"docs/gpu.md": ("gpu_mining",), "docs/real_data.md": ("import_rss",), "README.md": ()}
 
 
 def rewrite(text: str, results: Path = RESULTS) -> str:
@@ -567,28 +568,45 @@ def stale_blocks(text: str, results: Path = RESULTS) -> list[str]:
                                                                       if n not in found]
 
 
+def stale_copies(results: Path = RESULTS, copies: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """``"FILE NAME"`` for each block of a COPIES page (a path relative to the repository, or absolute)
+    that differs from what ``results`` renders, and ``"FILE NAME (missing)"`` for each block a page must
+    carry and lacks."""
+    stale = []
+    for rel, required in (COPIES if copies is None else copies).items():
+        text = (REPO / rel).read_text(encoding="utf-8")
+        found, fresh = blocks(text), blocks(rewrite(text, results))
+        stale += [f"{rel} {n}" for n, body in found.items() if fresh[n] != body]
+        stale += [f"{rel} {n} (missing)" for n in required if n not in found]
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="exit 1 if a block of docs/benchmarks.md differs from its JSON or is missing")
+                    help="exit 1 if a block of docs/benchmarks.md or of a COPIES page differs from its JSON "
+                         "or is missing")
     args = ap.parse_args(argv)
     page = PAGE.relative_to(REPO)
     text = PAGE.read_text(encoding="utf-8")
-    readme = README.read_text(encoding="utf-8")
     if args.check:
-        stale = stale_blocks(text) + [f"README.md {n}" for n, body in blocks(readme).items()
-                                       if body != blocks(rewrite(readme))[n]]
-        print(f"stale {page} blocks: " + ", ".join(stale) if stale else f"{page}: benchmark blocks match the JSON")
+        stale = stale_blocks(text) + stale_copies()
+        print("stale benchmark blocks: " + ", ".join(stale) if stale
+              else f"{page} and {', '.join(COPIES)}: benchmark blocks match the JSON")
         return 1 if stale else 0
     new = rewrite(text)
     if new != text:
         PAGE.write_text(new, encoding="utf-8")
-    new_readme = rewrite(readme)
-    if new_readme != readme:
-        README.write_text(new_readme, encoding="utf-8")
-    missing = [n for n in names() if n not in blocks(new)]
-    print(f"rendered {len(blocks(new))} blocks of {page}: {', '.join(blocks(new))}; README.md: "
-          f"{', '.join(blocks(new_readme)) or 'none'}"
+    copied = []
+    for rel in COPIES:
+        path = REPO / rel
+        old = path.read_text(encoding="utf-8")
+        fresh = rewrite(old)
+        if fresh != old:
+            path.write_text(fresh, encoding="utf-8")
+        copied.append(f"{rel}: {', '.join(blocks(fresh)) or 'none'}")
+    missing = [n for n in names() if n not in blocks(new)] + [s for s in stale_copies() if s.endswith("(missing)")]
+    print(f"rendered {len(blocks(new))} blocks of {page}: {', '.join(blocks(new))}; " + "; ".join(copied)
           + (f"; no block for {', '.join(missing)}: add a <!-- bench:NAME --> pair" if missing else ""))
     return 1 if missing else 0
 

@@ -1,5 +1,6 @@
-"""The benchmark page's figures come from the committed JSON (benchmarks/report.py), and the
-README's headline figures are figures of the generated pages."""
+"""The benchmark page's figures come from the committed JSON (benchmarks/report.py), so do the copies of
+its blocks on docs/gpu.md and docs/real_data.md, and the README's results table quotes figures of the
+generated pages."""
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,27 @@ def test_page_blocks_equal_what_the_committed_json_renders():
     assert not stale, f"docs/benchmarks.md bench blocks {stale} differ from benchmarks/results/*.json: run " \
                       "`.venv/bin/python -m benchmarks.report` after a benchmark run"
     assert report.stale_blocks(text) == [] and report.main(["--check"]) == 0
+
+
+def test_copied_blocks_are_on_their_pages_and_equal_what_the_json_renders():
+    """docs/gpu.md carries the GPU mining table and docs/real_data.md the BLINK import's memory table (both
+    moved there from the README), each what the committed JSON renders; --check covers them."""
+    assert report.COPIES["docs/gpu.md"] == ("gpu_mining",) and report.COPIES["docs/real_data.md"] == ("import_rss",)
+    for rel, required in report.COPIES.items():
+        found = report.blocks((REPO / rel).read_text(encoding="utf-8"))
+        assert set(required) <= set(found), f"{rel} lacks the bench blocks {sorted(set(required) - set(found))}"
+        stale = [name for name, body in found.items() if body != report.render(name)]
+        assert not stale, f"{rel}: bench blocks {stale} differ from benchmarks/results/*.json"
+    assert report.stale_copies() == []
+
+
+def test_a_stale_or_missing_copy_fails_the_check(tmp_path):
+    """The copies' check can fail: a copied block out of date, or one a page must carry and lacks."""
+    page = tmp_path / "gpu.md"
+    page.write_text("prose\n<!-- bench:gpu_mining -->\nold table\n<!-- /bench:gpu_mining -->\n", encoding="utf-8")
+    assert report.stale_copies(copies={str(page): ("gpu_mining",)}) == [f"{page} gpu_mining"]
+    page.write_text("prose without the table\n", encoding="utf-8")
+    assert report.stale_copies(copies={str(page): ("gpu_mining",)}) == [f"{page} gpu_mining (missing)"]
 
 
 def test_every_committed_result_the_page_shows_was_recorded_idle():
@@ -50,6 +72,18 @@ def readme_results() -> str:
     return m.group("body")
 
 
+def results_rows(body: str) -> list[str]:
+    """The rows of the Results section's one table (header and separator dropped)."""
+    lines = body.splitlines()
+    tables = [i for i, line in enumerate(lines)
+              if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))]
+    assert len(tables) == 1, f"README Results: {len(tables)} tables, want one results table"
+    assert not [line for line in lines if line.startswith("- ")], "README Results: bullets beside the table"
+    rows = [line for line in lines[tables[0]:] if line.startswith("|")]
+    assert re.fullmatch(r"\|(---\|)+", rows[1]), f"README Results: no separator under the header: {rows[1]}"
+    return rows[2:]
+
+
 def generated(page: str) -> str:
     """The generated blocks of a page (what the committed JSON renders), without its hand-written prose."""
     from dist_nce.minipaper.report import RESULTS, page_block
@@ -61,19 +95,28 @@ def generated(page: str) -> str:
 
 
 def test_readme_headline_figures_are_on_the_generated_pages():
-    """Every figure the README's Results section quotes is in a generated table of the page that
-    bullet links to (docs/benchmarks.md, docs/mini_paper.md): a figure of the committed JSON."""
-    body = readme_results()
+    """The README's Results section is one table; every figure a row quotes is in a generated table of
+    the page that row links to (docs/benchmarks.md, docs/mini_paper.md): a figure of the committed JSON."""
+    rows = results_rows(readme_results())
     pages = {name: generated(name) for name in ("benchmarks.md", "mini_paper.md")}
-    bullets = [b for b in re.split(r"\n(?=- )", body) if b.startswith("- ")]
-    assert 3 <= len(bullets) <= 6, f"README Results: {len(bullets)} headline bullets, want 3-6"
-    for bullet in bullets:
-        linked = [name for name in pages if f"docs/{name}" in bullet]
-        assert linked, f"README Results bullet links to neither generated page:\n{bullet}"
-        figures = FIGURE.findall(re.sub(r"\]\([^)]*\)", "]", bullet))  # not the link targets
-        assert figures, f"README Results bullet quotes no figure:\n{bullet}"
+    assert 3 <= len(rows) <= 8, f"README Results: {len(rows)} rows, want 3-8"
+    for row in rows:
+        linked = [name for name in pages if f"docs/{name}" in row]
+        assert linked, f"README Results row links to neither generated page:\n{row}"
+        figures = FIGURE.findall(re.sub(r"\]\([^)]*\)", "]", row))  # not the link targets
+        assert figures, f"README Results row quotes no figure:\n{row}"
         absent = [f for f in figures if not any(f in pages[name] for name in linked)]
-        assert not absent, f"README Results quotes {absent}, not in a generated table of {linked}:\n{bullet}"
+        assert not absent, f"README Results quotes {absent}, not in a generated table of {linked}:\n{row}"
+
+
+def test_results_rows_reads_one_table_only():
+    """The table reader sees every row, and refuses bullets or a second table (the issue asks for one)."""
+    table = "intro\n\n| a | b |\n|---|---|\n| x | 1.0x |\n| y | 2% |\n"
+    assert results_rows(table) == ["| x | 1.0x |", "| y | 2% |"]
+    with pytest.raises(AssertionError, match="2 tables"):
+        results_rows(table + "\n" + table)
+    with pytest.raises(AssertionError, match="bullets"):
+        results_rows(table + "\n- 3.0x more\n")
 
 
 def test_a_changed_figure_makes_the_block_stale(tmp_path):

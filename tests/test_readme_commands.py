@@ -1,9 +1,11 @@
-"""Every shell command in README.md runs as written on a fresh clone, or is checked as far as this machine allows.
+"""Every shell command in README.md and the docs/ pages runs as written on a fresh clone, or is checked as far
+as this machine allows.
 
-The README's ```bash / ```sh / ```console blocks are extracted (continuation lines joined,
-comments dropped) and each command must match exactly one rule of RULES, which says how it
-is checked. A README command no rule matches fails ``test_every_readme_command_is_classified``:
-the README cannot gain a command nobody checks.
+The ```bash / ```sh / ```console blocks of README.md and of every docs/*.md page (PAGES: the README links
+out to the pages that hold its running-on-a-cluster, real-data and linking commands) are extracted
+(continuation lines joined, comments dropped) and each command must match exactly one rule of RULES, which
+says how it is checked. A command no rule matches fails ``test_every_readme_command_is_classified``: neither
+the README nor a page can gain a command nobody checks.
 
 How each kind is checked, in a copy of the tracked files (a fresh clone: no data/, runs/,
 models or .venv; git's working-tree content, so uncommitted edits are what is tested):
@@ -13,7 +15,7 @@ models or .venv; git's working-tree content, so uncommitted edits are what is te
   model) are made first from the project's synthetic generators under the README's names;
 * ``dry_run``: the job with ``--dry-run``: the config parses, every key and range is valid
   and every input exists (the tiny model is built by the job). A paper config may miss only
-  inputs under /mnt/shared (the cluster's shared storage the README tells you to fill); the
+  inputs under /mnt/shared (the cluster's shared storage docs/cluster.md tells you to fill); the
   reranker may miss only what the README's retriever command writes;
 * ``make``: ``make -n`` of the target (a fresh clone would create .venv first), and the job
   lines of its recipe are dry-run in turn;
@@ -40,28 +42,31 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# The README and every page under docs/ (where the README's longer sections live).
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent  # the project's venv: `python` and `ray` in README commands
 SHELL_LANGS = {"bash", "sh", "console"}
-SHARED = "/mnt/shared/"  # the README's shared storage on a cluster; absent here by design
+SHARED = "/mnt/shared/"  # the shared storage of docs/cluster.md's commands; absent here by design
 
 
 @dataclass(frozen=True)
 class Command:
-    line: int  # README line of the command's first line
+    line: int  # line of the command's first line in its page
     text: str  # as written, continuation lines joined (what bash runs)
     words: tuple[str, ...]  # shlex words, comments dropped (what rules match)
+    page: str = "README.md"  # the file it is written in, relative to the repository
 
     @property
     def joined(self) -> str:
         return " ".join(self.words)
 
     def __str__(self) -> str:
-        return f"README.md:{self.line}: {self.joined}"
+        return f"{self.page}:{self.line}: {self.joined}"
 
 
-def readme_commands(text: str) -> list[Command]:
-    """The commands of every shell code block, in order. In ```console blocks only ``$ `` lines
-    are commands (the rest is output)."""
+def readme_commands(text: str, page: str = "README.md") -> list[Command]:
+    """The commands of every shell code block of ``text`` (the file ``page``), in order. In ```console
+    blocks only ``$ `` lines are commands (the rest is output)."""
     out: list[Command] = []
     lang: str | None = None
     pending: tuple[int, str] | None = None
@@ -69,7 +74,7 @@ def readme_commands(text: str) -> list[Command]:
         fence = re.match(r"^\s*```\s*([\w-]*)", raw)
         if fence:
             if pending:
-                raise ValueError(f"README.md:{pending[0]}: code block ends inside a continued command")
+                raise ValueError(f"{page}:{pending[0]}: code block ends inside a continued command")
             lang = None if lang is not None else fence.group(1).lower()
             continue
         if lang not in SHELL_LANGS:
@@ -88,13 +93,14 @@ def readme_commands(text: str) -> list[Command]:
         if not pending[1].endswith("\\"):
             first, cmd = pending
             pending = None
-            out.append(Command(first, cmd, tuple(shlex.split(cmd, comments=True))))
+            out.append(Command(first, cmd, tuple(shlex.split(cmd, comments=True)), page))
     if lang is not None:
-        raise ValueError("README.md: a code block is never closed")
+        raise ValueError(f"{page}: a code block is never closed")
     return out
 
 
-COMMANDS = readme_commands(README.read_text(encoding="utf-8"))
+COMMANDS = [c for path in PAGES
+            for c in readme_commands(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))]
 
 # --- rules: (kind, fullmatch regex over the command's words joined by spaces, why) -------------------
 RULES: list[tuple[str, str, str]] = [
@@ -115,7 +121,7 @@ RULES: list[tuple[str, str, str]] = [
     ("update", r"python jobs/update_kb\.py --store data/kilt .*",
      "on the store the README's prepare command makes, with a few new KILT pages and removed ids"),
     ("run", r"python jobs/import_encodings\.py .*",
-     "on BLINK-layout files made under the README's names (blink_files): a tiny biencoder and its encodings"),
+     "on BLINK-layout files made under docs/real_data.md's names (blink_files): a tiny biencoder and its encodings"),
     ("link", r"(\.venv/bin/)?python jobs/link\.py --(run \$RUN|model \S+) .*",
      "needs the demo's run: arguments parsed by the job's own parser, inputs are files make demo writes "
      "(tests/link runs the job on a tiny exported run)"),
@@ -136,13 +142,17 @@ def classify(cmd: Command) -> str:
 
 def test_readme_has_commands_and_extraction_is_exact():
     """The extractor sees the blocks it should (a broken fence or language tag would silently
-    drop commands: then every other test here passes vacuously)."""
-    joined = [c.joined for c in COMMANDS]
+    drop commands: then every other test here passes vacuously), in the README and in each page
+    its moved sections live on."""
+    joined = [c.joined for c in COMMANDS if c.page == "README.md"]
     assert "make demo" in joined and "make test" in joined and "make zeshel" in joined
     assert len(COMMANDS) >= 20
+    per_page = {page: [c for c in COMMANDS if c.page == page] for page in
+                ("docs/cluster.md", "docs/real_data.md", "docs/linking.md")}
+    assert all(len(cmds) >= 3 for cmds in per_page.values()), {p: len(c) for p, c in per_page.items()}
     # a continued command is one command, its comment dropped
     grids = [c for c in COMMANDS if "jobs/zeshel_grid.py" in c.text]
-    assert len(grids) == 1, "README.md should show the Zeshel grid command once"
+    assert len(grids) == 1, "README.md and docs/ should show the Zeshel grid command once"
     assert grids[0].words[-2:] == ("--out", "runs/zeshel_grid") and "#" not in grids[0].joined
 
 
@@ -156,6 +166,7 @@ def test_extractor_handles_console_prompts_and_continuations():
                                                                              "--b", '{"k": 1}'))]
     with pytest.raises(ValueError, match="never closed"):
         readme_commands("```bash\nmake demo\n")
+    assert str(readme_commands("```bash\nmake demo\n```\n", "docs/x.md")[0]) == "docs/x.md:2: make demo"
 
 
 def test_every_readme_command_is_classified():
@@ -389,7 +400,7 @@ def user_inputs(root: Path) -> None:
 
 def readme_command(pattern: str) -> Command:
     found = [c for c in COMMANDS if re.fullmatch(pattern, c.joined)]
-    assert found, f"README.md: no command matches {pattern}"
+    assert found, f"README.md and docs/: no command matches {pattern}"
     return found[0]
 
 
@@ -410,10 +421,10 @@ def trained_model(root: Path) -> None:
 
 
 def blink_files(root: Path, through_import: bool) -> None:
-    """BLINK's released files under the README's names, in their layouts: tiny BLINK biencoder and
+    """BLINK's released files under docs/real_data.md's names, in their layouts: tiny BLINK biencoder and
     cross-encoder checkpoints (tests/blink_helpers.py) and all_entities_large.t7, the biencoder's
     entity [CLS] states in entity.jsonl's line order, saved as BLINK did (torch's legacy format);
-    data/blink: the README's prepare command. ``through_import``: the README's import command too."""
+    data/blink: the README's prepare command. ``through_import``: that page's import command too."""
     import numpy as np
     import torch
 
@@ -444,7 +455,7 @@ def run(root: Path, cmd: Command) -> None:
     job = cmd.words[1] if cmd.words[1] != "-m" else cmd.words[2]
     if job == "jobs/prepare_kb.py":
         user_inputs(root)
-    elif "biencoder_wiki_large.bin" in cmd.words:  # BLINK's released files (the README's "Real data")
+    elif "biencoder_wiki_large.bin" in cmd.words:  # BLINK's released files (docs/real_data.md)
         blink_files(root, through_import=job != "jobs/import_encodings.py")
     elif job in ("jobs/encode_kb.py", "jobs/evaluate_kilt_aida.py"):
         trained_model(root)
@@ -502,7 +513,7 @@ def _param(cmd: Command):
     # Real runs (subprocesses; some start Ray or write 100k entities) take 5-60 s each on 2 cores;
     # the in-process checks and `make -n` take about a second.
     marks = [pytest.mark.slow] if kind in ("run", "update") or "get-auth-token" in cmd.joined else []
-    return pytest.param(cmd, kind, marks=marks, id=f"L{cmd.line}-{kind}")
+    return pytest.param(cmd, kind, marks=marks, id=f"{Path(cmd.page).stem}-L{cmd.line}-{kind}")
 
 
 @pytest.mark.parametrize("cmd,kind", [_param(c) for c in COMMANDS])

@@ -6,7 +6,7 @@ on dev before and after, exports the model (Hugging Face + BLINK layout) and the
 snapshot, and writes ``<run.output_dir>/summary.json``.
 
 On a Ray cluster (here: a head started with ``ray start --head`` with token authentication
-on: README "Running on a cluster"; the client needs ``RAY_AUTH_MODE=token`` and the token)::
+on: docs/cluster.md; the client needs ``RAY_AUTH_MODE=token`` and the token)::
 
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python jobs/aida_finetune.py --config configs/aida/tiny_cpu.yaml
