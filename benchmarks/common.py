@@ -7,6 +7,8 @@ a 1-minute load average of 1.5 it refuses to record unless ``--force``, which ma
 :func:`interleaved`) and stored as min / median / max; :func:`compare` calls a difference
 only when the spreads do not overlap. Benchmarks run as modules from the repository root
 (``.venv/bin/python -m benchmarks.mining``), so they import this one as ``benchmarks.common``.
+What only the GPU benchmarks need (device sync, the bf16 peak, the profiler) is in
+:mod:`benchmarks.gpu_common`. Nothing here imports tests/: the GPU machine does not have it.
 """
 from __future__ import annotations
 
@@ -38,30 +40,6 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[f
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-def sync(device: torch.device | str) -> None:
-    """Wait for ``device``'s queued work (a no-op off CUDA): what a GPU timing must do before reading the clock."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def gemm_peak(device: torch.device | str, size: int, repeats: int = 10) -> dict:
-    """bf16 GEMM rate (TFLOP/s) of a size^3 product on ``device``: best and median of ``repeats``
-    after three warm-up products (the GPU benchmarks' MFU denominator)."""
-    a = torch.randn(size, size, device=device).bfloat16()
-    b = torch.randn(size, size, device=device).bfloat16()
-    for _ in range(3):
-        a @ b
-    sync(device)
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        rates.append(2 * size ** 3 / (time.perf_counter() - t0) / 1e12)
-    rates.sort()
-    return {"size": size, "tflops_best": rates[-1], "tflops_median": rates[len(rates) // 2]}
 
 
 def gemm_gflops(threads: int, size: int = 2048, dtype: torch.dtype = torch.float32, repeats: int = 10) -> float:

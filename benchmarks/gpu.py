@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -39,8 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import (LOAD_LIMIT, RESULTS_DIR, compare, gemm_peak, interleaved, load_guard, print_table,
-                               save_results, sync)
+from benchmarks.common import LOAD_LIMIT, RESULTS_DIR, compare, interleaved, load_guard, print_table, save_results
+from benchmarks.gpu_common import device_info, gemm_peak, profiled, sync, synced, timed
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.exact import Piece, auto_chunk_rows, exact_search, exact_search_pieces
 from dist_nce.index.search import ShardIndex
@@ -52,31 +51,6 @@ DUAL = ScoreSpec.preset("dual")
 KILT_ROWS = 5_903_530
 
 
-def device_info(device: torch.device) -> dict:
-    info = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "host_cpus": os.cpu_count()}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(name=props.name, sm_count=props.multi_processor_count,
-                    memory_gib=round(props.total_memory / 2 ** 30, 1))
-    else:
-        info.update(name=platform.processor() or platform.machine(), triton_interpret=os.environ.get("TRITON_INTERPRET"))
-    return info
-
-
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> dict:
-    """:func:`benchmarks.common.spread` of ``fn`` run to completion on the device."""
-    def run():
-        fn()
-        sync(device)
-    return interleaved({"x": run}, repeats, warmup)["x"]
-
-
 # --------------------------------------------------------------------------- counting operators
 
 
@@ -85,15 +59,9 @@ def op_counts(fn: Callable[[], Any], device: torch.device) -> dict:
     views and allocations), device kernels (CUDA), host synchronisations (CUDA stream/device
     syncs, ``aten::_local_scalar_dense`` i.e. ``.item()``/``bool()`` of a device value), host
     copy calls, and Triton launches."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
     from torch.autograd import DeviceType
 
-    events = list(prof.events())
+    events = list(profiled(fn, device).events())
     # top-level operators only (an aten op's own sub-ops are one operator; what Triton's
     # interpreter runs inside a launch on a CPU sits below the launch's record_function)
     top = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None]
@@ -117,7 +85,7 @@ _VIEWS = {"aten::alias", "aten::slice", "aten::view", "aten::unsqueeze", "aten::
 
 def law(device: torch.device, quick: bool) -> dict:
     """Correctness of the fused path on ``device`` (module docstring)."""
-    from tests.sampling.laws import successive_law, two_sample_p
+    from dist_nce.sampling.laws import successive_law, two_sample_p
 
     kernel = "auto" if device.type == "cuda" else "triton"
     out: dict[str, Any] = {"kernel": kernel}
@@ -236,7 +204,7 @@ def mining(device: torch.device, quick: bool) -> dict:
             "exact top-k, bf16 scores": lambda: idx_b16.topk(q, k, gold),
             "exact block Gumbel-top-k, bf16 scores": lambda: idx_b16.gumbel_topk(q, k, gold, 3, keys),
         }
-        runs = interleaved({name: (lambda f=f: (f(), sync(device))) for name, f in methods.items()}, repeats, 1)
+        runs = interleaved({name: synced(f, device) for name, f in methods.items()}, repeats, 1)
         row: dict[str, Any] = {"batch": batch, "chunk_rows": auto_chunk_rows(device, batch, 128)}
         row["chunks"] = -(-n // row["chunk_rows"])
         for name, r in runs.items():

@@ -44,9 +44,9 @@ and the busiest kernels. ``numerics``: the reps of every variant against an fp32
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
-import platform
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -54,7 +54,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from benchmarks.common import gemm_peak, interleaved, sync
+from benchmarks.common import interleaved
+from benchmarks.gpu_common import bf16_peak, device_header, profiled, sync, timed
 from dist_nce.index.encode import compile_wanted, encode_precision, encode_rows, prepare_encoder
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder
@@ -137,25 +138,11 @@ def flops_per_entity(cfg: dict[str, Any], T: int) -> dict[str, float]:
             "formula": FLOP_FORMULA}
 
 
-class _NoPatch:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
 def _attention_profile(fn: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
     """Which sdpa backend ``fn`` ran (aten ops and CUDA kernels whose names say attention) and the
     busiest device kernels (share of device time), from one profiled call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
     ops, kernels, times = set(), set(), {}
-    for e in prof.events():
+    for e in profiled(fn, device).events():
         name = e.name
         low = name.lower()
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -205,20 +192,13 @@ def sdpa_probe(device: torch.device, batch: int, T: int, heads: int, head_dim: i
         for masked in (False, True):
             key = f"{name}{'_masked' if masked else ''}"
             try:
-                ctx = sdpa_kernel(backend) if backend is not None else _NoPatch()
+                ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
                 with ctx, torch.inference_mode():
                     bias = mask if masked else None
 
                     def run(bias=bias):
                         return [F.scaled_dot_product_attention(q, k, v, attn_mask=bias) for _ in range(layers)]
-                    run()
-                    sync(device)
-                    best = float("inf")
-                    for _ in range(repeats):
-                        t0 = time.perf_counter()
-                        run()
-                        sync(device)
-                        best = min(best, time.perf_counter() - t0)
+                    best = timed(run, device, repeats)["min"]
                 out["ms_per_forward"][key] = {"ms": best * 1e3, "tflops": flops / best / 1e12}
             except Exception as e:  # noqa: BLE001 - a backend that refuses the shape or the mask
                 out["ms_per_forward"][key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
@@ -287,10 +267,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
     flops = flops_per_entity(cfg, T)
     is_cuda = dev.type == "cuda"
     result: dict[str, Any] = {
-        "benchmark": "gpu_encode (issue 23 item 3)", "device": str(dev), "quick": quick,
-        "device_name": torch.cuda.get_device_name(dev) if is_cuda else platform.processor() or platform.machine(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "transformers": __import__("transformers").__version__},
+        "benchmark": "gpu_encode (issue 23 item 3)", "device": str(dev), "quick": quick, **device_header(dev),
         "model": {"bert": cfg, "spec": "dual", "T": T, "init": "random (seeded)"},
         "rows": {"per_timing": rows, "batch": B, "all_full_length": True, "store": "FullRows (in memory)"},
         "rounds": {"warmup": shape["warmup"], "timed": shape["repeats"], "order": "interleaved A B C A B C ..."},
@@ -299,12 +276,8 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
     if is_cuda:
         result["sdp_flags"] = {name: bool(getattr(torch.backends.cuda, f"{name}_sdp_enabled")())
                                for name in ("flash", "mem_efficient", "cudnn", "math")}
-    if peak_tflops is None:
-        peak_tflops, source = gemm_peak(dev, 8192 if is_cuda and not quick else 256)["tflops_best"], "measured here"
-    else:
-        source = "caller"
-    peak = float(peak_tflops)
-    result["peak_tflops"], result["peak_source"] = peak, source
+    result["peak_tflops"], result["peak_source"] = bf16_peak(peak_tflops, dev, 8192 if is_cuda and not quick else 256)
+    peak = result["peak_tflops"]
 
     torch.manual_seed(seed)
     base = EntityEncoder(Encoder.from_config(cfg), ScoreSpec.preset("dual")).eval()

@@ -57,7 +57,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -67,7 +66,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import gemm_peak, sync
+from benchmarks.gpu_common import bf16_peak, device_header, profiled, sync
 
 REPO = Path(__file__).resolve().parents[1]
 DS_DIR = REPO / "configs" / "deepspeed"
@@ -160,12 +159,6 @@ def step_flops(model, shape: dict[str, Any]) -> dict[str, Any]:
     return {"flops_per_step": total, "sides": parts, "formula": MFU_FORMULA}
 
 
-def device_peak_tflops(device: str) -> tuple[float, str]:
-    """bf16 matmul rate of ``device`` now (best of several products after warm-up), TFLOP/s."""
-    n, reps = (8192, 20) if device.startswith("cuda") else (256, 3)
-    return gemm_peak(device, n, reps)["tflops_best"], f"measured here: bf16 matmul {n}^3, best of {reps}"
-
-
 # --------------------------------------------------------------------------- modes
 
 
@@ -202,18 +195,14 @@ class Mode:
 
 class Plain(Mode):
     def __init__(self, name: str, model, device: str, lr: float, total_steps: int):
-        from dist_nce.worker.engine import linear_warmup_decay
+        from dist_nce.worker.engine import build_optimizer
 
         self.name = name
         self.device_type = device.split(":")[0]
         self.model = model.to(device)
-        no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")  # build_engine's groups
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if not n.endswith(no_decay)], "weight_decay": WEIGHT_DECAY},
-                  {"params": [p for n, p in named if n.endswith(no_decay)], "weight_decay": 0.0}]
-        self.params = [p for _, p in named]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=self.device_type == "cuda")
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, linear_warmup_decay(total_steps, WARMUP_PROPORTION))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # build_engine's own AdamW (its parameter groups; fused on CUDA) and schedule, without DeepSpeed
+        self.opt, self.sched = build_optimizer(self.model, lr, WEIGHT_DECAY, total_steps, WARMUP_PROPORTION)
 
     def forward(self, batch):
         from dist_nce.modeling.losses import nce_loss
@@ -408,23 +397,25 @@ def _profile_step(mode: Mode, batch, device: str, top: int = 8) -> dict[str, Any
     event syncs; ``aten::_local_scalar_dense`` = ``.item()``/``bool()`` of a device value), aten ops, the
     busiest host-side ops (self time, ms), and the phase's host ms under the profiler."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     mode.activate()
-    out, loss = {}, None
+    out: dict[str, Any] = {}
+    held: dict[str, Any] = {}  # the forward's loss for the backward, and each phase's host ms
+
+    def run(phase: str) -> None:
+        t0 = time.perf_counter()
+        if phase == "forward":
+            held["loss"] = mode.forward(batch)
+        elif phase == "backward":
+            mode.backward(held["loss"])
+        else:
+            mode.step()
+        held["ms"] = 1e3 * (time.perf_counter() - t0)
+
     for phase in ("forward", "backward", "optimizer"):
         sync(device)
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            if phase == "forward":
-                loss = mode.forward(batch)
-            elif phase == "backward":
-                mode.backward(loss)
-            else:
-                mode.step()
-            ms = 1e3 * (time.perf_counter() - t0)
-            sync(device)  # the phase's kernels inside the trace; this sync is not counted below
+        prof = profiled(lambda: run(phase), device)  # its closing sync is inside the trace: not counted below
+        ms = held["ms"]
         events = list(prof.events())
         host = [e for e in events if e.device_type == DeviceType.CPU]
         syncs: dict[str, int] = {}
@@ -535,10 +526,7 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     linear0 = _original_linear()
 
     result: dict[str, Any] = {
-        "benchmark": "gpu_train (issue 23 item 4)", "device": device, "quick": quick,
-        "device_name": torch.cuda.get_device_name(device) if is_cuda else platform.processor() or platform.machine(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "transformers": __import__("transformers").__version__},
+        "benchmark": "gpu_train (issue 23 item 4)", "device": device, "quick": quick, **device_header(device),
         "model": {"retriever": "dual", "bert": bert},
         "batch": {k: shape[k] for k in ("mentions", "candidates", "mention_len", "cand_len", "distinct_batches")},
         "rounds": {"warmup": shape["warmup"], "timed": shape["steps"], "order": "interleaved A B C A B C ..."},
@@ -546,11 +534,8 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
                   "grad_clip": GRAD_CLIP, "schedule": f"linear warm-up + decay over {rounds} steps"},
         "modes": {},
     }
-    if peak_tflops is None:
-        peak_tflops, source = device_peak_tflops(device)
-    else:
-        source = "caller"
-    result["peak_tflops"], result["peak_source"] = float(peak_tflops), source
+    size, repeats = (8192, 20) if is_cuda else (256, 3)
+    result["peak_tflops"], result["peak_source"] = bf16_peak(peak_tflops, device, size, repeats)
 
     base = build_model(bert, seed).to(device)  # the modes' copies are then device-to-device
     flops = step_flops(base, shape)
@@ -598,7 +583,7 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
                     log(f"{name}: engine not built: {type(e).__name__}: {e}")
             log(f"group {plain_name}: modes {list(modes)} built at {time.perf_counter() - t_start:.1f} s")
             records = _run_group(modes, batches, rounds, shape["warmup"], device, resident, entries, log)
-            _summarise(records, entries, plain_name, flops["flops_per_step"], float(peak_tflops))
+            _summarise(records, entries, plain_name, flops["flops_per_step"], result["peak_tflops"])
             if profile:
                 for name, mode in modes.items():
                     try:

@@ -19,8 +19,8 @@ from dist_nce.kernels.gumbel import gumbel_noise_fused
 from dist_nce.sampling import block_gumbel as bg
 from dist_nce.sampling.noise import gumbel_noise
 from dist_nce.sampling.block_gumbel import block_log_mass
+from dist_nce.sampling.laws import successive_law, two_sample_p
 from dist_nce.sampling.topk import mask_gold, merge_results
-from tests.sampling.laws import successive_law, two_sample_p
 
 pytestmark = [pytest.mark.skipif(br.available("cpu") is not None, reason=f"{br.available('cpu')}"),
               # empty blocks take log 0 = -inf on purpose; the interpreter's numpy warns

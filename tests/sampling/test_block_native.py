@@ -19,8 +19,8 @@ from dist_nce.kernels import build as native
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling import negatives as ng
 from dist_nce.sampling import block_native
+from dist_nce.sampling.laws import successive_law, two_sample_p
 from dist_nce.sampling.topk import merge_results
-from tests.sampling.laws import successive_law, two_sample_p
 
 NATIVE_REASON = native.unavailable_reason()
 needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native block kernel unavailable: {NATIVE_REASON}")
