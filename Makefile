@@ -21,7 +21,9 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # regenerates them from setup.py with uv (`pip install uv`, or UV=/path/to/uv) against PyPI:
 # universal (every platform and Python >= 3.10 of setup.py; markers pick the line), one lock per
 # FAISS variant, and the dev extra as a separate layer, constrained by both so the packages it
-# shares with them have the same pins (Python >= 3.11 there: import-linter 2.17 needs it).
+# shares with them have the same pins (Python >= 3.11 there: import-linter 2.17 needs it). The
+# variant locks also pin the optional tracking extras (mlflow, wandb): constraints install
+# nothing, and `pip install -c requirements/gpu.txt -e '.[gpu,mlflow]'` gets the tested versions.
 # Review the diff, then `make clean-venv venv test`.
 UV ?= uv
 LOCK_FLAGS := --universal --no-python-downloads --default-index https://pypi.org/simple \
@@ -60,8 +62,8 @@ clean-venv:
 	rm -rf $(VENV)
 
 lock:
-	$(UV) pip compile setup.py requirements/base.in --extra gpu --python-version 3.10 $(LOCK_FLAGS) -o requirements/gpu.txt
-	$(UV) pip compile setup.py requirements/base.in --extra cpu --override requirements/cpu-overrides.txt \
+	$(UV) pip compile setup.py requirements/base.in --extra gpu --extra mlflow --extra wandb --python-version 3.10 $(LOCK_FLAGS) -o requirements/gpu.txt
+	$(UV) pip compile setup.py requirements/base.in --extra cpu --extra mlflow --extra wandb --override requirements/cpu-overrides.txt \
 	    --python-version 3.10 $(LOCK_FLAGS) -o requirements/cpu.txt
 	$(PYTHON) scripts/extra_requirements.py dev | $(UV) pip compile - -c requirements/cpu.txt -c requirements/gpu.txt \
 	    --python-version 3.11 $(LOCK_FLAGS) -o requirements/dev.txt

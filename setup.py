@@ -66,7 +66,15 @@ setup(
         # kubernetes-validate ships the Kubernetes OpenAPI schemas, so the cluster-config
         # tests validate pod templates offline; import-linter checks the layering (.importlinter,
         # tests/test_layers.py; its acyclic_siblings contract type is recent).
+        # run.tracking (dist_nce/worker/tracking.py, docs/tracking.md): MLflow and W&B through Ray's
+        # integrations, each optional and imported only when turned on. mlflow-skinny is the tracking
+        # client with the file store and artifact logging, without the UI server (no sqlalchemy,
+        # flask, pandas or scikit-learn); floors are the series the tests ran.
+        "mlflow": ["mlflow-skinny>=3.17"],
+        "wandb": ["wandb>=0.31"],
+        # The tracking packages again (not "dist-nce[mlflow,wandb]": the dev layer's lock and the
+        # install tests read the dev extra's own package names), so CI's tests run both trackers.
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "kubernetes-validate>=1.30",
-                "import-linter>=2.17"],
+                "import-linter>=2.17", "mlflow-skinny>=3.17", "wandb>=0.31"],
     },
 )

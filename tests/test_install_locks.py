@@ -81,6 +81,22 @@ def test_lock_pins_every_requirement_of_setup_py_inside_its_range(variant):
 
 
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_variant_locks_pin_the_optional_tracking_extras(variant):
+    """`pip install -c requirements/<variant>.txt -e '.[<variant>,mlflow]'` gets the tested versions:
+    the locks pin run.tracking's extras (constraints install nothing), and the dev layer, which
+    lists the same packages so CI runs both trackers, agrees with them."""
+    extras = _setup_kwargs()["extras_require"]
+    for python in PYTHONS[variant]:
+        pins = _pins(variant, python)
+        for req in (Requirement(r) for extra in ("mlflow", "wandb") for r in extras[extra]):
+            name = _canonical(req.name)
+            assert name in pins and req.specifier.contains(pins[name]), \
+                f"requirements/{variant}.txt: {req} not pinned inside its range for Python {python} (run make lock)"
+    dev = {_canonical(Requirement(r).name) for r in extras["dev"]}
+    assert {_canonical(Requirement(r).name) for extra in ("mlflow", "wandb") for r in extras[extra]} <= dev
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_dev_layer_agrees_with_each_variant(variant):
     """install.sh passes requirements/dev.txt next to the variant's lock: shared pins must match."""
     for python in PYTHONS["dev"]:

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.driver import run_training
     from dist_nce.train.trainer import dev_table
+    from dist_nce.worker.tracking import finish_tracking
 
     configure_process(threads=None)
     # 2. data: the prepared KB (generated and prepared on first use), and what must fit its size
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     except DoesNotFit as e:
         return error(e)
     atomic_write_json(Path(cfg.run.output_dir) / "summary.json", summary)
+    # 4. run.tracking: the dev scores and the model into the run the workers opened
+    finish_tracking(cfg.run.tracking, cfg.run.output_dir, cfg.run.name, summary,
+                    (summary.get("export") or {}).get("model"), lambda m: print(m, flush=True))
     print(dev_table(summary["dev_before"], summary["dev_after"]))
     state = "finished" if summary["done"] else f"stopped at step {summary['step']} (run again to continue)"
     print(f"{state} in {summary['seconds']} s; summary: {Path(cfg.run.output_dir) / 'summary.json'}", flush=True)

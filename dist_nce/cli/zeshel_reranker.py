@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.rerank.data import load_training_set, make_plan
     from dist_nce.rerank.loop import RESULT_FILE
     from dist_nce.rerank.trainer import accuracy_table, describe_plan
+    from dist_nce.worker.tracking import finish_tracking
 
     configure_process(threads=None, faiss=False)  # the reranker searches nothing
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
                "deepspeed_config": json.loads(Path(cfg.deepspeed.config).read_text(encoding="utf-8"))}
     atomic_write_json(out / "summary.json", summary)
+    # 3. run.tracking: U.Acc/N.Acc and the reranker into the run the worker opened
+    finish_tracking(cfg.run.tracking, str(out), cfg.run.name, summary, summary.get("export"),
+                    lambda m: print(m, flush=True))
     if done:
         print(f"reranker over {cfg.data.candidates_format} candidates (C = {cfg.data.num_candidates}); macro = mean "
               "over worlds:\n" + accuracy_table(summary["eval"]))

@@ -100,7 +100,8 @@ class RerankJobConfig:
 
 
 PATH_FIELDS = ("data.train_store", "data.eval_store", "data.candidates_dir", "model.reranker.model",
-               "model.init_from", "deepspeed.config", "run.storage_path", "run.output_dir")
+               "model.init_from", "deepspeed.config", "run.storage_path", "run.output_dir",
+               "run.tracking.wandb.dir")
 
 
 def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> RerankJobConfig:
@@ -122,6 +123,7 @@ def check_inputs(cfg: RerankJobConfig) -> None:
     """Raise ConfigError listing every missing input by its config key (before any cluster work)."""
     from dist_nce.rerank.candidates import candidates_path
     from dist_nce.worker.engine import load_deepspeed_config
+    from dist_nce.worker.tracking import missing_packages
 
     problems: list[str] = []
     d = cfg.data
@@ -152,5 +154,6 @@ def check_inputs(cfg: RerankJobConfig) -> None:
                                   cfg.optim.grad_clip, cfg.deepspeed.zero_stage, cfg.deepspeed.bf16)
         except ConfigError as e:
             problems.append(f"deepspeed.config: {e}")
+    problems += missing_packages(cfg.run.tracking)
     if problems:
         raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))

@@ -15,6 +15,7 @@ from typing import Literal, Optional
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
 from dist_nce.modeling.retriever import RetrieverConfig
+from dist_nce.worker.tracking_config import TrackingConfig
 
 
 def _help(text: str, bounds: Range | None = None, check=None, **kw):
@@ -167,6 +168,9 @@ class WorkerRunConfig:
     num_to_keep: int = _help("Checkpoints kept by Ray Train.", Range(ge=1, why="resuming needs one"), default=2)
     log_every_steps: int = _help("TensorBoard/report scalars every N steps.", AT_LEAST_1, default=1)
     progress: bool = _help("tqdm progress bar on rank 0.", default=True)
+    tracking: TrackingConfig = _help(
+        "MLflow / Weights & Biases through Ray's integrations, besides TensorBoard and metrics.jsonl (off by "
+        "default; docs/tracking.md).", default_factory=TrackingConfig)
 
 
 @dataclass
@@ -214,6 +218,7 @@ def check_inputs(cfg: TrainJobConfig) -> None:
     """Raise ConfigError listing every missing input (files, directories, DeepSpeed JSON)
     named by its config key, so a typo fails in a second, before any cluster work."""
     from dist_nce.worker.engine import load_deepspeed_config
+    from dist_nce.worker.tracking import missing_packages
 
     problems: list[str] = []
 
@@ -255,6 +260,7 @@ def check_inputs(cfg: TrainJobConfig) -> None:
         problems.append(f"data.prepared_dir: {d.prepared_dir} is not a prepared KB (no manifest.json) and no "
                         "source is given: set data.kilt_knowledge_source + data.aida_dir, data.zeshel_root, or "
                         "data.synthetic_entities > 0")
+    problems += missing_packages(cfg.run.tracking)
     if problems:
         raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))
 
@@ -283,7 +289,7 @@ def check_against_store(cfg: TrainJobConfig, store_dir: str) -> None:
 PATH_FIELDS = ("data.prepared_dir", "data.kilt_knowledge_source", "data.aida_dir", "data.zeshel_root",
                "data.synthetic_dir", "model.retriever.mention_model", "model.retriever.entity_model",
                "model.blink_checkpoint", "model.init_from", "deepspeed.config", "service.shard_dir",
-               "run.storage_path", "run.output_dir")
+               "run.storage_path", "run.output_dir", "run.tracking.wandb.dir")
 
 
 def with_absolute_paths(cfg: TrainJobConfig, base: str | None = None) -> TrainJobConfig:

@@ -5,6 +5,8 @@
 ``checkpoint``   engine, RNG and loop state without pickle; trainers add their state and tensors
 ``engine``       the DeepSpeed engine from a DeepSpeed JSON and the job's overrides
 ``tb``           TensorBoard, metrics.jsonl, the progress bar
+``tracking``     ``run.tracking``: MLflow / W&B through Ray's integrations (rank 0, then the driver's
+                 summary scores and model); ``tracking_config`` its settings
 ``collectives``  torch.distributed helpers that are no-ops for one process
 ``process_group`` how the workers meet (a file on one machine, TCP across machines)
 ``launch``       the driver side: the TorchTrainer both jobs run

@@ -3,9 +3,11 @@
     entry     Ray Train calls ``train_func`` -> :func:`worker_main`: typed config, threads, this
               worker's device and the DeepSpeed accelerator that matches it
     setup     (the subclass) data, plan, model -> :meth:`WorkerScaffold.make_engine`
-    resume    engine + RNG + step from ``ray.train.get_checkpoint()`` (+ the subclass's extras)
+    resume    engine + RNG + step from ``ray.train.get_checkpoint()`` (+ the subclass's extras);
+              rank 0 opens ``run.tracking``'s MLflow / W&B run (``dist_nce.worker.tracking``)
     loop      (the subclass) ``train_step`` -> :meth:`WorkerScaffold.after_step`: rank-mean
-              scalars to TensorBoard / metrics.jsonl, progress bar, checkpoints when due
+              scalars to TensorBoard / metrics.jsonl (and the trackers), progress bar,
+              checkpoints when due
     finish    (the subclass) evaluation, export -> :meth:`WorkerScaffold.end_checkpoint`
 
 A fix to any of these lands in both trainers (they had drifted: only the retriever matched
@@ -23,11 +25,12 @@ from typing import Any, Callable
 
 import torch
 
-from dist_nce.core.config import from_dict
+from dist_nce.core.config import from_dict, to_dict
 from dist_nce.worker import checkpoint
 from dist_nce.worker.collectives import Collectives
 from dist_nce.worker.engine import build_engine, load_deepspeed_config
 from dist_nce.worker.tb import RunLogger
+from dist_nce.worker.tracking import start_tracking
 
 
 def accelerator_for(device: torch.device | str) -> str:
@@ -140,8 +143,12 @@ class WorkerScaffold:
         if resumed is not None:
             with resumed.as_directory() as d:
                 self.state = self.restore(d)
-        self.log = RunLogger(self.cfg.run.output_dir, self.rank, self.plan.total_steps, self.state.step,
-                             self.cfg.run.progress)
+        run = self.cfg.run
+        # run.tracking: MLflow / W&B on rank 0 (None when off: nothing imported)
+        tracker = start_tracking(run.tracking, to_dict(self.cfg), run.output_dir, run.name) if self.rank == 0 else None
+        self.log = RunLogger(run.output_dir, self.rank, self.plan.total_steps, self.state.step, run.progress, tracker)
+        for line in tracker.lines if tracker else []:
+            self.log.write(f"tracking: {line}")
         e = self.engine_info()
         self.log.write(f"{self.label} {self.rank}/{self.world}: " + (
             f"resumed at step {self.state.step}" if resumed else "fresh start")

@@ -4,7 +4,9 @@
 ``<output_dir>/metrics.jsonl`` has one JSON object per logged step (``{"step": t, "train/loss":
 ...}``), which is what tests and scripts read. After a restart the steps since the last
 checkpoint are trained and logged again; readers keep the LAST line of a step.
-Other ranks get a logger that does nothing.
+Other ranks get a logger that does nothing. A ``tracker`` (``run.tracking`` on:
+:mod:`dist_nce.worker.tracking`) gets every scalar logged here, at the same step, and is closed
+with the logger.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from typing import Any
 
 
 class RunLogger:
-    def __init__(self, output_dir: str | Path, rank: int, total_steps: int, start_step: int, progress: bool):
+    def __init__(self, output_dir: str | Path, rank: int, total_steps: int, start_step: int, progress: bool,
+                 tracker: Any = None):
         self.enabled = rank == 0
         self.writer = self.bar = self._jsonl = None
+        self.tracker = tracker if self.enabled else None
         if not self.enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -39,6 +43,8 @@ class RunLogger:
             self.writer.add_scalar(name, float(v), step)
         self._jsonl.write(json.dumps({"step": step, **{k: float(v) for k, v in values.items()}}) + "\n")
         self._jsonl.flush()
+        if self.tracker is not None:
+            self.tracker.log(step, values)
 
     def text(self, name: str, value: Any, step: int) -> None:
         if self.enabled:
@@ -68,6 +74,8 @@ class RunLogger:
             self.bar.close()
         self.writer.close()
         self._jsonl.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:

@@ -35,6 +35,7 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     from dist_nce.train.config import check_against_store, check_inputs
     from dist_nce.train.driver import run_training
     from dist_nce.train.model import MODEL_DIR
+    from dist_nce.worker.tracking import finish_tracking
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.evaluate import evaluate_retriever, recall_table
 
@@ -59,4 +60,7 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
             f"all worlds of the split):\n" + recall_table(summary["zeshel"], cfg.zeshel.k))
     summary["seconds"] = round(time.perf_counter() - start, 1)
     atomic_write_json(Path(cfg.run.output_dir) / SUMMARY, summary)
+    # 4. run.tracking: the recall and the model into the run the workers opened
+    finish_tracking(cfg.run.tracking, cfg.run.output_dir, cfg.run.name, summary,
+                    (summary.get("export") or {}).get("model"), log)
     return summary
