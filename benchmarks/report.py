@@ -469,7 +469,45 @@ def import_rss(data: dict) -> str:
         lines += ["", f"`torch_load` is not run at {f['rows']:,} rows: it would hold the whole "
                       f"{f['matrix_bytes'] / 2**30:.1f} GiB matrix and a shard's float16 copy ({need:.1f} GiB) on a "
                       f"machine of {data['machine']['ram_gib']} GiB."]
-    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+    lines += ["", _run_line(data)]
+    if "model" in data:
+        lines += ["", *_import_model(data["model"], sizes[-1])]
+    return "\n".join(lines) + "\n"
+
+
+def _import_model(model: dict, size: dict) -> list[str]:
+    """The import's model step (``--model biencoder.bin``) beside its matrix step at ``size``'s rows."""
+    c = model["config"]
+    name = f"2 towers x {c['num_hidden_layers']} layers, d = {c['hidden_size']} ({model['file_bytes'] / 1e9:.2f} GB)"
+    lines = [f"The import's other step, the model it fingerprints (`--model biencoder.bin`): a BLINK-layout biencoder "
+             f"of random weights, {model['params'] / 1e6:,.0f}M fp32 parameters (`--model-shape {model['shape']}`), "
+             "each way in a fresh process, interleaved. `load` builds the retriever (both towers) and hashes its "
+             "entity encoder, as the import did before; `stream` maps the file and hashes the entity tower a tensor "
+             "at a time (`dist_nce/modeling/blink_stream.py`), what it does now. "
+             + ("Both gave the same fingerprint." if model["fingerprints_equal"] else "THE FINGERPRINTS DIFFERED."), ""]
+    rows = []
+    for method, m in model["methods"].items():
+        peak, sec = m["peak_rss_mib"], m["seconds"]
+        rows.append([name, method, f"{peak['median']:,.0f} MiB ({peak['min']:,.0f}-{peak['max']:,.0f})",
+                     f"{m['start_rss_mib']:,.0f} MiB", f"{m['peak_over_file_bytes']:.2f}",
+                     f"{sec['median']:.1f} ({sec['min']:.1f}-{sec['max']:.1f})", str(sec["repeats"])])
+    lines += _table(["model .bin", "method", "peak RSS, median (min-max)", "RSS before it", "peak / .bin bytes",
+                     "seconds, median (min-max)", "runs"], rows)
+    matrix = size["methods"]["stream"]["peak_rss_mib"]["median"]
+    load = model["methods"]["load"]["peak_rss_mib"]["median"]
+    stream = model["methods"]["stream"]["peak_rss_mib"]["median"]
+    def step(model_peak: float) -> str:
+        return f"{max(model_peak, matrix):,.0f} MiB, the {'model' if model_peak > matrix else 'matrix'} step's"
+
+    grew = {m: r["peak_rss_mib"]["median"] - r["start_rss_mib"] for m, r in model["methods"].items()}
+    lines += ["", f"An import runs the two steps one after the other, so its peak is the larger of the two. With "
+                  f"{size['rows']:,} rows, whose matrix step peaks at {matrix:,.0f} MiB: {step(load)} when the model "
+                  f"was loaded whole (the model step {load / matrix:.1f}x the matrix step), {step(stream)} with the "
+                  f"model fingerprinted off the file ({stream / matrix:.1f}x). Above what the process held before "
+                  f"the model step (interpreter, torch, transformers), the model took {grew['load']:,.0f} MiB, now "
+                  f"{grew['stream']:,.0f} MiB.",
+              "", _run_line(model).replace("Run:", "Run (model step):", 1)]
+    return lines
 
 
 def monitor(data: dict) -> str:

@@ -86,29 +86,28 @@ def run(args: argparse.Namespace) -> dict:
     from dist_nce.actors.service import even_ranges
     from dist_nce.core.artifacts import read_manifest, write_manifest
     from dist_nce.core.text import tokenizer_fingerprint
-    from dist_nce.index.encode import state_fingerprint, store_fingerprint
+    from dist_nce.index.encode import store_fingerprint
     from dist_nce.index.import_encodings import ImportTarget, align_rows, import_matrix, read_row_ids
     from dist_nce.index.matrix_file import open_matrix
     from kb.store import EntityStore
 
     t0 = time.perf_counter()
     matrix = open_matrix(args.encodings)  # first: a wrong file fails before any model is read
-    shard_root, retriever = resolve_target(args)
-    config = retriever.config
+    shard_root, model = resolve_target(args)
+    config = model.config
     spec = config.spec()
     if spec.entity_side.count != 1:
         raise ValueError(f"{args.model}: preset {config.preset!r} keeps {spec.entity_side.count or 'several'} "
                          "vectors per entity; a matrix holds one")
-    if matrix.dim != retriever.hidden_size:
-        raise ValueError(f"{matrix.describe()}: d = {matrix.dim}, but {args.model} encodes d = {retriever.hidden_size}")
-    if retriever.tokenizer is None:
+    if matrix.dim != model.hidden_size:
+        raise ValueError(f"{matrix.describe()}: d = {matrix.dim}, but {args.model} encodes d = {model.hidden_size}")
+    if model.tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer; cannot check the prepared store")
-    store = EntityStore(args.prepared, tokenizer_sha256=tokenizer_fingerprint(retriever.tokenizer)["sha256"])
+    store = EntityStore(args.prepared, tokenizer_sha256=tokenizer_fingerprint(model.tokenizer)["sha256"])
     if store.kb_version:
         raise ValueError(f"{args.prepared} was changed by KB deltas (kb_version {store.kb_version}): compact it "
                          "first (jobs/update_kb.py --store ... --compact --out NEW) and import into NEW")
-    fingerprint = state_fingerprint(retriever.entity_encoder_state())
-    del retriever  # its weights are not needed for the import: only their fingerprint
+    fingerprint = model.encoder_fingerprint
     ids = read_row_ids(args.ids) if args.ids else None
     row_of = align_rows(matrix, store, ids, args.ids or "--ids")
     del ids
@@ -118,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
     target = ImportTarget(shard_root, even_ranges(n, args.num_shards, args.row_grid),
                           store_fingerprint(args.prepared), dataclasses.asdict(spec), storage_dtype, fingerprint)
     print(f"import_encodings: {matrix.describe()} -> {n:,} store rows ({'by id' if row_of is not None else 'in order'})"
-          f" as {storage_dtype}, {args.num_shards} shards -> {target.shard_root}", file=sys.stderr)
+          f" as {storage_dtype}, {args.num_shards} shards -> {target.shard_root}; encoder fingerprint "
+          f"{fingerprint} ({'read off the file' if model.streamed else 'of the loaded model'})", file=sys.stderr)
     source = {"path": str(Path(args.encodings).resolve()), "format": matrix.format, "rows": matrix.rows,
               "dim": matrix.dim, "dtype": "bfloat16" if matrix.bfloat16 else str(matrix.dtype),
               "bytes": Path(args.encodings).stat().st_size, "ids": str(Path(args.ids).resolve()) if args.ids else None}
@@ -144,17 +144,25 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
-    """(shard root, retriever the encodings came from), filling ``args`` from ``--train-config``.
+    """(shard root, ``SourceModel`` of the model the encodings came from), filling ``args`` from
+    ``--train-config``.
 
-    With a training config the retriever is the run's own ``build_retriever(model, seed)``, so
+    With a training config the model is the run's own ``build_retriever(model, seed)``, so
     its entity encoder's fingerprint is the one the run's ``ensure_encoded`` looks for; explicit
     flags that contradict the config are refused rather than silently making a version the run
-    would not use."""
-    from dist_nce.modeling.resolve import load_retriever
+    would not use. A BLINK ``.bin`` is fingerprinted off the file, not loaded
+    (``index.import_encodings.blink_source_model``)."""
+    from dist_nce.index.import_encodings import blink_source_model, loaded_source_model
+    from dist_nce.modeling.resolve import is_checkpoint_file, load_retriever
+    from dist_nce.modeling.retriever import RetrieverConfig
 
     if args.train_config is None:
         args.num_shards, args.row_grid = args.num_shards or 2, args.row_grid or 1
-        return Path(args.out) / "shards", load_retriever(args.model, tokenizer_dir=args.tokenizer)
+        # load_retriever's defaults for a BLINK file: RetrieverConfig(), the tokenizer of --tokenizer
+        model = blink_source_model(args.model, RetrieverConfig(), args.tokenizer) \
+            if is_checkpoint_file(args.model) else None
+        return Path(args.out) / "shards", model or loaded_source_model(
+            load_retriever(args.model, tokenizer_dir=args.tokenizer))
     from dist_nce.core.config import load_config
     from dist_nce.train.config import TrainJobConfig, with_absolute_paths
     from dist_nce.train.model import build_retriever
@@ -179,7 +187,9 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     args.num_shards, args.row_grid = cfg.service.num_shards, cfg.service.index.row_grid()
     shard_root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards")
     args.out = args.out or str(shard_root)
-    return shard_root, build_retriever(cfg.model, cfg.optim.seed)
+    # build_retriever reads a BLINK file as load_blink_retriever(blink_checkpoint, retriever config)
+    model = blink_source_model(cfg.model.blink_checkpoint, cfg.model.retriever) if cfg.model.blink_checkpoint else None
+    return shard_root, model or loaded_source_model(build_retriever(cfg.model, cfg.optim.seed))
 
 
 def _version_dirs(target) -> list[Path]:

@@ -16,6 +16,14 @@ set is a chunk of the file's rows and the converted chunk, whatever the matrix's
 Alignment: the matrix's row i must be the store's row i, unless its ids are given (BLINK's
 ``entity.jsonl``, whose line order is the row order of its encodings): then each store row
 takes the row of its ``source_id``, and a store entity the file lacks is an error naming it.
+
+The model is not loaded either when it is a BLINK ``.bin`` (:func:`blink_source_model`): its
+entity encoder's fingerprint is read off the mapped file a tensor at a time
+(``dist_nce.modeling.blink_stream``), the same digest the loaded model gives.
+
+A killed import leaves a version directory half written under a temporary name; the next
+write to that shard removes it (``PersistedVersions.sweep_temps``), as it removes any
+other writer's that died, and never a live writer's.
 """
 from __future__ import annotations
 
@@ -27,8 +35,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from dist_nce.index.encode import state_fingerprint
 from dist_nce.index.matrix_file import MatrixFile, read_rows
 from dist_nce.index.versions import PersistedVersions, shard_dir_name, shard_identity
+from dist_nce.modeling.retriever import Retriever, RetrieverConfig
 from kb.store import EntityStore
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -149,6 +159,36 @@ def shard_chunks(matrix: MatrixFile, row_of: np.ndarray | None, rows: tuple[int,
 
 
 @dataclass(frozen=True)
+class SourceModel:
+    """What the import needs of the model the encodings came from (not its weights)."""
+
+    config: RetrieverConfig
+    hidden_size: int
+    tokenizer: Any
+    encoder_fingerprint: str
+    streamed: bool  # fingerprinted off the file, no model built
+
+
+def loaded_source_model(retriever: Retriever) -> SourceModel:
+    return SourceModel(retriever.config, retriever.hidden_size, retriever.tokenizer,
+                       state_fingerprint(retriever.entity_encoder_state()), streamed=False)
+
+
+def blink_source_model(path: str | os.PathLike, config: RetrieverConfig,
+                       tokenizer_dir: str | os.PathLike | None = None) -> SourceModel | None:
+    """The :class:`SourceModel` of ``load_blink_retriever(path, config, tokenizer_dir)`` without
+    building it (module docstring), or None where the file must be loaded whole."""
+    from dist_nce.modeling.blink import blink_tokenizer
+    from dist_nce.modeling.blink_stream import blink_entity_state
+
+    streamed = blink_entity_state(path, config)
+    if streamed is None:
+        return None
+    tokenizer = blink_tokenizer(path, tokenizer_dir or config.mention_model, streamed.vocab_size)
+    return SourceModel(config, streamed.hidden_size, tokenizer, state_fingerprint(streamed.state), streamed=True)
+
+
+@dataclass(frozen=True)
 class ImportTarget:
     """Where and as what the shards' version 0 is written (what the serving shards will expect)."""
 
@@ -175,6 +215,7 @@ def import_matrix(matrix: MatrixFile, row_of: np.ndarray | None, target: ImportT
         if version in versions.valid_versions():
             done = versions.manifest(version)
             if done.get("encoder_fingerprint") == target.encoder_fingerprint:
+                versions.sweep_temps()  # a write sweeps; a finished shard is not written, so sweep it here
                 manifests.append(done)
                 if progress is not None:
                     progress(rows[1] - rows[0])

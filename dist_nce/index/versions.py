@@ -16,19 +16,29 @@ points at.
 
 Each version directory is written to a temporary sibling and renamed into place
 (``artifacts.atomic_path``), so a directory under its final name is always complete.
+A writer killed on the way (SIGKILL, a lost node) leaves that sibling,
+``.v00000007.<random>.tmp``, as large as what it had written. Writers therefore hold
+``.writers.lock`` (``flock``, shared) while they write, and each write first removes the
+temporaries of the directory when it can take that lock exclusively
+(:meth:`PersistedVersions.sweep_temps`): then no writer is alive there, and every
+temporary is a dead one's. The kernel releases a killed process's lock, so no pid or
+age guesses are needed, and a live writer's temporary is never touched (``flock`` on
+NFS is emulated with POSIX locks, which hold across clients).
 A reader states the identity it expects (rows, store, spec, storage dtype) and a
 version whose manifest disagrees is refused with the field that differs: embeddings of
 another row range, store or score function must never be served.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -41,6 +51,9 @@ KIND = "shard_embeddings"
 SCHEMA_VERSION = 1
 EMBEDDINGS_FILE = "embeddings.safetensors"
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
+# atomic_path's temporary for a version directory: "." + version_dir_name + "." + mkstemp's random + ".tmp"
+_VERSION_TEMP = re.compile(r"^\.v\d{8,}\.[^/]+\.tmp$")
+WRITERS_LOCK = ".writers.lock"
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
@@ -128,10 +141,54 @@ class PersistedVersions:
                 found.append(int(match.group(1)))
         return sorted(found)
 
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[int]:
+        """An open descriptor of the directory's writer lock file (created if need be)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            yield fd
+        finally:
+            os.close(fd)  # releases whatever lock it held
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Sweep dead writers' temporaries, then hold the writer lock (shared) for one version's write."""
+        with self._lock() as fd:
+            self._sweep(fd)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a sweep holds it
+            yield
+
+    def sweep_temps(self) -> list[str]:
+        """Remove the temporary version directories that writers killed on the way left here, if no
+        writer is alive in this directory (module docstring); returns the names removed."""
+        if not self.directory.is_dir():
+            return []
+        with self._lock() as fd:
+            return self._sweep(fd)
+
+    def _sweep(self, fd: int) -> list[str]:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return []  # a writer is alive: its temporary is not ours to remove; a later write sweeps
+        try:
+            removed = []
+            for child in self.directory.iterdir():
+                if _VERSION_TEMP.match(child.name):
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
+                    removed.append(child.name)
+            return sorted(removed)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
     def save(self, version: int, reps: Reps, pieces: Sequence[tuple[int, int, Reps]] = (), **fields: Any) -> dict:
         """Write ``reps`` (CPU tensors) of the base range, and the reps of appended ``pieces``
         (a, b, reps), as ``version`` atomically; return the manifest."""
-        with atomic_path(self.path(version)) as tmp:
+        with self._writing(), atomic_path(self.path(version)) as tmp:
             tmp.mkdir()
             save_file(_tensors(reps), str(tmp / EMBEDDINGS_FILE))
             for a, b, piece in pieces:
@@ -146,7 +203,7 @@ class PersistedVersions:
         of any size is written in the memory of a chunk (``jobs/import_encodings.py``). Atomic, as
         :meth:`save`; returns the manifest."""
         shape = [int(s) for s in shape]
-        with atomic_path(self.path(version)) as tmp:
+        with self._writing(), atomic_path(self.path(version)) as tmp:
             tmp.mkdir()
             write_vecs_streamed(tmp / EMBEDDINGS_FILE, shape, dtype, chunks)
             return self._write_base_manifest(tmp, version, shape, dtype, False, [], fields)
@@ -163,7 +220,7 @@ class PersistedVersions:
         """Write ``version`` as the version ``base`` (a manifest of this shard) plus the reps of
         the ``new`` pieces (a, b, reps) only; the base range and earlier pieces stay where they
         are (``base_in``, ``pieces[i]["in"]``). Returns the manifest."""
-        with atomic_path(self.path(version)) as tmp:
+        with self._writing(), atomic_path(self.path(version)) as tmp:
             tmp.mkdir()
             for a, b, piece in new:
                 save_file(_tensors(piece), str(tmp / piece_file_name(a, b)))

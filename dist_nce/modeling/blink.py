@@ -160,12 +160,19 @@ def load_bert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], wh
     """Load HF-named ``state`` into the ``BertModel`` ``model`` exactly (a missing pooler
     keeps the model's own, as the module docstring says); errors start with ``where``."""
     own = model.state_dict()
-    state = dict(state)
+    kept = check_bert_weights(own, state, where)
+    model.load_state_dict({**state, **{k: own[k] for k in kept}}, strict=True)
+
+
+def check_bert_weights(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], where: str) -> list[str]:
+    """Refuse (naming the keys, after ``where``) a ``state`` whose names or shapes are not ``own``'s,
+    a model's state dict (its tensors may be on the meta device: only names and shapes are read).
+    Returns the pooler keys ``state`` lacks, which the model keeps (module docstring)."""
     missing = sorted(set(own) - set(state))
     pooler = sorted(k for k in own if k.startswith(POOLER_PREFIX))
+    kept: list[str] = []
     if missing and missing == pooler:
-        state.update({k: own[k] for k in pooler})  # the rule in the module docstring
-        missing = []
+        kept, missing = pooler, []  # the rule in the module docstring
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
               for k in sorted(set(state) & set(own)) if state[k].shape != own[k].shape]
@@ -174,7 +181,7 @@ def load_bert_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], wh
                  f"unexpected {key_names(unexpected)}" if unexpected else "",
                  f"shape mismatch {'; '.join(shapes[:6])}" if shapes else ""]
         raise BlinkCheckpointError(f"{where}: " + "; ".join(p for p in parts if p))
-    model.load_state_dict(state, strict=True)
+    return kept
 
 
 def bert_architecture(
@@ -203,12 +210,13 @@ def blink_tokenizer(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | 
     return tokenizer
 
 
-def load_state_file(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
+def load_state_file(path: str | os.PathLike, mmap: bool = False) -> Mapping[str, torch.Tensor]:
     """A ``torch.save``'d ``{name: tensor}`` dict, read with ``weights_only=True`` (no code runs);
-    anything else is a :class:`BlinkCheckpointError` naming ``path``."""
+    anything else is a :class:`BlinkCheckpointError` naming ``path``. ``mmap``: the tensors map
+    the file instead of being read (zip-format files only: torch's legacy format cannot be)."""
     path = os.fspath(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a file it cannot read
         raise BlinkCheckpointError(f"{path}: not a torch.save'd state dict readable with weights_only=True "
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -9,25 +9,34 @@ one ``BertEncoder`` (``blink/common/ranker_base.py``) built with ``add_linear=Tr
     encoder.additional_linear.bias   [1]    -> Reranker.score_layer.bias
 
 which is exactly :class:`~dist_nce.modeling.reranker.Reranker` with ``head="pooler"`` (pooler
--> dropout 0.1 -> Linear(d, 1)) over the same input, ``[CLS] mention-context [SEP] entity
-[SEP]`` with token type 1 on the entity part and the markers ``[unused0]``/``[unused1]``/
-``[unused2]``. The ``bert_model.*`` keys follow the biencoder's rules
-(:func:`dist_nce.modeling.blink.bert_model_key`: legacy ``LayerNorm.gamma/beta`` renamed,
-an ``arange`` ``embeddings.position_ids`` buffer dropped); any other key, a missing score
-head, or a tensor of the wrong shape is refused by name.
+-> dropout 0.1 -> Linear(d, 1)) over BLINK's input, the reranker's ``layout: blink``:
+``[CLS] mention-context [SEP]`` padded to ``max_context_length`` (``context_len``), then
+``entity [SEP]`` from that position on, token type 1 on the entity part, the markers
+``[unused0]``/``[unused1]``/``[unused2]``. The ``bert_model.*`` keys follow the biencoder's
+rules (:func:`dist_nce.modeling.blink.bert_model_key`: legacy ``LayerNorm.gamma/beta``
+renamed, an ``arange`` ``embeddings.position_ids`` buffer dropped); any other key, a missing
+score head, or a tensor of the wrong shape is refused by name.
 
-Export writes the same layout (fp32 CPU tensors, ``torch.save`` of a plain dict, atomic),
-so BLINK's ``CrossEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it.
+Export writes the same keys (fp32 CPU tensors, ``torch.save`` of a plain dict, atomic), so
+BLINK's ``CrossEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it. A ``.bin``
+holds weights only, so the pair layout the weights were trained on goes beside it, in
+``<name>.layout.json`` (:func:`write_layout_file`): a dist-nce reranker of the packed layout
+exported there is scored by BLINK in BLINK's layout, which differs on short contexts; the
+file (and :func:`blink_layout_note`) says so, and reading the ``.bin`` back here restores
+the packed layout from it. A ``.bin`` without the file (BLINK's own) is read as ``blink``.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
-from dist_nce.core.artifacts import atomic_path
+from dist_nce.core.artifacts import atomic_path, atomic_write_json
+from dist_nce.core.config import ConfigError, from_dict
 from dist_nce.modeling.blink import (
     BERT_ATTR,
     LINEAR_ATTR,
@@ -47,6 +56,8 @@ ENCODER_ATTR = "encoder"
 BERT_PREFIX = f"{ENCODER_ATTR}.{BERT_ATTR}."
 HEAD_PREFIX = f"{ENCODER_ATTR}.{LINEAR_ATTR}."
 HEAD_KEYS = ("weight", "bias")
+LAYOUT_KIND = "blink_crossencoder_layout"
+LAYOUT_FIELDS = ("layout", "max_len", "context_len", "cand_len")
 
 
 def split_crossencoder_state(
@@ -94,13 +105,16 @@ def blink_reranker_from_state(
 ) -> Reranker:
     """A ``head="pooler"`` :class:`Reranker` holding a BLINK cross-encoder state dict.
 
-    ``config`` supplies ``max_len``, ``dropout`` and ``trim_padding`` (default
-    :class:`RerankerConfig`: L = 256, BLINK's ``max_seq_length``); ``config.model``, when
-    set, supplies the architecture (config.json) and the tokenizer, else the architecture
-    is read off the weights and the tokenizer is ``tokenizer_dir`` or the default model's
-    (bert-uncased's vocabulary).
+    ``config`` supplies ``max_len``, ``dropout``, ``trim_padding`` and the pair layout
+    (default :class:`RerankerConfig`: L = 256, BLINK's ``max_seq_length``; ``layout: None``
+    is BLINK's, ``context_len`` 32 and ``cand_len`` 128 as ``crossencoder_wiki_large.bin``
+    was trained); ``config.model``, when set, supplies the architecture (config.json) and
+    the tokenizer, else the architecture is read off the weights and the tokenizer is
+    ``tokenizer_dir`` or the default model's (bert-uncased's vocabulary).
     """
     config = config or RerankerConfig()
+    if config.layout is None:
+        config = dataclasses.replace(config, layout="blink")
     if config.head != "pooler":
         raise BlinkCheckpointError(f"{source}: BLINK's cross-encoder scores the pooler output; head "
                                    f"{config.head!r} cannot hold it (use head: pooler)")
@@ -120,9 +134,65 @@ def load_blink_reranker(
     path: str | os.PathLike, config: RerankerConfig | None = None, *,
     tokenizer_dir: str | os.PathLike | None = None, num_attention_heads: int | None = None,
 ) -> Reranker:
-    """:func:`blink_reranker_from_state` of the file at ``path`` (read with ``weights_only=True``)."""
+    """:func:`blink_reranker_from_state` of the file at ``path`` (read with ``weights_only=True``).
+
+    With ``config.layout`` None the layout is the file's own: its ``.layout.json`` when there
+    is one (our export's record of what the weights were trained on: layout, max_len,
+    context_len, cand_len), else BLINK's."""
+    config = config or RerankerConfig()
+    recorded = read_layout_file(path)
+    if config.layout is None and recorded is not None:
+        config = dataclasses.replace(config, **recorded)
     return blink_reranker_from_state(load_state_file(path), config, tokenizer_dir=tokenizer_dir,
                                      num_attention_heads=num_attention_heads, source=os.fspath(path))
+
+
+def layout_file(path: str | os.PathLike) -> Path:
+    """Where the pair layout of the weights in ``path`` is recorded: ``<name>.layout.json``."""
+    return Path(path).with_suffix(".layout.json")
+
+
+def blink_layout_note(config: RerankerConfig) -> str | None:
+    """None when BLINK scores ``config``'s weights as they were trained, else what differs."""
+    if config.layout == "blink":
+        return None
+    return (f"trained on the {config.layout!r} layout ([CLS] mention [SEP] entity [SEP], the entity right after "
+            "the mention); BLINK pads the mention part to its max_context_length before the entity, so BLINK's "
+            "scores equal ours only where the mention part fills it (short contexts differ); dist-nce reads the "
+            "layout back from the .layout.json beside the file")
+
+
+def write_layout_file(config: RerankerConfig, path: str | os.PathLike) -> Path:
+    """Record ``config``'s pair layout beside the weights at ``path``; returns the record's path."""
+    out = layout_file(path)
+    atomic_write_json(out, {"kind": LAYOUT_KIND, **{k: getattr(config, k) for k in LAYOUT_FIELDS},
+                            "blink_scores_as_trained": config.layout == "blink",
+                            "note": blink_layout_note(config)})
+    return out
+
+
+def read_layout_file(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The layout fields recorded beside ``path`` (:func:`write_layout_file`), or None without a record;
+    a record that is not one is an error naming the file and the key."""
+    file = layout_file(path)
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BlinkCheckpointError(f"{file}: unreadable layout record ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != LAYOUT_KIND:
+        raise BlinkCheckpointError(f"{file}: kind {data.get('kind') if isinstance(data, dict) else data!r}, "
+                                   f"expected {LAYOUT_KIND!r}")
+    missing = [k for k in LAYOUT_FIELDS if k not in data]
+    if missing:
+        raise BlinkCheckpointError(f"{file}: missing {', '.join(missing)}")
+    fields = {k: data[k] for k in LAYOUT_FIELDS}
+    try:
+        from_dict(RerankerConfig, fields, str(file))  # types, ranges and the layout's own check
+    except ConfigError as e:
+        raise BlinkCheckpointError(str(e)) from None
+    return fields
 
 
 def blink_crossencoder_state(reranker: Reranker) -> dict[str, torch.Tensor]:
@@ -142,13 +212,17 @@ def blink_crossencoder_state(reranker: Reranker) -> dict[str, torch.Tensor]:
 
 
 def export_blink_crossencoder(reranker: Reranker, path: str | os.PathLike) -> Path:
-    """Write ``reranker`` as a BLINK cross-encoder checkpoint (atomic ``torch.save``); return the path.
+    """Write ``reranker`` as a BLINK cross-encoder checkpoint (atomic ``torch.save``) and its pair
+    layout beside it (:func:`write_layout_file`); return the checkpoint's path.
 
-    The file holds weights only: BLINK's own pair length and dropout come from its params,
-    not from this reranker's config.
+    The file holds weights only: BLINK's own pair length, context length and dropout come
+    from its params, not from this reranker's config, and BLINK always builds its own layout
+    (:func:`blink_layout_note` says what that changes for a packed reranker).
     """
     state = blink_crossencoder_state(reranker)
     path = Path(path)
+    # the record first: a .bin never stands without it, so a packed export is never read back as BLINK's
+    write_layout_file(reranker.config, path)
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     return path

@@ -17,6 +17,22 @@ never re-tokenizes text:
   entity at ``(L-3) - (L-3)//2`` even when the mention context is short; giving the
   entity the unused mention budget only adds description tokens.
 
+Two pair layouts (``RerankerConfig.layout``), a property of the weights, recorded with them:
+
+* ``"packed"`` (dist-nce's own rerankers, :func:`build_pairs`): the entity follows the
+  mention's [SEP] at once, ``[CLS] mention [SEP] entity [SEP] pad...``;
+* ``"blink"`` (BLINK's cross-encoders, :func:`build_blink_pairs`): BLINK pads the mention
+  part ``[CLS] mention [SEP]`` to its ``max_context_length`` (``context_len``, 32 for
+  ``crossencoder_wiki_large.bin``) before appending the candidate without its [CLS]
+  (``blink/crossencoder/train_cross.py`` ``modify``), so the entity always starts at
+  position ``context_len``; the padding in between is masked and has token type 0.
+
+The two agree when the mention part fills ``context_len``; on a short context the entity
+sits at other positions, and a BLINK cross-encoder read in the packed layout gives other
+scores (an outside test saw differences up to 2.9 and another top-1 for an 11-token
+context). So a BLINK file is read as ``"blink"`` and a new reranker is ``"packed"``
+(``layout: None`` picks that); a saved reranker's manifest records its layout.
+
 Score head (``RerankerConfig.head``): ``"pooler"`` (default) follows the paper's code:
 BERT pooler (dense + tanh on [CLS]) -> dropout 0.1 -> Linear(d, 1), the linear layer
 initialised N(0, initializer_range) with zero bias. ``"cls"`` puts the same dropout +
@@ -24,6 +40,7 @@ linear layer directly on the [CLS] hidden state (the pooler is then frozen).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +66,7 @@ class RerankerConfig:
         default=None, metadata={"help": "Hugging Face model directory; None = dist_nce.core.models.default_model_dir()"}
     )
     max_len: int = field(default=256, metadata={
-        "help": "pair length L; the mention part gets at most (L-3)//2",
+        "help": "pair length L; the mention part gets at most (L-3)//2 in the packed layout",
         "range": Range(ge=9, why="the mention part needs its two markers and one token: (L-3)//2 >= 3")})
     head: Literal["pooler", "cls"] = field(
         default="pooler",
@@ -60,9 +77,23 @@ class RerankerConfig:
     trim_padding: bool = field(
         default=True, metadata={"help": "drop all-padding columns of a batch before the transformer"}
     )
+    layout: Literal["packed", "blink"] | None = field(default=None, metadata={"help": (
+        "pair layout (module docstring): 'packed' [CLS] mention [SEP] entity [SEP]; 'blink' BLINK's, the "
+        "mention part padded to context_len so the entity starts there. None = the checkpoint's own: a saved "
+        "directory's manifest, a BLINK file's .layout.json (written by our export) or else 'blink'; 'packed' "
+        "for a new reranker")})
+    context_len: int = field(default=32, metadata={
+        "help": "layout 'blink': positions of [CLS] mention [SEP] and its padding (BLINK's max_context_length)",
+        "range": Range(ge=5, why="[CLS], the two markers, one mention token and [SEP]")})
+    cand_len: int = field(default=128, metadata={
+        "help": "layout 'blink': BLINK's max_cand_length; the entity keeps at most cand_len - 2 tokens",
+        "range": Range(ge=3, why="[CLS], one token and [SEP]")})
 
     def validate(self) -> None:
         check_fields(self)  # the loader did already; direct constructions did not
+        if self.layout == "blink" and self.max_len < self.context_len + 2:
+            raise ValueError(f"layout 'blink': max_len {self.max_len} leaves no room for an entity after "
+                             f"context_len {self.context_len} (need max_len >= context_len + 2)")
 
 
 class Pairs(NamedTuple):
@@ -116,6 +147,17 @@ def mention_windows(ids: torch.Tensor, sp: SpecialIds, budget: int) -> tuple[tor
     return out, torch.tensor([len(w) for w in windows], dtype=torch.long)
 
 
+def _pair_inputs(mention_ids: Any, entity_ids: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as int64 tensors (store rows are numpy), shapes [B, Tm] and [B, K, Te] checked."""
+    mention_ids, entity_ids = torch.as_tensor(mention_ids), torch.as_tensor(entity_ids)
+    if mention_ids.dim() != 2 or entity_ids.dim() != 3 or entity_ids.shape[0] != mention_ids.shape[0]:
+        raise ValueError(
+            f"expected mention_ids [B, Tm] and entity_ids [B, K, Te], got {tuple(mention_ids.shape)} "
+            f"and {tuple(entity_ids.shape)}"
+        )
+    return mention_ids.long(), entity_ids.long()
+
+
 def build_pairs(
     mention_ids: torch.Tensor, entity_ids: torch.Tensor, sp: SpecialIds, max_len: int
 ) -> Pairs:
@@ -126,13 +168,7 @@ def build_pairs(
     ``[CLS] mention [SEP]``, 1 covers ``entity [SEP]``; padding has type 0 and mask False.
     Vectorised over the B*K pairs: gathers over index arithmetic, no per-pair Python.
     """
-    mention_ids, entity_ids = torch.as_tensor(mention_ids), torch.as_tensor(entity_ids)  # store rows are numpy
-    if mention_ids.dim() != 2 or entity_ids.dim() != 3 or entity_ids.shape[0] != mention_ids.shape[0]:
-        raise ValueError(
-            f"expected mention_ids [B, Tm] and entity_ids [B, K, Te], got {tuple(mention_ids.shape)} "
-            f"and {tuple(entity_ids.shape)}"
-        )
-    mention_ids, entity_ids = mention_ids.long(), entity_ids.long()
+    mention_ids, entity_ids = _pair_inputs(mention_ids, entity_ids)
     b, k, te = entity_ids.shape
     window, m_len = mention_windows(mention_ids, sp, (max_len - 3) // 2)
     e_len = torch.minimum(_content_lengths(entity_ids, sp, "entity") - 2, (max_len - 3 - m_len)[:, None])
@@ -157,11 +193,64 @@ def build_pairs(
     return Pairs(ids, token_type, mask.expand(b, k, max_len))
 
 
+def build_blink_pairs(
+    mention_ids: torch.Tensor, entity_ids: torch.Tensor, sp: SpecialIds, max_len: int, context_len: int,
+    cand_len: int,
+) -> Pairs:
+    """BLINK's cross-encoder input for every (mention, candidate), C = ``context_len``::
+
+        [CLS] mention-window [SEP] pad... (to C)  entity [SEP] pad... (to max_len)
+
+    mention_ids: [B, Tm], entity_ids: [B, K, Te] (prepared-KB rows, right-padded) -> Pairs of
+    [B, K, max_len]. The window is at most C - 2 tokens (BLINK's ``get_context_representation``
+    at ``max_context_length`` C: the same cut as :func:`mention_windows`); the entity keeps at
+    most ``cand_len - 2`` tokens (BLINK's ``max_cand_length``) and starts at position C. As
+    BLINK's ``modify`` and ``to_bert_input``: the pair is cut to ``max_len`` (then without the
+    final [SEP]), token type 1 covers every real token from C on, and the mask is False on
+    padding, including the padding between the two parts.
+    """
+    mention_ids, entity_ids = _pair_inputs(mention_ids, entity_ids)
+    if max_len < context_len + 2:
+        raise ValueError(f"max_len {max_len} < context_len {context_len} + 2: no room for an entity")
+    b, k, te = entity_ids.shape
+    window, m_len = mention_windows(mention_ids, sp, context_len - 2)
+    e_len = (_content_lengths(entity_ids, sp, "entity") - 2).clamp(max=min(cand_len - 2, max_len - context_len))
+
+    j = torch.arange(max_len)[None, None, :]  # output position
+    lm, le, c = m_len[:, None, None], e_len[:, :, None], context_len
+    in_mention = (j >= 1) & (j <= lm)
+    in_entity = (j >= c) & (j < c + le)
+    m_src = (j - 1).clamp(0, max(window.shape[1] - 1, 0)).expand(b, k, max_len)
+    e_src = (j - c + 1).clamp(0, te - 1).expand(b, k, max_len)
+    from_mention = window[:, None, :].expand(b, k, -1).gather(2, m_src)
+    from_entity = entity_ids.gather(2, e_src)
+
+    ids = torch.full((b, k, max_len), sp.pad, dtype=torch.long)
+    ids = torch.where(in_mention, from_mention, ids)
+    ids = torch.where(in_entity, from_entity, ids)
+    # j == c + le is past the last column when the entity was cut at max_len: no [SEP], as BLINK's cut
+    sep = (j == lm + 1) | (j == c + le)
+    ids = torch.where(sep, torch.full_like(ids, sp.sep), ids)
+    ids[..., 0] = sp.cls
+    mask = ((j <= lm + 1) | ((j >= c) & (j <= c + le))).expand(b, k, max_len)
+    token_type = ((j >= c) & mask).long()
+    return Pairs(ids, token_type, mask)
+
+
+def layout_pairs(config: RerankerConfig, mention_ids: Any, entity_ids: Any, sp: SpecialIds) -> Pairs:
+    """The pairs of ``config.layout`` (None is the packed layout of a new reranker)."""
+    if config.layout == "blink":
+        return build_blink_pairs(mention_ids, entity_ids, sp, config.max_len, config.context_len, config.cand_len)
+    return build_pairs(mention_ids, entity_ids, sp, config.max_len)
+
+
 class Reranker(nn.Module):
     """Cross-encoder: forward(Pairs [B, K, L]) -> scores [B, K]."""
 
     def __init__(self, config: RerankerConfig, model: nn.Module, tokenizer: Any = None):
         super().__init__()
+        if config.layout is None:  # a new reranker (or one saved before layouts were recorded): packed
+            config = dataclasses.replace(config, layout="packed")
         config.validate()
         max_pos = getattr(model.config, "max_position_embeddings", None)
         if max_pos is not None and config.max_len > max_pos:
@@ -214,12 +303,15 @@ class Reranker(nn.Module):
     def score(self, mention_ids: torch.Tensor, entity_ids: torch.Tensor) -> torch.Tensor:
         """mention_ids [B, Tm], entity_ids [B, K, Te] (prepared-KB rows, any device) -> scores [B, K].
 
-        The pairs are laid out on the CPU (build_pairs' index arithmetic), then moved to the model.
+        The pairs are laid out on the CPU (:meth:`pairs`' index arithmetic), then moved to the model.
         """
-        pairs = build_pairs(torch.as_tensor(mention_ids).cpu(), torch.as_tensor(entity_ids).cpu(), self.special_ids,
-                            self.config.max_len)
+        pairs = self.pairs(torch.as_tensor(mention_ids).cpu(), torch.as_tensor(entity_ids).cpu())
         device = next(self.parameters()).device
         return self(type(pairs)(*(t.to(device) for t in pairs)))
+
+    def pairs(self, mention_ids: Any, entity_ids: Any) -> Pairs:
+        """mention_ids [B, Tm], entity_ids [B, K, Te] (CPU) -> Pairs [B, K, L] in this reranker's layout."""
+        return layout_pairs(self.config, mention_ids, entity_ids, self.special_ids)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """``encoder/`` (Hugging Face format), ``head.safetensors``, ``tokenizer/``, ``manifest.json``."""

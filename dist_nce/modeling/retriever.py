@@ -24,7 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -95,6 +95,19 @@ def _min_len(spec: ScoreSpec, side: str) -> int:
     return count if reduction == "first" else 1
 
 
+def entity_state(transformer_config: dict[str, Any], spec: ScoreSpec, trim_padding: bool,
+                 weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The state of an entity encoder (:meth:`EntityEncoder.state`) from its parts; ``weights`` may be
+    any mapping of name -> tensor (``dist_nce.modeling.blink_stream`` reads them from a file lazily)."""
+    return {
+        "format": STATE_FORMAT,
+        "transformer_config": transformer_config,
+        "spec": dataclasses.asdict(spec),
+        "trim_padding": trim_padding,
+        "weights": weights,
+    }
+
+
 class EntityEncoder(nn.Module):
     """The entity side: forward(ids [..., T], mask [..., T]) -> entity Reps with the same leading dims.
 
@@ -131,13 +144,7 @@ class EntityEncoder(nn.Module):
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             weights[name] = t.clone()
-        return {
-            "format": STATE_FORMAT,
-            "transformer_config": self.encoder.config_dict(),
-            "spec": dataclasses.asdict(self.spec),
-            "trim_padding": self.trim_padding,
-            "weights": weights,
-        }
+        return entity_state(self.encoder.config_dict(), self.spec, self.trim_padding, weights)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "EntityEncoder":

@@ -26,9 +26,9 @@ from dist_nce.core.artifacts import atomic_write_json
 from dist_nce.eval.metrics import PAD
 from dist_nce.eval.zeshel import rerank, reranker_report
 from dist_nce.modeling.blink import BlinkCheckpointError
-from dist_nce.modeling.blink_crossencoder import export_blink_crossencoder
+from dist_nce.modeling.blink_crossencoder import blink_layout_note, export_blink_crossencoder
 from dist_nce.modeling.losses import nce_loss
-from dist_nce.modeling.reranker import Reranker, build_pairs
+from dist_nce.modeling.reranker import Reranker
 from dist_nce.modeling.resolve import load_reranker
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
@@ -57,8 +57,9 @@ def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
 
 def export_reranker(reranker: Reranker, output_dir: str | Path) -> dict[str, Any]:
     """Write the final reranker (``reranker/``) and, for the pooler head on BERT, BLINK's
-    cross-encoder layout (``crossencoder_blink.bin``); returns {"model": dir, "blink": file or
-    None[, "blink_skipped": why]}."""
+    cross-encoder layout (``crossencoder_blink.bin`` and its ``.layout.json``); returns
+    {"model": dir, "blink": file or None[, "blink_skipped": why][, "blink_note": what BLINK's
+    scores of a packed reranker do not reproduce]}."""
     out = Path(output_dir)
     reranker.save_pretrained(out / MODEL_DIR)
     paths: dict[str, Any] = {"model": str(out / MODEL_DIR), "blink": None}
@@ -66,6 +67,10 @@ def export_reranker(reranker: Reranker, output_dir: str | Path) -> dict[str, Any
         paths["blink"] = str(export_blink_crossencoder(reranker, out / BLINK_FILE))
     except BlinkCheckpointError as e:  # head 'cls', or a non-BERT encoder
         paths["blink_skipped"] = str(e)
+        return paths
+    note = blink_layout_note(reranker.config)
+    if note is not None:  # the weights are BLINK's keys, but not its input layout: say so where the run reports
+        paths["blink_note"] = note
     return paths
 
 
@@ -81,7 +86,7 @@ def candidate_scores(engine: Any, reranker: Reranker, mention_tokens: np.ndarray
     mention_tokens [b, Tm], entity_tokens [b, C, Te]: prepared-store rows; ``engine`` is the
     DeepSpeed engine (or the module itself) whose forward takes Pairs.
     """
-    pairs = build_pairs(mention_tokens, entity_tokens, reranker.special_ids, reranker.config.max_len)
+    pairs = reranker.pairs(mention_tokens, entity_tokens)
     scores = engine(type(pairs)(*(t.to(device) for t in pairs))).float()
     return scores.masked_fill(torch.from_numpy(cands < 0).to(scores.device), float("-inf"))
 
@@ -174,8 +179,9 @@ class RerankWorker(WorkerScaffold):
                 paths = export_reranker(final, cfg.run.output_dir)
                 out["export"] = paths["model"]
                 out["blink_export"] = paths["blink"]
-                if "blink_skipped" in paths:
-                    out["blink_skipped"] = paths["blink_skipped"]
+                for key in ("blink_skipped", "blink_note"):
+                    if key in paths:
+                        out[key] = paths[key]
             self.comm.barrier()
         if self.rank == 0:
             atomic_write_json(Path(cfg.run.output_dir) / RESULT_FILE, out)

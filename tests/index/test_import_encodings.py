@@ -17,7 +17,7 @@ from dist_nce.index.import_encodings import AlignmentError, ImportTarget, align_
 from dist_nce.index.matrix_file import open_matrix
 from dist_nce.index.versions import PersistedVersions, write_vecs_streamed
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
-from dist_nce.modeling.scoring import ScoreSpec
+from dist_nce.modeling.scoring import Reps, ScoreSpec
 from kb.store import EntityStore
 
 from tests.actors.test_shard import D, N, entity_state, store_dir  # noqa: F401  (store_dir is a fixture)
@@ -135,3 +135,89 @@ def test_streamed_safetensors_equal_a_plain_save_and_check_their_rows(tmp_path):
         write_vecs_streamed(tmp_path / "c.safetensors", [10, 4], torch.bfloat16, [x, x[:1]])
     with pytest.raises(ValueError, match="expected CPU torch.bfloat16"):
         write_vecs_streamed(tmp_path / "d.safetensors", [10, 4], torch.bfloat16, [x.float()])
+
+
+# A real import in a child process, slowed to a row per 50 ms so the parent can act mid-write.
+SLOW_IMPORT = """
+import json, sys, time
+from pathlib import Path
+from dist_nce.index.import_encodings import ImportTarget, import_matrix
+from dist_nce.index.matrix_file import open_matrix
+a = json.loads(sys.argv[1])
+t = ImportTarget(Path(a["root"]), [tuple(r) for r in a["ranges"]], a["store"], a["spec"], a["dtype"], a["fp"])
+import_matrix(open_matrix(a["matrix"]), None, t, chunk_rows=1, progress=lambda n: time.sleep(0.05),
+              encode_dtype="imported")
+"""
+
+
+def _temps(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*.tmp"))
+
+
+def test_a_killed_import_leaves_nothing_once_rerun_and_a_live_writer_is_left_alone(store_dir, state, encodings,
+                                                                                     tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    path, _ = encodings
+    t = target(tmp_path / "killed", store_dir, state)
+    args = {"root": str(t.shard_root), "ranges": t.ranges, "store": t.store_fingerprint, "spec": t.spec,
+            "dtype": t.storage_dtype, "fp": t.encoder_fingerprint, "matrix": str(path)}
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen([sys.executable, "-c", SLOW_IMPORT, json.dumps(args)], cwd=repo,
+                             env={**os.environ, "PYTHONPATH": str(repo)}, stderr=subprocess.PIPE, text=True)
+    shard0 = t.shard_root / "shard-000-of-002"
+    try:
+        deadline = time.monotonic() + 120
+        while not list(shard0.glob(".v00000000.*.tmp")):
+            assert child.poll() is None, child.stderr.read()
+            assert time.monotonic() < deadline, "the child never started writing"
+            time.sleep(0.02)
+        # a live writer's temporary: another writer's sweep leaves it alone
+        versions = PersistedVersions(shard0, {})
+        assert versions.sweep_temps() == [] and len(list(shard0.glob(".v00000000.*.tmp"))) == 1
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    left = _temps(t.shard_root)
+    assert len(left) == 1 and left[0].startswith("shard-000-of-002/.v00000000."), left  # what a kill leaves
+
+    manifests = import_matrix(open_matrix(path), None, t, chunk_rows=5, encode_dtype="imported")
+    assert _temps(t.shard_root) == []
+    clean = import_matrix(open_matrix(path), None, target(tmp_path / "clean", store_dir, state), chunk_rows=5,
+                          encode_dtype="imported")
+    drop = {"created_utc"}
+    assert [{k: v for k, v in m.items() if k not in drop} for m in manifests] == \
+        [{k: v for k, v in m.items() if k not in drop} for m in clean]
+    for shard in ("shard-000-of-002", "shard-001-of-002"):
+        file = f"{shard}/v00000000/embeddings.safetensors"
+        assert (t.shard_root / file).read_bytes() == (tmp_path / "clean" / file).read_bytes()
+
+
+def test_sweep_removes_only_dead_version_temporaries(tmp_path):
+    """Only atomic_path's temporaries of version directories, and only with no writer alive."""
+    import fcntl
+    import os
+
+    versions = PersistedVersions(tmp_path / "shard", {"rows": [0, 3]})
+    versions.save(0, Reps(torch.zeros(3, 2), None))
+    d = tmp_path / "shard"
+    (d / ".v00000001.abc123.tmp").mkdir()
+    (d / ".v00000001.abc123.tmp" / "embeddings.safetensors").write_bytes(b"x" * 10)
+    (d / ".v00000002.zz.tmp").write_bytes(b"a file temporary")
+    for other in (".v00000001.old", "notes.tmp", ".manifest.json.q.tmp", "v00000009"):
+        (d / other).mkdir()
+    fd = os.open(d / ".writers.lock", os.O_RDWR)  # a writer alive in the directory
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    assert versions.sweep_temps() == []
+    os.close(fd)
+    assert versions.sweep_temps() == [".v00000001.abc123.tmp", ".v00000002.zz.tmp"]
+    assert sorted(p.name for p in d.iterdir()) == [".manifest.json.q.tmp", ".v00000001.old", ".writers.lock",
+                                                   "notes.tmp", "v00000000", "v00000009"]
+    assert versions.valid_versions() == [0]

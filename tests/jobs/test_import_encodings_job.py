@@ -107,7 +107,7 @@ def test_bad_inputs_are_refused_naming_them(blink_files, tmp_path):
     assert r.returncode == 2 and "--num-shards" in r.stderr and "must be >= 1" in r.stderr
 
 
-def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_path):
+def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_path, capsys):
     """--train-config: the run's own model (build_retriever), store, shard layout (the block
     sampler's row grid) and shard directory; its shards then serve version 0 with no encode."""
     from dist_nce.actors.shard import EntityShard
@@ -128,6 +128,8 @@ def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_
     assert main(args) == 0
     cfg = with_absolute_paths(load_config(TrainJobConfig, config, overrides))
     state = build_retriever(cfg.model, cfg.optim.seed).entity_encoder_state()
+    # the BLINK file was fingerprinted off the file, to the digest of the model the run builds
+    assert f"encoder fingerprint {state_fingerprint(state)} (read off the file)" in capsys.readouterr().err
     manifest = json.loads((tmp_path / "run_shards" / "manifest.json").read_text())
     assert manifest["row_grid"] == 16 and [s["rows"] for s in manifest["shards"]] == [[0, 32], [32, 70]]
     for i, rows in enumerate(([0, 32], [32, 70])):

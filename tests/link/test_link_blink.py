@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from dist_nce.core.artifacts import ArtifactMismatch
+from dist_nce.core.text import special_ids
 from dist_nce.index.encode import encode_rows, state_fingerprint, store_fingerprint
 from dist_nce.index.export import export_snapshot
 from dist_nce.index.versions import PersistedVersions, shard_dir_name
 from dist_nce.link import Linker
 from dist_nce.link.linker import _TokenRows
+from dist_nce.modeling.reranker import build_blink_pairs
 from dist_nce.modeling.resolve import load_reranker, load_retriever
 from dist_nce.retrieval import build_local_index, retrieve
 from kb.store import EntityStore
@@ -70,9 +72,11 @@ def test_blink_files_link_with_exact_rankings_and_blink_reranker_scores(encoded,
     want = retrieve(retriever, _TokenRows(prepared.ids, prepared.lengths),
                     build_local_index(retriever, store, progress=False), 4, progress=False)
     reranker = load_reranker(cross).eval()
+    assert encoded.reranker.config.layout == "blink"  # BLINK's input: the mention part padded to 32 tokens
     with torch.no_grad():
-        scores = reranker.score(torch.from_numpy(prepared.ids.astype(np.int64)),
-                                torch.from_numpy(store.token_ids(want.rows).astype(np.int64))).numpy()
+        pairs = build_blink_pairs(prepared.ids, store.token_ids(want.rows), special_ids(reranker.tokenizer),
+                                  max_len=256, context_len=32, cand_len=128)
+        scores = reranker(pairs).numpy()
     for i, d in enumerate(got):
         ents = d["mentions"][0]["entities"]
         assert sorted(e["row"] for e in ents) == sorted(want.rows[i].tolist())

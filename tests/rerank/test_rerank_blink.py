@@ -43,3 +43,13 @@ def test_check_inputs_takes_a_file_or_a_reranker_directory(tmp_path):
         with pytest.raises(ConfigError) as e:  # other inputs (stores, candidates) are missing here
             check_inputs(cfg)
         assert ("model.init_from: neither a reranker directory" in str(e.value)) == refused, str(e.value)
+
+
+def test_a_packed_reranker_exports_blinks_keys_and_says_the_layout_differs(tmp_path, tiny_model_dir):
+    reranker = Reranker(RerankerConfig(max_len=64), load_transformer(tiny_model_dir), load_tokenizer(tiny_model_dir))
+    paths = export_reranker(reranker, tmp_path)
+    assert paths["blink"] == str(tmp_path / BLINK_FILE) and "BLINK pads the mention part" in paths["blink_note"]
+    assert (tmp_path / "crossencoder_blink.layout.json").is_file()
+    back = load_reranker(paths["blink"], config=RerankerConfig(model=tiny_model_dir))
+    assert (back.config.layout, back.config.max_len) == ("packed", 64)  # read back as trained
+    assert load_reranker(paths["model"]).config.layout == "packed"
