@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": to_dict(cfg), "plan": plan.as_dict(), "done": done, "step": final.get("step"),
                "eval": {s: final["eval"][s] for s in cfg.data.eval_splits} if done else None,
                "export": final.get("export"), "blink_export": final.get("blink_export"),
-               "blink_skipped": final.get("blink_skipped"),
+               "blink_skipped": final.get("blink_skipped"), "blink_note": final.get("blink_note"),
                "seconds": round(time.perf_counter() - start, 1),
                "engine": final.get("engine"),  # device, DeepSpeed accelerator, ZeRO stage, bf16
                # The path may be inside Ray's temporary copy of the working directory: keep the content.
