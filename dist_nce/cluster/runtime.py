@@ -87,6 +87,23 @@ def pin_jit_builds() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory op, which this project never calls.
+
+    ``deepspeed.comm`` builds that op (a C++ JIT build: 1-2 min on 2 cores, once per venv, in
+    the first process that starts a group) whenever the accelerator has it, but the op serves
+    only ``inference_all_reduce`` (tensor-parallel inference). Training all-reduces go through
+    ``torch.distributed`` with or without it, so marking it incompatible changes no result and
+    spares every fresh environment (each demo, each CI run) the build.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def has_cuda() -> bool:
     import torch
 
