@@ -209,22 +209,23 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}
     runtime_env = {**runtime_env, "env_vars": env_vars}
     if address:
-        return _join(ray, address, runtime_env, kwargs)
+        return _with_startup_retries(ray, f"joining the Ray cluster at {address}",
+                                     lambda: ray.init(address=address, runtime_env=runtime_env, **kwargs))
     # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
     # The dashboard (on loopback, a free port) also serves the state API that Ray Train's
     # placement-group cleaner polls; without it every run logs a warning a second and
     # waits for the cleaner's timeouts when it ends.
     dashboard = kwargs.pop("include_dashboard", True)
-    if dashboard:
-        kwargs.setdefault("dashboard_host", "127.0.0.1")
-        kwargs.setdefault("dashboard_port", free_port())
-    context = ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=dashboard,
-        runtime_env=runtime_env,
-        **kwargs,
-    )
+
+    def start():
+        options = dict(kwargs)
+        if dashboard:  # a new port each attempt: a failed start's port may still be held
+            options.setdefault("dashboard_host", "127.0.0.1")
+            options.setdefault("dashboard_port", free_port())
+        return ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+                        runtime_env=runtime_env, **options)
+
+    context = _with_startup_retries(ray, "starting a local Ray", start)
     # The raylet's agents outlive a killed driver by 60 s (dist_nce/cluster/reaper.py): end them with it.
     from dist_nce.cluster.reaper import reap_when_driver_dies
 
@@ -232,29 +233,62 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     return context
 
 
-# Joining a running cluster: Ray gives the driver 60 s to find its node through the head's GCS.
-# On a loaded machine (2 cores, several clusters of the test suite at once) a reachable head can
-# miss that window, so that one failure is retried; any other failure (no head there) is not.
-JOIN_ATTEMPTS = 3
-JOIN_BACKOFF_S = 5.0
+# Ray start-up on a loaded machine, the one policy for every driver this project starts (jobs,
+# tests, the demo's driver; heads started with `ray start` have theirs in dist_nce/cluster/head.py).
+# Ray waits a fixed time for each start-up step and gives up on a machine that is merely slow:
+# * a new local node: its raylet must register with the GCS within 30 s (hard-coded in Ray 2.60's
+#   node.py: "The current node timed out during startup"), which a load of 30-50 on 2 cores
+#   (the test suite beside other work) can miss;
+# * joining a cluster: the driver must find its node through the GCS within 60 s ("Failed to get
+#   node info"), which a reachable but busy head can miss.
+# Those two failures are tried again (the second try finds Ray's modules in the page cache and,
+# often, the load passed), STARTUP_ATTEMPTS in all, waiting STARTUP_BACKOFF_S x attempt between
+# tries; any other failure (no head at that address, a bad option) is raised at once.
+STARTUP_ATTEMPTS = 3
+STARTUP_BACKOFF_S = 5.0
+SLOW_STARTUP = ("The current node timed out during startup", "Failed to get node info")
 
 
-def _gcs_was_slow(error: ConnectionError) -> bool:
-    cause = error.__cause__
-    return isinstance(cause, RuntimeError) and "Failed to get node info" in str(cause)
+def slow_startup(error: BaseException) -> bool:
+    """True when ``error`` (or its cause) is one of Ray's start-up timeouts (:data:`SLOW_STARTUP`)."""
+    while error is not None:
+        if any(s in str(error) for s in SLOW_STARTUP):
+            return True
+        error = error.__cause__
+    return False
 
 
-def _join(ray: Any, address: str, runtime_env: dict, kwargs: dict):
-    for attempt in range(1, JOIN_ATTEMPTS + 1):
+def _with_startup_retries(ray: Any, what: str, start):
+    for attempt in range(1, STARTUP_ATTEMPTS + 1):
         try:
-            return ray.init(address=address, runtime_env=runtime_env, **kwargs)
-        except ConnectionError as e:
-            if attempt == JOIN_ATTEMPTS or not _gcs_was_slow(e):
+            return start()
+        except Exception as e:
+            if attempt == STARTUP_ATTEMPTS or not slow_startup(e):
                 raise
-            print(f"joining the Ray cluster at {address}: its GCS did not answer in time ({e.__cause__}); "
-                  f"trying again ({attempt + 1}/{JOIN_ATTEMPTS})", file=sys.stderr, flush=True)
+            cause = e.__cause__ or e
+            print(f"{what}: Ray did not start in time ({cause}); trying again ({attempt + 1}/{STARTUP_ATTEMPTS})",
+                  file=sys.stderr, flush=True)
             ray.shutdown()
-            time.sleep(JOIN_BACKOFF_S * attempt)
+            _stop_half_started_node(e)
+            time.sleep(STARTUP_BACKOFF_S * attempt)
+
+
+def _stop_half_started_node(error: BaseException) -> None:
+    """Stop the processes (GCS, raylet, agents) of a local node whose start timed out.
+
+    ``ray.init`` raises from inside the node's constructor, so it never records the node and
+    ``ray.shutdown`` cannot stop it; left alone, the failed attempt's processes would compete
+    with the next attempt until this process exits. The node object is still on the traceback.
+    """
+    from ray._private.node import Node
+
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            return
+        tb = tb.tb_next
 
 
 def forget_stopped_head(port: int) -> bool:

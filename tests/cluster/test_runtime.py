@@ -56,24 +56,78 @@ def listening(inodes):
                 out.add(f[1])
     return out
 
+def ray_servers():  # this process's GCS servers and raylets, by executable name
+    names = {}
+    for pid in descendants(os.getpid()) - {os.getpid()}:
+        try:
+            exe = os.path.basename(open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode())
+        except OSError:
+            continue
+        if exe in ("gcs_server", "raylet"):
+            names[exe] = names.get(exe, 0) + 1
+    return names
+
+# The first start misses Ray's 30 s raylet-registration window, as on a loaded machine: the node's
+# lookup fails once while its clock jumps ahead, so that start raises "timed out during startup"
+# after starting a real GCS and raylet. init_ray must stop those and start again.
+import time as real_time
+import ray._private.node as node_mod
+import ray._private.services as services
+from dist_nce.cluster import runtime
+
+real_get_node, offset, failed = services.get_node, [0.0], []
+
+class Clock:
+    def __getattr__(self, name):
+        return getattr(real_time, name)
+
+    def monotonic(self):
+        return real_time.monotonic() + offset[0]
+
+def get_node(*args, **kwargs):
+    if not failed:
+        failed.append(1)
+        offset[0] = 1000.0
+        raise RuntimeError("node not registered yet (test)")
+    offset[0] = 0.0
+    return real_get_node(*args, **kwargs)
+
+node_mod.time, services.get_node = Clock(), get_node
+runtime.STARTUP_BACKOFF_S = 0.0
 init_ray(num_cpus=1)
+node_mod.time, services.get_node = real_time, real_get_node
+servers = ray_servers()
 # Only this cluster's sockets: the processes init_ray started descend from this one, so other
 # programs on the machine (another Ray, a server) cannot make the check fail or pass.
 new = sorted(listening(socket_inodes(descendants(os.getpid()))))
 ray.shutdown()
-print(json.dumps(new))
+print(json.dumps({"listening": new, "failed_starts": len(failed), "servers": servers}))
 """
 
 # 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net prints them
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
-@pytest.mark.ray
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
-def test_a_local_ray_listens_on_loopback_only():
+@pytest.fixture(scope="module")
+def local_start():
+    """SCRIPT's report: one local Ray started by init_ray after a start that timed out."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    new = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.ray
+def test_a_local_start_that_times_out_is_stopped_and_tried_again(local_start):
+    report, stderr = local_start
+    assert report["failed_starts"] == 1 and "trying again (2/3)" in stderr, stderr[-2000:]
+    # the timed-out start's GCS and raylet were stopped: one of each is left, the running node's
+    assert report["servers"] == {"gcs_server": 1, "raylet": 1}, report
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_a_local_ray_listens_on_loopback_only(local_start):
+    new = local_start[0]["listening"]
     assert new, "init_ray started no listener at all?"
     outside = [a for a in new if a.rsplit(":", 1)[0] not in LOOPBACK]
     assert not outside, f"listening beyond loopback: {outside}"
@@ -146,12 +200,36 @@ def test_joining_a_slow_head_is_retried(monkeypatch):
     assert [c[0] for c in calls] == ["init", "shutdown", "sleep", "init", "shutdown", "sleep", "init"]
 
 
+def test_a_slow_local_start_is_retried_and_other_failures_are_not(monkeypatch):
+    """The local node's 30 s registration window (Ray's node.py) is the one local failure tried again."""
+    import ray
+
+    from dist_nce.cluster import runtime
+
+    calls = []
+    failures = [Exception("The current node timed out during startup. This could happen because ..."),
+                ValueError("bad option")]
+
+    def init(address=None, **kw):
+        calls.append(("init", address, kw.get("dashboard_port")))
+        raise failures.pop(0)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("shutdown",)))
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: calls.append(("sleep", s)))
+    with pytest.raises(ValueError, match="bad option"):
+        runtime.init_ray(num_cpus=1)
+    assert [c[0] for c in calls] == ["init", "shutdown", "sleep", "init"]
+    assert calls[0][1] == calls[3][1] == "local" and calls[0][2] != calls[3][2]  # a new dashboard port
+
+
 def test_joining_is_not_retried_forever_nor_for_other_failures(monkeypatch):
     slow = RuntimeError("Failed to get node info for possible node ids: {'ab'}")
     runtime, calls = _fake_ray(monkeypatch, [slow, slow, slow])
     with pytest.raises(ConnectionError, match="127.0.0.1:1"):
         runtime.init_ray(address="127.0.0.1:1")
-    assert [c[0] for c in calls].count("init") == runtime.JOIN_ATTEMPTS
+    assert [c[0] for c in calls].count("init") == runtime.STARTUP_ATTEMPTS
     runtime, calls = _fake_ray(monkeypatch, [OSError("connection refused")])  # no head there: at once
     with pytest.raises(ConnectionError):
         runtime.init_ray(address="127.0.0.1:1")
