@@ -209,8 +209,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}
     runtime_env = {**runtime_env, "env_vars": env_vars}
     if address:
-        return _with_startup_retries(ray, f"joining the Ray cluster at {address}",
-                                     lambda: ray.init(address=address, runtime_env=runtime_env, **kwargs))
+        return with_startup_retries(f"joining the Ray cluster at {address}",
+                                    lambda: ray.init(address=address, runtime_env=runtime_env, **kwargs),
+                                    undo=ray.shutdown)
     # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
     # The dashboard (on loopback, a free port) also serves the state API that Ray Train's
     # placement-group cleaner polls; without it every run logs a warning a second and
@@ -225,7 +226,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         return ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
                         runtime_env=runtime_env, **options)
 
-    context = _with_startup_retries(ray, "starting a local Ray", start)
+    context = with_startup_retries("starting a local Ray", start, undo=ray.shutdown)
     # The raylet's agents outlive a killed driver by 60 s (dist_nce/cluster/reaper.py): end them with it.
     from dist_nce.cluster.reaper import reap_when_driver_dies
 
@@ -233,8 +234,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     return context
 
 
-# Ray start-up on a loaded machine, the one policy for every driver this project starts (jobs,
-# tests, the demo's driver; heads started with `ray start` have theirs in dist_nce/cluster/head.py).
+# Ray start-up on a loaded machine, the one policy for every driver and node this project starts
+# (jobs, the demo's driver, the tests' clusters; `ray start` heads: dist_nce/cluster/head.py).
 # Ray waits a fixed time for each start-up step and gives up on a machine that is merely slow:
 # * a new local node: its raylet must register with the GCS within 30 s (hard-coded in Ray 2.60's
 #   node.py: "The current node timed out during startup"), which a load of 30-50 on 2 cores
@@ -258,7 +259,9 @@ def slow_startup(error: BaseException) -> bool:
     return False
 
 
-def _with_startup_retries(ray: Any, what: str, start):
+def with_startup_retries(what: str, start, undo=None):
+    """``start()``, tried again after one of Ray's start-up timeouts (the policy above): before
+    each new try, ``undo()`` (e.g. ``ray.shutdown``) runs and a half-started node is stopped."""
     for attempt in range(1, STARTUP_ATTEMPTS + 1):
         try:
             return start()
@@ -268,7 +271,8 @@ def _with_startup_retries(ray: Any, what: str, start):
             cause = e.__cause__ or e
             print(f"{what}: Ray did not start in time ({cause}); trying again ({attempt + 1}/{STARTUP_ATTEMPTS})",
                   file=sys.stderr, flush=True)
-            ray.shutdown()
+            if undo is not None:
+                undo()
             _stop_half_started_node(e)
             time.sleep(STARTUP_BACKOFF_S * attempt)
 

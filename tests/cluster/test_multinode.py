@@ -52,14 +52,14 @@ class Nodes:
         cluster.wait_for_nodes()
 
     def add(self, kind: str):
-        from dist_nce.cluster.runtime import free_port
+        from dist_nce.cluster.runtime import free_port, with_startup_retries
 
         # Each node unpacks a job's working_dir into a directory of its own, as on separate
         # machines: sharing one, a node re-extracting the package pulls the files (and the
         # working directory) from under the processes of another.
-        node = self.cluster.add_node(num_cpus=1, resources=SHARD_NODE if kind == "shard" else TRAINER_NODE,
-                                     runtime_env_dir_name=f"runtime_resources_{len(self.kinds)}",
-                                     dashboard_agent_listen_port=free_port())
+        node = with_startup_retries(f"adding a {kind} node", lambda: self.cluster.add_node(
+            num_cpus=1, resources=SHARD_NODE if kind == "shard" else TRAINER_NODE,
+            runtime_env_dir_name=f"runtime_resources_{len(self.kinds)}", dashboard_agent_listen_port=free_port()))
         self.kinds[node.node_id] = kind
         return node
 
@@ -78,7 +78,7 @@ def cluster(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
-    from dist_nce.cluster.runtime import enable_token_auth, free_port, init_ray
+    from dist_nce.cluster.runtime import enable_token_auth, free_port, init_ray, with_startup_retries
 
     if ray.is_initialized():  # the session's one-node Ray (tests/conftest.py); it restarts for later modules
         ray.shutdown()
@@ -88,7 +88,7 @@ def cluster(tmp_path_factory):
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
     dash = free_port()
-    head = Cluster(initialize_head=True, head_node_args={
+    head = with_startup_retries("starting the head", lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
         # Every node's dashboard agent on its own free port: the default (52365) is taken by any other
         # Ray on this machine (a concurrent test worker's), and a head whose agent cannot bind has no
@@ -96,7 +96,7 @@ def cluster(tmp_path_factory):
         "dashboard_agent_listen_port": free_port(),
         # A lost node is declared dead after ~3 s instead of the default ~15 s.
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
-                           "health_check_failure_threshold": 3}})
+                           "health_check_failure_threshold": 3}}))
     try:
         nodes = Nodes(head)
         init_ray(address=head.address)
