@@ -34,6 +34,13 @@ RAY_LOCAL_ENV = {
     # Serve's HTTP proxy must answer its readiness check within 5 s, three times in a row, or the
     # controller kills it and `serve.run` fails (ActorDiedError); on 2 busy cores it can take longer.
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    # Ray Train's controller polls its workers every 2 s by default, and a worker's train.report
+    # (every checkpoint) blocks until the controller has collected its previous report: each
+    # checkpoint waited up to 2 s, and a run's start and end a few polls more. At 0.25 s a tiny
+    # 24-step run (configs/aida/test_tiny.yaml, checkpoints every 3 steps) took 25 s in fit()
+    # instead of 54 s. A poll is one small call per worker; one that misses its interval is
+    # waited for, not counted as a failure (that takes RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S).
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
 }
 
 
@@ -185,7 +192,9 @@ def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def ray_runtime_env_vars() -> dict[str, str]:
     """Env vars every Ray worker process of ours gets (threads, loopback)."""
-    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **RAY_LOCAL_ENV,
+    # A value set in this process's environment (init_ray sets the defaults there) wins.
+    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            **{k: os.environ.get(k, v) for k, v in RAY_LOCAL_ENV.items()},
             "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if has_cuda() else "cpu")}
 
 

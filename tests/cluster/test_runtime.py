@@ -276,3 +276,16 @@ def test_a_local_heads_ports_are_distinct(tmp_path, monkeypatch):
     monkeypatch.setattr("dist_nce.cluster.runtime.random.SystemRandom.randint", lambda self, a, b: next(draws))
     h = head_mod.LocalHead(env={"HOME": str(tmp_path)}, temp_dir=str(tmp_path / "t"))
     assert sorted(h.ports.values()) == list(range(21000, 21009)) and len(h.ports) == len(head_mod.PORT_FLAGS)
+
+
+def test_ray_workers_get_the_local_settings_and_a_users_value_wins(monkeypatch):
+    """Every Ray worker of ours (Ray Train's controller included) polls at the project's interval,
+    unless the user set one (runtime.RAY_LOCAL_ENV)."""
+    from dist_nce.cluster.runtime import RAY_LOCAL_ENV, ray_runtime_env_vars
+
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    env = ray_runtime_env_vars()
+    assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == RAY_LOCAL_ENV["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
+    assert ray_runtime_env_vars()["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "2"
