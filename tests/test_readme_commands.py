@@ -127,7 +127,11 @@ RULES: list[tuple[str, str, str]] = [
      "(tests/link runs the job on a tiny exported run)"),
     ("link", r"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (\.venv/bin/)?serve run \S+( run=\$RUN)?",
      "the import path or YAML resolves to the Serve application (tests/link/test_serve.py serves it)"),
-    ("link", r"curl -s -X POST http://127\.0\.0\.1:8000/ .*", "loopback; the body is a valid link request"),
+    ("link", r"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (\.venv/bin/)?python -m dist_nce\.cli\.serve_link "
+             r"\S+\.yaml( [\w.]+=\S+)*",
+     "the YAML's app with the overrides is a valid ServeConfig, its edge on loopback and Serve's proxy off "
+     "(tests/link/test_serve_hostile.py serves it)"),
+    ("link", r"curl -s -X POST http://127\.0\.0\.1:8000/(link)? .*", "loopback; the body is a valid link request"),
 ]
 
 
@@ -339,12 +343,28 @@ def check_link(root: Path, cmd: Command) -> None:
     if words[0] == "RAY_AUTH_MODE=token":  # serve run <import path or YAML> [run=$RUN]
         # the local Ray that `serve run` starts stays on loopback only with this variable
         assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in words, cmd
+        if "dist_nce.cli.serve_link" in words:  # python -m dist_nce.cli.serve_link <YAML> [key=value ...]
+            import yaml
+
+            from dist_nce.cli.serve_link import overridden
+            from dist_nce.core.config import from_dict
+            from dist_nce.link.config import ServeConfig
+
+            at = words.index("dist_nce.cli.serve_link") + 1
+            config = yaml.safe_load((root / words[at]).read_text())
+            (app,) = config["applications"]
+            args = overridden(app["args"], [w.replace("$RUN", "runs/demo/T/") for w in words[at + 1:]])
+            serve = from_dict(ServeConfig, args)
+            assert config["proxy_location"] == "Disabled" and serve.edge_host == "127.0.0.1" and serve.edge_port, cmd
+            return
         target = words[words.index("run") + 1]
         if target.endswith((".yaml", ".yml")):
             import yaml
 
             config = yaml.safe_load((root / target).read_text())
-            assert config["http_options"]["host"] == "127.0.0.1", cmd
+            args = config["applications"][0]["args"]
+            # clients at the app's edge, on loopback; Serve's own proxy off
+            assert config["proxy_location"] == "Disabled" and args["edge_host"] == "127.0.0.1", cmd
             target = config["applications"][0]["import_path"]
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), cmd

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import AT_LEAST_1, POSITIVE, Range
 from dist_nce.index.config import IndexConfig
+from dist_nce.link.edge import EdgeLimits
 from dist_nce.link.request import Limits
 
 
@@ -94,11 +95,33 @@ class ServeConfig:
     max_k: int = _help("Requests asking for more entities per mention (k) are refused with 413; k is also at "
                        "most the KB's entities.", AT_LEAST_1, default=100)
     request_timeout_s: float = _help(
-        "Seconds one request may take once its body is read (tokenize, encode, search, rerank: one budget); "
-        "past it the answer is 504 naming the stage.", POSITIVE, default=60.0)
+        "Seconds one request may take from its arrival (at the edge: when its head arrives; through Serve's "
+        "proxy: when an HTTP replica takes it). The edge sheds with 503 a request that cannot be served in what "
+        "is left; a stage (tokenize, encode, search, rerank) that runs past it gets 504 naming it.", POSITIVE,
+        default=15.0)
     max_queued_requests: int = _help(
-        "Requests waiting for an HTTP replica (beyond ingress_max_ongoing each); more get Serve's 503.",
-        AT_LEAST_1, default=256)
+        "Requests waiting for an HTTP replica (beyond ingress_max_ongoing each), at the edge and in Serve's "
+        "queue; more get 503.", AT_LEAST_1, default=256)
+    edge_port: int = _help(
+        "Port of the linker's HTTP edge (dist_nce/link/edge.py), the endpoint for clients: it checks heads and "
+        "bodies before reading them, closes idle connections and sheds load (run it with Serve's proxy off, "
+        "proxy_location: Disabled, as configs/serve/link.yaml does). 0 = no edge: Serve's own proxy serves the "
+        "app, with none of those limits (development).", Range(ge=0, le=65535), default=0)
+    edge_host: str = _help("Address the edge listens on; loopback unless you put authentication in front.",
+                           default="127.0.0.1")
+    route: str = _help("Path the edge answers (POST); any other gets 404.", default="/")
+    header_timeout_s: float = _help("Edge: seconds from a request head's first byte to its end; slower: 408.",
+                                    POSITIVE, default=10.0)
+    idle_timeout_s: float = _help("Edge: seconds a connection may stay open without starting a request.",
+                                  POSITIVE, default=10.0)
+    max_header_bytes: int = _help("Edge: request heads over this many bytes get 431.", Range(ge=1024),
+                                  default=16384)
+    max_connections: int = _help("Edge: open connections at most; more get 503 and are closed.", AT_LEAST_1,
+                                 default=512)
+    max_buffered_bytes: int = _help(
+        "Edge: bytes of request bodies held at once (read, or waiting for an HTTP replica); a body that "
+        "would pass it gets 503. With max_connections x 128 KiB of socket buffers, the edge's bound on "
+        "request memory.", AT_LEAST_1, default=64_000_000)
     replica_gpus: Optional[float] = _help(
         "GPUs per encoder and reranker replica, and per searcher replica when it searches a local index; "
         "None = 1 with a cuda link.device, else 0.", Range(ge=0), default=None)
@@ -110,6 +133,13 @@ class ServeConfig:
         """The request limits of :mod:`dist_nce.link.request`."""
         return Limits(self.max_request_bytes, self.max_json_depth, self.max_docs, self.max_text_chars,
                       self.max_mentions, self.max_mentions_per_doc, self.max_span_chars, self.max_k)
+
+    def edge_limits(self) -> EdgeLimits:
+        """What the edge (:mod:`dist_nce.link.edge`) lets through; its slots are the HTTP replicas'."""
+        return EdgeLimits(self.route, self.max_request_bytes, self.max_header_bytes, self.max_buffered_bytes,
+                          self.max_connections, self.header_timeout_s, self.idle_timeout_s, self.body_timeout_s,
+                          self.request_timeout_s, self.ingress_max_ongoing * self.ingress_replicas,
+                          self.max_queued_requests)
 
     def gpus(self) -> float:
         """GPUs of an encoder or reranker replica (``replica_gpus``, or 1 on a cuda device)."""

@@ -12,7 +12,9 @@ the training path's own (``dist_nce.core.text.encode_mentions``):
 Left and right contexts and the mention are stripped, as the KILT reader strips them;
 the BERT tokenizer splits on whitespace anyway, so the token ids do not depend on it.
 
-Every refusal is a ``ValueError`` whose message starts with ``doc <i>`` and names the field.
+Every refusal is a ``ValueError`` whose message starts with ``doc <i>`` and names the field; a
+value it quotes is cut to a few dozen characters (:func:`quoted`), and a text holding a lone UTF-16
+surrogate (``"\\ud800"`` from a JSON escape: not a character, and no tokenizer takes it) is refused.
 
 A :class:`Mention` keeps a reference to its document's text, not copies of its contexts: a
 request of many spans over one long text would otherwise hold spans x text characters. Its
@@ -20,6 +22,7 @@ request of many spans over one long text would otherwise hold spans x text chara
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -57,24 +60,42 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def quoted(value: Any, chars: int = 60) -> str:
+    """``repr(value)`` for a message, cut to ``chars`` characters (a refused value may be megabytes)."""
+    text = repr(value[:chars] if isinstance(value, str) else value)
+    size = len(value) if isinstance(value, str) else len(text)
+    return text if size <= chars and len(text) <= chars else f"{text[:chars]}... ({size} characters)"
+
+
+def _check_text(where: str, text: str) -> None:
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise ValueError(f"{where}: lone UTF-16 surrogate \\u{ord(m.group()):04x} at character {m.start()} "
+                         "(not a Unicode character)")
+
+
 def _span_mentions(i: int, doc: Mapping[str, Any]) -> list[Mention]:
     text = doc["text"]
     if not isinstance(text, str):
         raise ValueError(f"doc {i}: field 'text': expected a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"doc {i}: field 'text': empty text")
+    _check_text(f"doc {i}: field 'text'", text)
     if "mentions" not in doc:
         raise ValueError(f"doc {i}: field 'mentions': missing (give [[start, end], ...] character spans "
                          f"of 'text')")
     spans = doc["mentions"]
     if not isinstance(spans, (list, tuple)) or not spans:
         raise ValueError(f"doc {i}: field 'mentions': expected a non-empty list of [start, end] spans, "
-                         f"got {spans!r}")
+                         f"got {quoted(spans)}")
     out = []
     for j, span in enumerate(spans):
         where = f"doc {i}: field 'mentions[{j}]'"
         if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(_is_int(x) for x in span):
-            raise ValueError(f"{where}: expected [start, end] integers, got {span!r}")
+            raise ValueError(f"{where}: expected [start, end] integers, got {quoted(span)}")
         a, b = span
         if not 0 <= a < b <= len(text):
             raise ValueError(f"{where}: span [{a}, {b}) is outside the text (length {len(text)}) or empty")
@@ -89,6 +110,7 @@ def _kilt_mention(i: int, doc: Mapping[str, Any]) -> Mention:
     text = doc["input"]
     if not isinstance(text, str):
         raise ValueError(f"doc {i}: field 'input': expected a string, got {type(text).__name__}")
+    _check_text(f"doc {i}: field 'input'", text)
     try:
         _, mention, _ = split_marked_input(text, f"doc {i}", 0)
     except BadRecord as e:

@@ -10,9 +10,15 @@ after it (tokenizing, encoding, searching) only ever see requests of bounded siz
 * :func:`decode_utf8`: strict UTF-8 (400 naming the first bad byte's offset);
 * :func:`check_depth`: nesting deeper than ``max_depth`` (400), found by a scan before
   ``json.loads``, whose recursion a deep body would otherwise exhaust;
+* :func:`check_unicode` (in :func:`parse_json`): a lone UTF-16 surrogate (``"\\ud800"`` escaped in the JSON) in any
+  string or key (400, or 422 naming the doc and field): it is not a character, the tokenizer
+  cannot take it and no answer holding it can be written as UTF-8;
 * :func:`check_request`: the docs and k of the decoded body: shape and types (400 for the
   body's, 422 for a doc's, naming the doc and field) and the limits (413) on docs, text
   length, spans per doc and in all, span length and k.
+
+A refusal's message is at most :data:`MAX_MESSAGE` characters: values it quotes are cut
+(:func:`shown`), so a refused 900 kB string is not sent back.
 
 The finer checks of each doc (spans inside the text, KILT markers) stay in
 :mod:`dist_nce.link.inputs`, which then runs on a bounded request.
@@ -29,12 +35,32 @@ from typing import Any, AsyncIterator
 from kb.kilt import START_ENT
 
 
+MAX_MESSAGE = 400  # characters of a refusal's message; a longer one is cut
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 class BadRequest(Exception):
-    """A refused request: the HTTP ``status`` and the ``message`` the client gets."""
+    """A refused request: the HTTP ``status`` and the ``message`` the client gets (at most
+    :data:`MAX_MESSAGE` characters, any non-ASCII escaped as in JSON)."""
 
     def __init__(self, status: int, message: str):
+        if len(message) > MAX_MESSAGE:
+            message = f"{message[:MAX_MESSAGE - 30]}... ({len(message)} characters)"
         super().__init__(message)
         self.status, self.message = status, message
+
+
+def shown(value: Any, chars: int = 60) -> str:
+    """``value`` as JSON (ASCII, surrogates escaped) for a message: at most ``chars`` characters
+    and its full length, never the whole of a large value."""
+    if isinstance(value, str) and len(value) > chars:  # cut before encoding: no copy of a large string
+        return f"{json.dumps(value[:chars])[:chars]}... (a string of {len(value)} characters)"
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= chars else f"{text[:chars]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -113,16 +139,65 @@ def check_depth(text: str, max_depth: int) -> None:
 
 
 def parse_json(text: str, max_depth: int) -> Any:
-    """The decoded body; 400 for nesting deeper than ``max_depth`` or text that is not JSON."""
+    """The decoded body; 400 for nesting deeper than ``max_depth`` or text that is not JSON, 400 or
+    422 for a string holding a lone surrogate (:func:`check_unicode`)."""
     check_depth(text, max_depth)
     try:
-        return json.loads(text)
+        payload = json.loads(text)
     except ValueError as e:  # JSONDecodeError: its message names line and column, no internals
         raise BadRequest(400, f"body is not JSON: {e}") from None
+    # UTF-8 text holds no surrogate: only a \uD800-\uDFFF escape makes one, so most bodies skip the walk.
+    if _SURROGATE_ESCAPE.search(text):
+        check_unicode(payload)
+    return payload
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _strings(value: Any, path: tuple) -> Any:
+    """(path, string) for every string of a decoded body, keys included (a key's path ends in
+    ``("key",)``); the body's depth is bounded by :func:`check_depth`."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield (*path, key, "key"), key
+            yield from _strings(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, (*path, i))
+
+
+def check_unicode(payload: Any) -> None:
+    """400 (422 inside a doc, naming it and the field) if a string or key of ``payload`` holds
+    a lone UTF-16 surrogate: JSON allows ``"\\ud800"`` escapes, Unicode text does not."""
+    for path, text in _strings(payload, ()):
+        m = _SURROGATE.search(text)
+        if m is not None:
+            status, where = _where(payload, path)
+            raise BadRequest(status, f"{where}lone UTF-16 surrogate \\u{ord(m.group()):04x} at character "
+                             f"{m.start()}: not a Unicode character (send the character itself, or a high-low pair "
+                             "of escapes for one beyond U+FFFF)")
+
+
+def _where(payload: Any, path: tuple) -> tuple[int, str]:
+    """(status, "doc i: field 'mentions[0]'" or "field 'k'") of the string at ``path`` in ``payload``."""
+    doc, rest = None, path
+    if isinstance(payload, list) and path:
+        doc, rest = path[0], path[1:]
+    elif isinstance(payload, dict) and "docs" not in payload:
+        doc = 0
+    elif path[:1] == ("docs",) and len(path) > 1:
+        doc, rest = path[1], path[2:]
+    key = rest[-2] if rest[-1:] == ("key",) else None
+    if key is not None:
+        rest = rest[:-2]
+    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest).lstrip(".")
+    what = (f"key {shown(key, 40)}" + (f" in field '{field}'" if field else "") if key is not None
+            else f"field '{field}'" if field else "the value")
+    return (400, f"{what}: ") if doc is None else (422, f"doc {doc}: {what}: ")
 
 
 def request_docs(payload: Any, default_k: int) -> tuple[list, Any]:
@@ -133,8 +208,8 @@ def request_docs(payload: Any, default_k: int) -> tuple[list, Any]:
     if isinstance(payload, dict) and "docs" in payload:
         unknown = sorted(set(payload) - {"docs", "k"})
         if unknown:
-            shown = [u[:40] for u in unknown[:5]]
-            raise BadRequest(400, f"unknown request field(s) {shown}; expected 'docs' and optionally 'k'")
+            names = [u[:40] for u in unknown[:5]]  # check_unicode has seen them: no surrogate
+            raise BadRequest(400, f"unknown request field(s) {names}; expected 'docs' and optionally 'k'")
         docs, k = payload["docs"], payload.get("k", default_k)
     elif isinstance(payload, dict):
         docs = [payload]
@@ -172,8 +247,8 @@ def _doc_spans(i: int, doc: Any, limits: Limits) -> int:
     if field == "text":
         for j, span in enumerate(doc["mentions"]):
             if not (isinstance(span, list) and len(span) == 2 and _is_int(span[0]) and _is_int(span[1])):
-                shown = json.dumps(span)[:60]
-                raise BadRequest(422, f"doc {i}: field 'mentions[{j}]': expected [start, end] integers, got {shown}")
+                raise BadRequest(422, f"doc {i}: field 'mentions[{j}]': expected [start, end] integers, "
+                                      f"got {shown(span)}")
             # A span outside the text is inputs.py's to refuse (422), not a size.
             if 0 <= span[0] < span[1] <= len(text) and span[1] - span[0] > limits.max_span_chars:
                 raise BadRequest(413, f"doc {i}: field 'mentions[{j}]': span of {span[1] - span[0]} characters; "
@@ -214,6 +289,15 @@ class Deadline:
     def __init__(self, seconds: float, clock=time.monotonic):
         self.seconds, self._clock = seconds, clock
         self._end = clock() + seconds
+
+    @classmethod
+    def until(cls, wall_end: float, seconds: float | None = None) -> "Deadline":
+        """The deadline at wall-clock time ``wall_end`` (``time.time()``, set where the request
+        arrived: the edge, on this machine or a clock-synchronised one)."""
+        left = wall_end - time.time()
+        deadline = cls(left)
+        deadline.seconds = left if seconds is None else seconds
+        return deadline
 
     def left(self) -> float:
         """Seconds left (>= 0)."""

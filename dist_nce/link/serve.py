@@ -1,16 +1,24 @@
-"""The linker over HTTP: a Ray Serve application of three deployments.
+"""The linker over HTTP: a Ray Serve application of four deployments, clients at its edge.
 
-    RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run configs/serve/link.yaml  # set args.run first
-    # or BLINK's released files over a prepared store (args.run empty; see ServeConfig):
+    RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python -m dist_nce.cli.serve_link configs/serve/link.yaml \\
+        run=runs/demo/<time>             # or: serve run configs/serve/link.yaml, args.run set first
+    # or BLINK's released files over a prepared store (run="" and link.model=..., see ServeConfig):
     #   args: {link: {model: .../biencoder_wiki_large.bin, reranker: .../crossencoder_wiki_large.bin,
     #                 store: data/prepared/kilt_bert, snapshot: data/embeddings/blink}}
     curl -s -X POST http://127.0.0.1:8000/link -H 'Content-Type: application/json' \\
         -d '{"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}], "k": 5}'
 
-* ``LinkIngress`` (HTTP): reads and checks the request (:mod:`dist_nce.link.request`), tokenizes
+* ``LinkEdge`` (with ``edge_port``, as the shipped config sets it; Serve's own proxy off): the
+  HTTP server clients talk to (:mod:`dist_nce.link.edge`). It decides on the head, before
+  reading a body (method, path, Content-Type, Content-Length), bounds what it buffers, closes
+  idle connections and slow heads, starts each request's deadline when it arrives and sheds
+  with 503 what cannot be served in it; accepted bodies go to ``LinkIngress.answer``.
+* ``LinkIngress``: checks the request (:mod:`dist_nce.link.request`), tokenizes
   (``Linker.prepare``: the training tokenization), sends every mention to the encoder, the
   vectors to the searcher and, with a reranker, the candidates to the reranker; answers
-  ``{"docs": [...]}`` in the Python API's format (``Linker.link``).
+  ``{"docs": [...]}`` in the Python API's format (``Linker.link``). Without an edge
+  (``edge_port: 0``: development) it is the app's ingress behind Serve's own proxy, with the
+  same checks on a body that proxy has already read, and none of the edge's.
 * ``MentionEncoder``: the run's (or ``link.model``'s) mention encoder; concurrent requests' mentions are encoded
   together (``@serve.batch``), which is where batching pays on a CPU or a GPU.
 * ``KBSearcher``: the KB index (in the replica), or the trainer's sharded NegativeService
@@ -20,37 +28,44 @@
   the same way.
 
 With a ``cuda`` ``link.device`` the encoder, reranker and local-index searcher replicas reserve
-``replica_gpus`` (default 1) GPUs each; the HTTP replicas run no model and reserve CPUs only.
+``replica_gpus`` (default 1) GPUs each; the edge and HTTP replicas run no model and reserve CPUs only.
 
-Requests: ``{"docs": [doc, ...], "k": 5}``, a list of docs, or one doc; a doc is
-``{"text", "mentions": [[start, end], ...]}`` or a KILT ``{"input": "... [START_ENT] m [END_ENT] ..."}``.
-Every limit is checked before any tokenizing (``ServeConfig``'s ``max_*`` fields). Refusals,
-each with ``{"error": message}`` naming the field (and doc) at fault:
+Requests: POST ``route`` (Content-Type ``application/json``), body ``{"docs": [doc, ...], "k": 5}``,
+a list of docs, or one doc; a doc is ``{"text", "mentions": [[start, end], ...]}`` or a KILT
+``{"input": "... [START_ENT] m [END_ENT] ..."}``. Every limit is checked before any tokenizing
+(``ServeConfig``'s ``max_*`` fields). Refusals, each with ``{"error": message}`` naming the field
+(and doc) at fault, at most 400 characters (values it quotes are cut):
 
-* 400: not UTF-8 (the byte offset), nested deeper than ``max_json_depth``, not JSON, wrong shape;
-* 405: not POST;
-* 408: the body not sent within ``body_timeout_s`` (a slow client);
-* 413: body over ``max_request_bytes`` (read as a stream and cut there, with or without a
-  Content-Length), more than ``max_docs`` docs, a text over ``max_text_chars``, more than
-  ``max_mentions_per_doc`` spans in a doc or ``max_mentions`` in all, a span over
-  ``max_span_chars``, k over ``max_k``;
+* 400: not UTF-8 (the byte offset), nested deeper than ``max_json_depth``, not JSON, wrong shape,
+  a lone UTF-16 surrogate (``"\\ud800"``) outside the docs;
+* 404: another path; 405: not POST; 415: not ``application/json`` (UTF-8);
+* 408: the head not sent within ``header_timeout_s`` of its first byte, or the body within
+  ``body_timeout_s`` (a slow client); a connection that starts no request within
+  ``idle_timeout_s`` is closed;
+* 413: a declared Content-Length over ``max_request_bytes`` (before reading), a body past it
+  (read as a stream and cut there), more than ``max_docs`` docs, a text over
+  ``max_text_chars``, more than ``max_mentions_per_doc`` spans in a doc or ``max_mentions`` in
+  all, a span over ``max_span_chars``, k over ``max_k``; 431: a head over ``max_header_bytes``;
 * 422: a doc or k that :mod:`dist_nce.link.request` or :mod:`dist_nce.link.inputs` refuses
-  (a wrong type, missing spans, a span outside the text, empty text, k over the KB's size);
-* 503: more than ``max_queued_requests`` requests waiting for an HTTP replica (Serve's own
-  answer, plain text) or a downstream deployment overloaded;
-* 504: the request took longer than ``request_timeout_s`` (the message names the stage:
-  tokenize, encode, search or rerank);
+  (a wrong type, missing spans, a span outside the text, empty text, a lone surrogate in a doc,
+  k over the KB's size);
+* 503: shed: the request could not be served within ``request_timeout_s`` of its arrival (or
+  the client's shorter ``X-Request-Timeout-Seconds``), ``max_queued_requests`` already wait,
+  ``max_connections`` are open, ``max_buffered_bytes`` of bodies are being read, or a
+  deployment is overloaded;
+* 504: a stage (tokenize, encode, search or rerank, named) ran past the deadline;
 * 500: a failure of ours, as ``internal error (id <uuid>)``; the traceback is in the replica's
   log under that id, never in the answer.
 
 A refused request changes nothing: the replicas keep serving.
 
-HTTP listens on loopback only unless configured otherwise (``http_options.host`` in the
-config; :func:`start_local` here): the endpoint has no authentication of its own.
+The edge listens on loopback unless configured otherwise (``edge_host``): the endpoint has no
+authentication of its own.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from typing import Any
@@ -61,7 +76,8 @@ from ray import serve
 
 from dist_nce.core.config import ConfigError, from_dict, to_dict
 from dist_nce.link.config import ServeConfig
-from dist_nce.link.request import BadRequest, Deadline, check_request, decode_utf8, parse_json, read_body
+from dist_nce.link.edge import media_type
+from dist_nce.link.request import BadRequest, Deadline, check_request, decode_utf8, parse_json, read_body, shown
 from dist_nce.modeling.scoring import Reps
 
 DEFAULT_HOST = "127.0.0.1"
@@ -270,25 +286,86 @@ class LinkIngress:
             rerank = np.stack(list(scored))
         return self.linker.answers(prepared.mentions, len(docs), cand, scores, rerank, [d.get("id") for d in docs])
 
+    async def _answer(self, body: bytes, deadline: Deadline) -> tuple[int, bytes]:
+        """(status, JSON) for a request body read within the limits."""
+        try:
+            payload = parse_json(decode_utf8(body), self.limits.max_json_depth)
+            del body
+            docs, k = check_request(payload, self.cfg.link.k, self.limits)
+            # ASCII: the texts are checked Unicode, and no answer can fail to encode.
+            return 200, json.dumps({"docs": await self._link(docs, k, deadline)}).encode()
+        except BadRequest as e:
+            return e.status, json.dumps({"error": e.message}).encode()
+        except Exception:  # noqa: BLE001 - a failure of ours: logged here, never shown to the client
+            incident = uuid.uuid4().hex
+            LOG.exception("request failed (id %s)", incident)
+            return 500, json.dumps({"error": f"internal error (id {incident}); see the replica log"}).encode()
+
+    async def answer(self, body: bytes, deadline_at: float) -> tuple[int, bytes]:
+        """The edge's call (:class:`LinkEdge`): (status, JSON) for a body it read and checked, due at
+        ``deadline_at`` (wall-clock seconds, counted from the request's arrival at the edge)."""
+        deadline = Deadline.until(deadline_at, self.cfg.request_timeout_s)
+        if deadline.left() <= 0:  # it waited for this replica past its deadline: shed before any work
+            return 503, json.dumps({"error": "the service is overloaded (the request waited for an HTTP replica "
+                                             "past its deadline); retry later"}).encode()
+        return await self._answer(body, deadline)
+
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
+        """HTTP through Serve's own proxy (no edge): the same checks, on a body the proxy has read."""
+        from starlette.responses import Response
 
         try:
             if request.method != "POST":
                 raise BadRequest(405, "POST a JSON body")
+            path = request.scope.get("path", "")[len(request.scope.get("root_path", "")):]
+            if path not in ("", "/"):
+                raise BadRequest(404, f"no such path {shown(request.url.path, 60)}; POST to the app's route")
+            kind, charset = media_type(request.headers.get("content-type", "").encode("latin-1") or None)
+            if kind != "application/json" or charset not in (None, "utf-8"):
+                raise BadRequest(415, "Content-Type must be application/json (UTF-8), got "
+                                      f"{shown(request.headers.get('content-type', 'none'), 60)}")
             body = await read_body(request.stream(), request.headers.get("content-length"),
                                    self.limits.max_request_bytes, self.cfg.body_timeout_s)
-            payload = parse_json(decode_utf8(body), self.limits.max_json_depth)
-            del body
-            docs, k = check_request(payload, self.cfg.link.k, self.limits)
-            deadline = Deadline(self.cfg.request_timeout_s)
-            return JSONResponse({"docs": await self._link(docs, k, deadline)})
         except BadRequest as e:
-            return JSONResponse({"error": e.message}, status_code=e.status)
-        except Exception:  # noqa: BLE001 - a failure of ours: logged here, never shown to the client
-            incident = uuid.uuid4().hex
-            LOG.exception("request failed (id %s)", incident)
-            return JSONResponse({"error": f"internal error (id {incident}); see the replica log"}, status_code=500)
+            return Response(json.dumps({"error": e.message}), e.status, media_type="application/json")
+        # No edge: the deadline starts once the body is read, after any wait in Serve's queue.
+        status, answer = await self._answer(body, Deadline(self.cfg.request_timeout_s))
+        return Response(answer, status, media_type="application/json")
+
+
+@serve.deployment(num_replicas=1)
+class LinkEdge:
+    """The app's HTTP endpoint when ``edge_port`` is set: :class:`dist_nce.link.edge.Edge` on
+    ``edge_host:edge_port`` in this replica's event loop, answering through :meth:`LinkIngress.answer`.
+    One replica (it owns the port)."""
+
+    async def __init__(self, ingress: Any, config: dict):
+        keep_replica_grpc_on_loopback()
+        from dist_nce.link.edge import Edge
+
+        self.cfg = from_dict(ServeConfig, config)
+        self.ingress = ingress
+        self.edge = Edge(self.cfg.edge_limits(), self._link)
+        self.server = await self.edge.start(self.cfg.edge_host, self.cfg.edge_port)
+
+    async def _link(self, body: bytes, deadline_at: float) -> tuple[int, bytes]:
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        try:
+            return await self.ingress.answer.remote(body, deadline_at)
+        except (BackPressureError, DeploymentUnavailableError):
+            return 503, json.dumps({"error": "the service is overloaded (HTTP replicas); retry later"}).encode()
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        where = f"http://{self.cfg.edge_host}:{self.cfg.edge_port}{self.cfg.route}"
+        return JSONResponse({"error": f"this app answers HTTP at its edge, {where}"}, status_code=404)
+
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
 
 
 def replica_options(cfg: ServeConfig) -> dict[str, dict]:
@@ -331,10 +408,14 @@ def build_app(args: dict) -> Any:
                                           max_ongoing_requests=batched).bind(
             cfg.link.reranker, cfg.link.tokenizer, str(art.store), cfg.link.device, cfg.link.rerank_pairs,
             cfg.max_batch_size, cfg.batch_wait_timeout_s)
-    return LinkIngress.options(num_replicas=cfg.ingress_replicas, ray_actor_options=actor["ingress"],
-                               max_ongoing_requests=cfg.ingress_max_ongoing,
-                               max_queued_requests=cfg.max_queued_requests).bind(
+    ingress = LinkIngress.options(num_replicas=cfg.ingress_replicas, ray_actor_options=actor["ingress"],
+                                  max_ongoing_requests=cfg.ingress_max_ongoing,
+                                  max_queued_requests=cfg.max_queued_requests).bind(
         encoder, searcher, reranker, to_dict(cfg))
+    if not cfg.edge_port:
+        return ingress
+    # Like Serve's own proxy, the edge reserves no CPU: it waits on sockets and on the ingress.
+    return LinkEdge.options(ray_actor_options={"num_cpus": 0}).bind(ingress, to_dict(cfg))
 
 
 def start_local(port: int, host: str = DEFAULT_HOST) -> None:

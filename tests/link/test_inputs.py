@@ -73,9 +73,22 @@ def test_the_serve_config_is_loopback_and_its_args_are_a_serve_config():
 
     text = (Path(__file__).resolve().parents[2] / "configs" / "serve" / "link.yaml").read_text()
     cfg = yaml.safe_load(text)
-    assert cfg["http_options"]["host"] == "127.0.0.1"
+    # Clients talk to the edge, on loopback; Serve's own proxy (whole bodies read, idle connections kept) is off.
+    assert cfg["proxy_location"] == "Disabled" and "http_options" not in cfg
     (app,) = cfg["applications"]
     assert app["import_path"] == "dist_nce.link.serve:build_app"
-    assert from_dict(ServeConfig, app["args"]).link.k == 10
+    serve = from_dict(ServeConfig, app["args"])
+    assert serve.link.k == 10 and (serve.edge_host, serve.edge_port, serve.route) == ("127.0.0.1", 8000, "/link")
     with pytest.raises(ConfigError, match="max_batch: unknown key"):
         from_dict(ServeConfig, {**app["args"], "max_batch": 3})
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ({"text": "Par\ud800is", "mentions": [[0, 3]]}, "doc 0: field 'text': lone UTF-16 surrogate \\ud800 at character 3"),
+    ({"input": "a [START_ENT] P\udc00 [END_ENT] b"}, "doc 0: field 'input': lone UTF-16 surrogate \\udc00"),
+])
+def test_a_lone_surrogate_is_refused_before_the_tokenizer(doc, needle):
+    # the Python API's own check (the tokenizer would raise a TypeError on it)
+    with pytest.raises(ValueError) as e:
+        parse_docs([doc])
+    assert needle in str(e.value)

@@ -178,3 +178,35 @@ def test_messages_hold_no_request_text_beyond_a_bound():
     e = refused(check_request, {"docs": [], "k" * 5000: 1}, 10, LIMITS)
     assert len(e.message) < 200
     assert json.dumps({"error": e.message})
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ('{"docs": [{"text": "Par\\ud800is", "mentions": [[0, 3]]}]}', 422,
+     "doc 0: field 'text': lone UTF-16 surrogate \\ud800 at character 3"),
+    ('[{"text": "ok", "mentions": [[0, 1]]}, {"id": "\\udc00", "input": "a [START_ENT] b [END_ENT]"}]', 422,
+     "doc 1: field 'id': lone UTF-16 surrogate \\udc00 at character 0"),
+    ('{"input": "a [START_ENT] \\ude00\\ud83d [END_ENT]"}', 422, "doc 0: field 'input': lone UTF-16 surrogate \\ude00"),
+    ('{"docs": [{"text": "ok", "mentions": [["\\ud800", 1]]}]}', 422, "doc 0: field 'mentions[0][0]': lone"),
+    ('{"docs": [{"text": "ok", "mentions": [[0, 1]], "\\ud800x": 1}]}', 422, 'doc 0: key "\\ud800x": lone'),
+    ('{"docs": [], "k": "\\udfff"}', 400, "field 'k': lone UTF-16 surrogate \\udfff"),
+])
+def test_a_lone_surrogate_is_refused_naming_the_field(body, status, needle):
+    e = refused(parse_json, body, 16)
+    assert (e.status, needle in e.message) == (status, True), e.message
+    assert json.dumps({"error": e.message}, ensure_ascii=False).encode("utf-8")  # writable as UTF-8
+
+
+def test_a_surrogate_pair_is_a_character():
+    docs, _ = check_request(parse_json('{"docs": [{"text": "\\ud83d\\ude00 Paris", "mentions": [[2, 7]]}]}', 16),
+                            10, LIMITS)
+    assert docs[0]["text"] == "\U0001F600 Paris"
+
+
+def test_a_refusal_never_echoes_a_large_value():
+    from dist_nce.link.inputs import parse_docs
+    from dist_nce.link.request import MAX_MESSAGE, shown
+
+    with pytest.raises(ValueError) as e:
+        parse_docs([{"text": "ab", "mentions": "x" * 900_000}])
+    assert len(str(e.value)) < 200 and "900000 characters" in str(e.value)
+    assert len(shown("x" * 900_000)) < 100 and len(BadRequest(422, "y" * 900_000).message) <= MAX_MESSAGE
