@@ -14,8 +14,10 @@ PYTEST_ARGS ?=
 # Two pytest processes (pytest-xdist), one test file each at a time: most of the suite waits on
 # Ray, DeepSpeed and job start-up rather than computing, so two files share the 2 cores well.
 # Module-scoped fixtures (a cluster, a trained run) stay within their file. TEST_WORKERS=0: one process.
+# Files go out longest first (tests/durations.json, ordered by tests/conftest.py), so xdist's own
+# reordering (most tests first) is off.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The locks (requirements/*.txt) that scripts/install.sh passes to pip as constraints. `make lock`
 # regenerates them from setup.py with uv (`pip install uv`, or UV=/path/to/uv) against PyPI:

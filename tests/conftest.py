@@ -1,7 +1,9 @@
 """Shared fixtures. One tiny model per session; each test copies what it mutates."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +33,34 @@ def pytest_configure(config):
         from dist_nce.cluster.runtime import ensure_auth_token
 
         ensure_auth_token()
+
+
+# Longest files first. pytest-xdist hands each worker one file at a time (--dist loadfile) in
+# collection order (the Makefile turns off its own reordering, which puts files with many tests
+# first: the few-test files that each train whole runs then came last, and one worker ran them
+# alone at the end). tests/durations.json has each file's seconds from a full run
+# (scripts/test_durations.py); a file it lacks counts as 0 s. Only the order changes.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def file_order(paths: list[str], seconds: dict[str, float]) -> list[str]:
+    """``paths`` (tests/<file>.py, each once) longest first by ``seconds``, ties in their given order."""
+    rank = {p: i for i, p in enumerate(paths)}
+    return sorted(paths, key=lambda p: (-seconds.get(p, 0.0), rank[p]))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not DURATIONS.exists():
+        return
+    seconds = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    root = Path(__file__).resolve().parent.parent
+
+    def file_of(item) -> str:
+        return Path(str(item.path)).resolve().relative_to(root).as_posix()
+
+    files = list(dict.fromkeys(file_of(item) for item in items))
+    position = {f: i for i, f in enumerate(file_order(files, seconds))}
+    items.sort(key=lambda item: position[file_of(item)])  # stable: tests keep their order in a file
 
 
 @pytest.fixture(scope="session", autouse=True)
