@@ -11,8 +11,9 @@ their min-max spread, ratios with the range their spreads allow, the load averag
 started at); the prose between the blocks is written by hand. ``tests/test_benchmarks_report.py``
 fails when a block differs from what the committed JSON renders, or when a result has no block on
 the page, so a table cannot drift from its measurement. The README quotes a few headline figures
-and links here; docs/gpu.md and docs/real_data.md carry copies of one block each (COPIES: the GPU
-mining table, the BLINK import's memory table), rewritten and checked with the page's.
+and links here; docs/gpu.md, docs/real_data.md and docs/linking.md carry copies of one block each
+(COPIES: the GPU mining table, the BLINK import's memory table, serving under load), rewritten and
+checked with the page's.
 
     .venv/bin/python -m benchmarks.report            # rewrite the page's blocks from the JSON
     .venv/bin/python -m benchmarks.report --check    # exit 1 if any block is stale or missing
@@ -172,6 +173,33 @@ def link(data: dict) -> str:
                     [[row["way"], f"{row['median']:.1f} ({row['min']:.1f}-{row['max']:.1f})", f"{row['speedup']:.2f}",
                       f"{100 * row['top1_agree']:.0f}%"] for row in data["results"]])
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
+def serve_load(data: dict) -> str:
+    a = data["args"]
+    run = "a tiny run the benchmark builds, random tiny BERT" if data["run"].startswith("tiny") else data["run"]
+    lines = [f"Well-formed requests of one KILT dev mention each ({run}, {data['entities']:,} entities, "
+             f"k = {a['k']}), every client sending its requests one after another; the Serve app through its edge "
+             f"with a {a['deadline']:g} s deadline from arrival (`request_timeout_s`"
+             + (f"; the last row's clients ask for {a['tight']:g} s" if a.get("tight") else "") + "), Serve's proxy off; "
+             "the Python "
+             f"API links the same requests one at a time in one process. {a['repeats']} interleaved rounds: "
+             "medians (min-max).", ""]
+
+    def cell(row: dict, key: str, fmt: str, per: float = 1.0) -> str:
+        v = row[key]
+        return "-" if v is None else f"{per * v['median']:{fmt}} ({per * v['min']:{fmt}}-{per * v['max']:{fmt}})"
+
+    lines += _table(["way", "clients", "deadline", "requests", "answered/s", "p50 ms", "p95 ms", "p99 ms",
+                     "shed (503)", "late (504)", "slowest answer ms"],
+                    [["Python API" if r["way"] == "python_api" else "Serve", str(r["clients"]),
+                      "-" if r["way"] == "python_api" else f"{r.get('deadline_s', a['deadline']):g} s", str(r["requests"]),
+                      cell(r, "ok_per_s", ".1f"), cell(r, "p50_s", ".0f", 1e3), cell(r, "p95_s", ".0f", 1e3),
+                      cell(r, "p99_s", ".0f", 1e3), cell(r, "shed", ".0%"), cell(r, "late", ".0%"),
+                      cell(r, "max_s", ".0f", 1e3)]
+                     for r in data["results"]])
+    return "\n".join([*lines, "", _run_line(data) + f" Load average {data['load_average_after']:.1f} at the end."]) \
+        + "\n"
 
 
 def _load(results: Path, name: str) -> dict:
@@ -563,7 +591,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale,
                                                 "gpu_mining": gpu_mining, "gpu_law": gpu_law,
                                                 "gpu_encode": gpu_encode, "gpu_train": gpu_train,
                                                 "import_rss": import_rss, "monitor": monitor,
-                                                "som_grid": som_grid}
+                                                "som_grid": som_grid, "serve_load": serve_load}
 
 
 def sources(name: str) -> tuple[str, ...]:
@@ -582,7 +610,8 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 # Pages that carry copies of some of the page's blocks beside their own prose, and the blocks each must
 # carry (the page itself must carry every block). The README carries none, but one it gains is checked too.
-COPIES = {"docs/gpu.md": ("gpu_mining",), "docs/real_data.md": ("import_rss",), "README.md": ()}
+COPIES = {"docs/gpu.md": ("gpu_mining",), "docs/real_data.md": ("import_rss",), "docs/linking.md": ("serve_load",),
+          "README.md": ()}
 
 
 def rewrite(text: str, results: Path = RESULTS) -> str:

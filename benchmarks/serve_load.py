@@ -4,7 +4,9 @@ beside the same requests through the Python API (``Linker.link``).
 Every client sends its well-formed requests one after another on one keep-alive connection, all
 clients at once; a request is one KILT dev input (one mention, k = --k). Per level: answered
 requests per second, latency percentiles (p50/p95/p99) of the answered ones, and the share shed
-with 503 (the edge's deadline, ``request_timeout_s`` from arrival; 504s are counted too). The
+with 503 (the edge's deadline, ``request_timeout_s`` from arrival; 504s are counted too), and once
+more at the highest level with clients that ask for a --tight deadline (X-Request-Timeout-Seconds),
+which the app cannot meet for all of them: what it sheds, and how fast. The
 Python API links the same requests one at a time in this process: the cost of one request with
 no HTTP, no Ray and no queue. Levels are interleaved over --repeats rounds and stored as
 min / median / max. Writes benchmarks/results/serve_load.json; ``python -m benchmarks.report``
@@ -41,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--deadline", type=float, default=15.0, help="request_timeout_s of the app (seconds)")
+    ap.add_argument("--tight", type=float, default=2.0,
+                    help="one more level at the highest concurrency whose clients ask for this deadline "
+                         "(X-Request-Timeout-Seconds): what is shed; 0 = none")
     ap.add_argument("--quick", action="store_true", help="1 and 4 clients, 2 requests each, one round")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/serve_load.json)")
     add_hygiene_args(ap)
@@ -50,10 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- load
 
 def storm(port: int, path: str, bodies: list[bytes], clients: int, per_client: int,
-          timeout_s: float = 120.0) -> tuple[list[tuple[int, float]], float]:
+          timeout_s: float = 120.0, deadline_s: float | None = None) -> tuple[list[tuple[int, float]], float]:
     """``clients`` threads start together, each sending ``per_client`` of ``bodies`` in turn on one
-    keep-alive connection (a new one after the server closes it). Returns ((status, seconds) per
-    request, 0 for a failed connection; the wall time of the whole storm)."""
+    keep-alive connection (a new one after the server closes it), asking for ``deadline_s`` if given.
+    Returns ((status, seconds) per request, 0 for a failed connection; the wall time of the storm)."""
+    headers = {"Content-Type": "application/json"}
+    if deadline_s:
+        headers["X-Request-Timeout-Seconds"] = str(deadline_s)
     results: list[tuple[int, float]] = []
     lock = threading.Lock()
     start = threading.Barrier(clients + 1)
@@ -66,7 +74,7 @@ def storm(port: int, path: str, bodies: list[bytes], clients: int, per_client: i
             body = bodies[(c * per_client + j) % len(bodies)]
             t0 = time.perf_counter()
             try:
-                conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+                conn.request("POST", path, body=body, headers=headers)
                 r = conn.getresponse()
                 r.read()
                 status = r.status
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     guard = load_guard(args.force)
     if args.quick:
-        args.clients, args.per_client, args.min_requests, args.repeats = "1,4", 2, 2, 1
+        args.clients, args.per_client, args.min_requests, args.repeats, args.tight = "1,4", 2, 2, 1, 0.5
     levels = [int(c) for c in args.clients.split(",")]
     from dist_nce.cluster.runtime import configure_process
     from dist_nce.link import Linker
@@ -182,18 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         storm(port, path, bodies, 4, 2)  # warm-up: the replicas' first batches
         python_api(lambda r: linker.link(r["docs"]), api_requests[:4])
-        rounds: dict[str, list[dict]] = {"python_api": [], **{f"serve_{c}": [] for c in levels}}
+        runs = [(f"serve_{c}", c, None) for c in levels]
+        if args.tight:
+            runs.append((f"serve_{levels[-1]}_tight", levels[-1], args.tight))
+        rounds: dict[str, list[dict]] = {"python_api": [], **{name: [] for name, _, _ in runs}}
         for _ in range(args.repeats):  # interleaved: load that comes and goes falls on every level
             rounds["python_api"].append(summary(*python_api(lambda r: linker.link(r["docs"]), api_requests)))
-            for c in levels:
+            for name, c, deadline in runs:
                 per = max(args.per_client, -(-args.min_requests // c))
-                rounds[f"serve_{c}"].append(summary(*storm(port, path, bodies, c, per)))
+                rounds[name].append(summary(*storm(port, path, bodies, c, per, deadline_s=deadline)))
     finally:
         serve.shutdown()
         tmp.cleanup()
     rows = []
     for name, rs in rounds.items():
         row = {"way": name, "clients": 1 if name == "python_api" else int(name.split("_")[1]),
+               "deadline_s": args.tight if name.endswith("_tight") else args.deadline,
                "requests": rs[0]["requests"], "rounds": rs}
         for key in ("ok_per_s", "p50_s", "p95_s", "p99_s", "shed", "late", "failed", "max_s"):
             row[key] = spread_of(rs, key)
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     flat = [{"way": r["way"], "requests": r["requests"],
              **{k: (r[k] or {}).get("median") for k in ("ok_per_s", "p50_s", "p95_s", "p99_s", "shed", "late")}}
             for r in rows]
-    print_table(flat, [("way", "way", "<11s"), ("requests", "requests", ">8d"), ("ok_per_s", "answered/s", ">10.1f"),
+    print_table(flat, [("way", "way", "<15s"), ("requests", "requests", ">8d"), ("ok_per_s", "answered/s", ">10.1f"),
                        ("p50_s", "p50 s", ">7.3f"), ("p95_s", "p95 s", ">7.3f"), ("p99_s", "p99 s", ">7.3f"),
                        ("shed", "shed 503", ">8.3f"), ("late", "late 504", ">8.3f")])
     path_out = save_results("serve_load", {**guard, "load_average_after": round(os.getloadavg()[0], 2),
