@@ -307,7 +307,22 @@ def kill_shard_during_refresh(job: Job, watcher: TaskWatcher, metrics: Path, rec
 # ---------------------------------------------------------------------------- the chaos run
 
 @pytest.fixture(scope="module")
-def chaos(kb, tiny_model_dir, tmp_path_factory):
+def undisturbed_job(kb, tiny_model_dir, tmp_path_factory):
+    """The undisturbed run of the same command, started before the chaos run so that the two overlap
+    (one job's start-up and waits are the other's compute; each has its own session, Ray and temp
+    dir, and every kill below picks its victim inside the chaos job's session). ``undisturbed``
+    waits for it."""
+    run_dir = tmp_path_factory.mktemp("undisturbed")
+    job = Job(command(kb, tiny_model_dir, run_dir), run_dir / "run.log")
+    try:
+        yield job, run_dir
+    finally:
+        job.kill()
+        job.remove_temp_dir()
+
+
+@pytest.fixture(scope="module")
+def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
     """One run with the three kills, then the same command again. Returns what happened."""
     run_dir = tmp_path_factory.mktemp("chaos_run")
     args = command(kb, tiny_model_dir, run_dir)
@@ -378,9 +393,8 @@ def chaos(kb, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def undisturbed(kb, tiny_model_dir, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("undisturbed")
-    job = Job(command(kb, tiny_model_dir, run_dir), run_dir / "run.log")
+def undisturbed(undisturbed_job):
+    job, run_dir = undisturbed_job
     try:
         rc = job.finish()
     finally:
