@@ -47,13 +47,19 @@ def test_missing_files_are_all_named_before_any_cluster_work(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_path):
-    out = tmp_path / "out"
+def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_path, monkeypatch):
+    """The whole job through `ray job submit`, tracked to an MLflow file store and an offline W&B run
+    (run.tracking; W&B's own files go to the head's empty HOME)."""
+    out, store = tmp_path / "out", tmp_path / "mlruns"
+    tracking = ["run.tracking.mlflow.enabled=true", f"run.tracking.mlflow.tracking_uri={store.as_uri()}",
+                "run.tracking.mlflow.experiment=aida", "run.tracking.wandb.enabled=true",
+                "run.tracking.wandb.mode=offline", "run.tracking.wandb.project=aida"]
     cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", ray_head["address"], "--working-dir", ".", "--",
            "python", JOB, "--config", "configs/aida/test_tiny.yaml",
            "--set", f"model.retriever.mention_model={tiny_model_dir}",
            "--set", f"data.prepared_dir={tmp_path / 'kb'}", "--set", f"data.synthetic_dir={tmp_path / 'synthetic'}",
-           "--set", f"run.output_dir={out}", "--set", f"run.storage_path={tmp_path / 'ray_results'}"]
+           "--set", f"run.output_dir={out}", "--set", f"run.storage_path={tmp_path / 'ray_results'}",
+           *(a for t in tracking for a in ("--set", t))]
     for _ in range(20):  # the head's job agent comes up a little after the head itself
         r = subprocess.run(cmd, cwd=REPO, env=ray_head["env"], capture_output=True, text=True, timeout=900)
         if "No available agent to submit job" not in r.stderr:
@@ -91,3 +97,34 @@ def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_pa
     staleness = [steps[s]["index/staleness"] for s in trained]
     assert min(staleness) >= 0 and max(staleness) >= 3
     assert any((out / "tensorboard").iterdir())
+
+    # Tracking: rank 0's scalars, each (metric, step) once as in metrics.jsonl, then the driver's summary
+    # scores and the exported model, all in the one MLflow run and W&B id the run directory records.
+    from mlflow.tracking import MlflowClient
+
+    from dist_nce.worker.tracking import mlflow_key, read_record
+    from tests.tracking_helpers import mlflow_artifacts, mlflow_history, wandb_runs
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the store the job wrote
+    record = read_record(out)
+    client = MlflowClient(tracking_uri=store.as_uri())
+    assert [r.info.run_id for r in client.search_runs([record["mlflow"]["experiment_id"]])] == \
+        [record["mlflow"]["run_id"]]
+    run = client.get_run(record["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["optim.batch_size"] == "4"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(range(24))
+    history = mlflow_history(client, run.info.run_id)
+    for s, values in steps.items():
+        assert {k: history[s][mlflow_key(k)] for k in values} == values
+    assert history[24]["summary/dev_after/recall_at_16"] == summary["dev_after"]["recall@16"]
+    assert history[24]["summary/done"] == 1.0
+    assert "model/manifest.json" in mlflow_artifacts(client, run.info.run_id)
+    opened = wandb_runs(out)  # the worker's and the driver's
+    assert len(opened) == 2 and {r["id"] for r in opened} == {record["wandb"]["id"]}
+    merged: dict[int, dict[str, float]] = {}
+    for r in opened:
+        for s, values in r["history"].items():
+            merged.setdefault(s, {}).update(values)
+    assert merged == steps
+    assert opened[-1]["summary"]["summary/dev_after/recall@16"] == summary["dev_after"]["recall@16"]
+    assert opened[-1]["artifacts"][0]["type"] == "model"

@@ -5,8 +5,8 @@ W&B offline run directories.
 * the reranker job on its local backend (tests/rerank/test_rerank_data.py's synthetic Zeshel and
   the random tiny BERT): the worker's metrics, then the driver's summary scores (U.Acc/N.Acc) and
   the exported reranker as the ``model`` artifact, in the one run the worker opened;
-* the AIDA job through Ray Train (configs/aida/test_tiny.yaml, 2 DeepSpeed workers): stopped after
-  4 of 8 steps and run again, it continues the same MLflow run and W&B id; only rank 0 logs.
+The AIDA job through Ray Train is tracked in tests/jobs/test_aida_finetune.py's `ray job submit` run;
+a run that stops and is run again continues its MLflow run and W&B id (tests/worker/test_tracking.py).
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ from dist_nce.worker.tb import read_metrics
 from dist_nce.worker.tracking import mlflow_key, read_record
 from tests.rerank.test_rerank_data import setup  # noqa: F401  (a fixture)
 from tests.tracking_helpers import mlflow_artifacts, mlflow_history, wandb_runs
-from tests.train.tinyrun import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 RERANK_CONFIG = str(REPO / "configs" / "zeshel" / "reranker_test_tiny.yaml")
-AIDA_CONFIG = str(REPO / "configs" / "aida" / "test_tiny.yaml")
 
 
 def run_job(job: str, config: str, sets: list[str], env: dict[str, str] | None = None, timeout: int = 600,
@@ -149,52 +147,3 @@ def test_the_reranker_job_logs_its_scores_and_model_into_the_workers_run(setup, 
     assert driver["summary"]["summary/eval/val/unnormalized_accuracy/macro"] == pytest.approx(macro)
     (artifact,) = driver["artifacts"]
     assert artifact["type"] == "model" and "manifest.json" in artifact["files"]
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_a_stopped_aida_run_continues_its_mlflow_and_wandb_runs(tiny_model_dir, tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # to read the store the jobs wrote
-
-    out, store = tmp_path / "run", tmp_path / "mlruns"
-    sets = [*tiny_overrides(tmp_path / "data", tiny_model_dir), f"run.output_dir={out}",
-            f"run.storage_path={tmp_path / 'ray'}", "optim.max_steps=8", "run.checkpoint_every_steps=4",
-            *tracking_sets(store, "aida")]
-    first = run_job("aida_finetune.py", AIDA_CONFIG, [*sets, "run.stop_after_steps=4"], env=wandb_env(tmp_path),
-                    timeout=900)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "stopped at step 4" in first.stdout
-    record = read_record(out)
-    second = run_job("aida_finetune.py", AIDA_CONFIG, sets, env=wandb_env(tmp_path), timeout=900)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed at step 4" in second.stdout + second.stderr
-    assert read_record(out) == record  # the same MLflow run and W&B id
-
-    client = MlflowClient(tracking_uri=store.as_uri())
-    runs = client.search_runs([record["mlflow"]["experiment_id"]])
-    assert [r.info.run_id for r in runs] == [record["mlflow"]["run_id"]]
-    jsonl = read_metrics(out / "metrics.jsonl")
-    assert sorted(jsonl) == list(range(9))  # steps 0-7 and the end's dev_after at 8
-    history = mlflow_history(client, record["mlflow"]["run_id"])
-    # Rank 0 alone logged the workers' scalars: each (metric, step) once, as in metrics.jsonl.
-    train_loss = client.get_metric_history(record["mlflow"]["run_id"], "train/loss")
-    assert sorted(m.step for m in train_loss) == list(range(8))
-    for s, values in jsonl.items():
-        assert {k: history[s][mlflow_key(k)] for k in values} == values
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["done"] and history[8]["summary/dev_after/recall_at_16"] == summary["dev_after"]["recall@16"]
-    assert [m.value for m in sorted(client.get_metric_history(record["mlflow"]["run_id"], "summary/done"),
-                                    key=lambda m: m.step)] == [0.0, 1.0]  # the stopped job's summary, then the end's
-    assert "model/manifest.json" in mlflow_artifacts(client, record["mlflow"]["run_id"])
-
-    opened = wandb_runs(out)  # worker and driver of each job
-    assert len(opened) == 4 and {r["id"] for r in opened} == {record["wandb"]["id"]}
-    merged: dict[int, dict[str, float]] = {}
-    for r in opened:
-        for s, values in r["history"].items():
-            merged.setdefault(s, {}).update(values)
-    assert merged == jsonl
-    assert opened[-1]["summary"]["summary/dev_after/recall@16"] == summary["dev_after"]["recall@16"]
-    assert opened[-1]["artifacts"][0]["type"] == "model"
