@@ -43,6 +43,14 @@ Every run also times, on one thread, the exact samplers (dense, block) x scoring
 and reports each one's cost per query against faiss top-k (median ratio and the range the
 min/max spreads allow) and its GFLOP/s against the fp32 and bf16 GEMM peaks measured in the
 same run. Refuses to record above load average 1.5 unless ``--force`` (then ``"noisy"``).
+
+The rows named "(torch kernel)" or without a kernel pin ``index.kernel: torch`` (what they
+measured before the AVX2 kernel existed); "(native kernel)" is the AVX512-BF16 kernel. The rows
+"(AVX2+FMA kernel ...)" run ``native/block_fp32.c``, the path of a CPU with AVX2 and FMA but
+no AVX512-BF16: where this CPU has AVX512-BF16 it is hidden from the kernel checks
+(``DIST_NCE_NATIVE_MASK=avx512_bf16``, read at each call) and the label says so; the kernel
+itself is compiled without any AVX512 instruction. They cover the block sampler on fp32 and
+bf16 rows and the exact top-k on fp32 rows (``--avx2 off`` leaves them out).
 """
 from __future__ import annotations
 
@@ -125,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/mining.json)")
     ap.add_argument("--no-service", action="store_true",
                     help="in-process rows only (no Ray): the exact-vs-top-k comparison without the service rows")
+    ap.add_argument("--avx2", choices=["auto", "off"], default="auto",
+                    help="auto: time the AVX2+FMA kernel's rows where it runs (AVX512-BF16 masked where present)")
     add_hygiene_args(ap)
     args = ap.parse_args(argv)
     if args.no_service:
@@ -158,19 +168,24 @@ def main(argv: list[str] | None = None) -> None:
     # ---- in-process: one index on S threads; S row partitions on S Python threads of 1 BLAS thread
     # each (the service's partition without Ray); the service: S actors x 1 thread
     sampler = "dense" if args.sampler == "both" else args.sampler
-    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows)
+    # the rows below measure what they measured before the AVX2 kernel: torch for fp32 rows, and for bf16 rows
+    # the AVX512-BF16 kernel where it runs, else torch (the AVX2 kernel has rows of its own: avx2_rows)
+    kernel = "native" if block_native.usable(True, ents[:1].bfloat16().float(), ents[:1].bfloat16(),
+                                             args.block_rows, block_native.BF16) is None else "torch"
+    pinned = "auto" if kernel == "native" else "torch"
+    index_cfg = IndexConfig(backend="flat", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows,
+                            kernel="torch")
     index_cfg.validate()
     flat = ShardIndex(DUAL, Reps(ents), 0, index_cfg)
-    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", chunk_rows=args.chunk_rows))
+    brute = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(backend="torch", chunk_rows=args.chunk_rows, kernel="torch"))
     ranges = even_ranges(args.n, S, args.block_rows if args.sampler != "dense" else 1)
     parts = [ShardIndex(DUAL, Reps(ents[a:b]), a, index_cfg) for a, b in ranges]
     exact_cfg = index_cfg if args.exact == "fp32" else IndexConfig(
-        backend="torch", score_dtype="bf16", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows)
+        backend="torch", score_dtype="bf16", sampler=sampler, block_rows=args.block_rows, chunk_rows=args.chunk_rows,
+        kernel=pinned)
     exact = flat if args.exact == "fp32" else ShardIndex(DUAL, Reps(ents), 0, exact_cfg)
     exact_parts = parts if args.exact == "fp32" else [ShardIndex(DUAL, Reps(ents[a:b]), a, exact_cfg)
                                                       for a, b in ranges]
-    kernel = "native" if block_native.usable(True, ents[:1].bfloat16().float(), ents[:1].bfloat16(),
-                                             args.block_rows) is None else "torch"
     print(f"exact rows: {args.exact} ({exact_cfg.backend}, sampler {sampler}"
           f"{', kernel ' + kernel if args.exact == 'bf16' and sampler == 'block' else ''})", flush=True)
 
@@ -186,11 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     # block sampler on the torch kernel (chunked GEMM + reductions) beside the native one
     bf16_block = exact if args.exact == "bf16" and sampler == "block" else ShardIndex(
         DUAL, Reps(ents), 0, IndexConfig(backend="torch", score_dtype="bf16", sampler="block",
-                                         block_rows=args.block_rows, chunk_rows=args.chunk_rows))
+                                         block_rows=args.block_rows, chunk_rows=args.chunk_rows, kernel=pinned))
     bf16 = {"dense": with_sampler(bf16_block, "dense"), "block": bf16_block}
     bf16_torch_kernel = copy.copy(bf16_block)
     bf16_torch_kernel.config = dataclasses.replace(bf16_block.config, kernel="torch")
     flat_dense = with_sampler(flat, "dense")
+    avx2 = avx2_rows(args, ents, gq, ggold, gkeys, queries, gold, k) if args.avx2 == "auto" else None
     pool = ThreadPoolExecutor(S)
     service = mine_service = root = start_s = mine_start_s = None
     if not args.no_service:
@@ -275,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
             "gumbel", in_process(lambda j: block_native.run_calls(
                 kernel_calls, gq[j].bfloat16(), k, ggold[j], None, 11, gkeys[j], args.block_rows, 1)),
             args.calls, 1, 1)
+    if avx2 is not None:  # the AVX2 kernel's rows, compared like the rows above
+        methods.update(avx2["methods"])
     times: dict[str, list[float]] = {name: [] for name in methods}
 
     def threads(n: int) -> None:
@@ -370,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     out = save_results("mining", {
         "benchmark": "mining", "n": args.n, "d": args.d, "shards": S, "batch": B, "gumbel_batch": Bg, "k": k,
         "sampler": args.sampler, "exact": args.exact, "kernel": kernel, "block_rows": args.block_rows,
+        "avx2_kernel": None if avx2 is None else avx2["record"],
         "chunk_rows": args.chunk_rows, "mine_service_start_s": mine_start_s,
         "gemm_peak_gflops": {str(t): v for t, v in peak.items()},
         "gemm_peaks": {str(t): v for t, v in peaks.items()}, "service_start_s": start_s, **guard,
@@ -377,6 +396,62 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(threads_in_process=S, threads_per_shard=1, load_average_before=load_before),
     }, args.out)
     print(f"wrote {out}")
+
+
+def avx2_rows(args: argparse.Namespace, ents: torch.Tensor, gq: torch.Tensor, ggold: torch.Tensor,
+              gkeys: torch.Tensor, queries: torch.Tensor, gold: torch.Tensor, k: int) -> dict | None:
+    """The AVX2+FMA kernel's rows (``native/block_fp32.c``) as a CPU without AVX512-BF16 runs them, and
+    the record of the flags they ran with; None (and a line saying why) where the kernel cannot run."""
+    from dist_nce.kernels import build as native
+
+    hide = "avx512_bf16" if "avx512_bf16" in native.cpu_flags() else ""
+    saved = os.environ.get(native.MASK)
+    os.environ[native.MASK] = hide
+    try:
+        reason = native.BLOCK_FP32.unavailable_reason()
+    finally:
+        _restore(native.MASK, saved)
+    if reason is not None:
+        print(f"AVX2 kernel rows left out: {reason}", flush=True)
+        return None
+    seen = sorted(f for f in native.cpu_flags() if f.startswith(("avx", "fma")) and f != hide)
+    label = f"AVX2+FMA kernel, {hide} masked" if hide else "AVX2+FMA kernel"
+
+    def masked(fn: Callable[[int], Any]) -> Callable[[int], Any]:
+        """``fn`` with the mask in the environment for the call (the kernel checks read it per call)."""
+        def run(j: int) -> Any:
+            before = os.environ.get(native.MASK)
+            os.environ[native.MASK] = hide
+            try:
+                return fn(j)
+            finally:
+                _restore(native.MASK, before)
+        return run
+
+    cfg = dict(backend="torch", sampler="block", block_rows=args.block_rows, chunk_rows=args.chunk_rows,
+               kernel="native")
+    fp32 = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(**cfg))
+    bf16 = ShardIndex(DUAL, Reps(ents), 0, IndexConfig(score_dtype="bf16", **cfg))
+    methods = {
+        f"gumbel: exact block fp32 ({label}), 1 process x 1 thread": ("gumbel", masked(lambda j: _Done(hard_negatives(
+            fp32.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k))), args.calls, 1, 1),
+        f"gumbel: exact block bf16 ({label}), 1 process x 1 thread": ("gumbel", masked(lambda j: _Done(hard_negatives(
+            bf16.gumbel_topk(gq[j], k, ggold[j], 11, gkeys[j]), k))), args.calls, 1, 1),
+        f"topk: exact fp32 ({label}), 1 process x 1 thread": ("topk", masked(lambda j: _Done(
+            fp32.topk(queries[j], k, gold[j]))), args.calls, 1, 1),
+    }
+    record = {"isa": native.AVX2_FMA.name, "needs": list(native.AVX2_FMA.flags), "cflags": list(native.AVX2_FMA.cflags),
+              "masked": hide or None, "cpu_avx_flags_visible": seen, "rows": list(methods)}
+    print(f"AVX2 kernel rows: {label} (flags visible: {' '.join(seen)}; built with "
+          f"{' '.join(f for f in native.AVX2_FMA.cflags if f.startswith('-m'))})", flush=True)
+    return {"methods": methods, "record": record}
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 if __name__ == "__main__":

@@ -42,12 +42,14 @@ class IndexConfig:
         "each block's maximum, keeps the K-1 best blocks and draws rows only inside them (same law, noise "
         "for N/block_rows + (K-1)*block_rows rows per query; dist_nce/sampling/block_gumbel.py)", "dense")
     kernel: Literal["auto", "native", "triton", "torch"] = _help(
-        "exact search over dual reps. native = the fused AVX512-BF16 CPU kernel of the block sampler "
-        "(score_dtype bf16; dist_nce/kernels/native), scores never leave the core; triton = one GEMM and one "
-        "fused Triton reduction per chunk for the block sampler and top-k (dist_nce/sampling/block_fused.py; "
-        "interpreted on a CPU, for tests); torch = chunked GEMM then torch reductions; auto = triton on CUDA "
-        "devices, native where the CPU and a C compiler allow, else torch. Same law, different float "
-        "rounding, so runs that must repeat draws bit for bit across machines should pin it", "auto")
+        "exact search over dual reps (the block sampler and top-k). native = a fused CPU kernel whose scores "
+        "never leave the core (dist_nce/kernels/native): AVX512-BF16 for score_dtype bf16 where the CPU has it, "
+        "else AVX2+FMA for fp32 or bf16 rows (on bf16 rows both compute the same bits); triton = one GEMM and "
+        "one fused Triton reduction per chunk (dist_nce/sampling/block_fused.py; interpreted on a CPU, for "
+        "tests); torch = chunked GEMM then torch reductions; auto = triton on CUDA devices, native where the "
+        "CPU flags and a C compiler allow (DIST_NCE_NATIVE=off and DIST_NCE_NATIVE_MASK rule kernels out), "
+        "else torch. Same law, different float rounding, so runs that must repeat draws bit for bit across "
+        "machines should pin it", "auto")
     block_rows: int = _help(
         "rows per block of the block sampler, on a global grid; must divide chunk_rows. sqrt(N/(K-1)) "
         "minimises the noise drawn. Sharded == flat bit for bit when every shard starts on this grid", 128,

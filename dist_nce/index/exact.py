@@ -16,9 +16,9 @@ from torch import Tensor
 
 from dist_nce.modeling.scoring import Reps, ScoreSpec, score_all
 from dist_nce.sampling import block_native
-from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, rows_from_blocks
+from dist_nce.sampling.block_gumbel import BlockStream, block_log_mass, block_rows_of, rows_from_blocks
 from dist_nce.sampling.negatives import gumbel_topk_dense
-from dist_nce.sampling.topk import ShardResult, mask_gold_, merge_results
+from dist_nce.sampling.topk import ShardResult, mask_gold_, merge_results, result_from_keys
 
 log = logging.getLogger(__name__)
 _TOLD: set[str] = set()
@@ -169,15 +169,14 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
             raise ValueError(f"index.kernel 'triton': {why}")
         if q.vecs.is_cuda:
             _say_once(f"index.kernel auto: the exact search on the GPU runs on torch here: {why}")
+    if (seed is None or sampler == "block") and kernel in ("auto", "native"):
+        name, why = block_native.choose(_is_dot(spec, q, pieces), q.vecs, pieces[0].reps.vecs, block_rows)
+        if name is not None:
+            return _native_search(q, pieces, k, gold, chunk_rows, seed, query_keys, version, block_rows, dead, name)
+        if kernel == "native":
+            raise ValueError(f"index.kernel 'native': {why}")
+        _say_once(f"index.kernel auto: the {'top-k' if seed is None else 'block sampler'} runs on torch here: {why}")
     if seed is not None and sampler == "block":
-        if kernel != "torch":
-            why = block_native.usable(_is_dot(spec, q, pieces), q.vecs, pieces[0].reps.vecs, block_rows)
-            if why is None:
-                return _native_block_gumbel(q, pieces, k, gold, chunk_rows, seed, query_keys, version, block_rows,
-                                            dead)
-            if kernel == "native":
-                raise ValueError(f"index.kernel 'native': {why}")
-            _say_once(f"index.kernel auto: the block sampler runs on torch here: {why}")
         return _exact_block_gumbel(spec, q, pieces, k, gold, chunk_rows, compute, seed, query_keys, version,
                                    block_rows, dead, share_queries)
     result = None
@@ -386,27 +385,38 @@ def _native_calls(pieces: Sequence[Piece], chunk_rows: int, block_rows: int, par
             last = calls[-1] if calls else None
             # the piece's previous chunk (a copied multi-piece chunk holds another tensor)
             if last is not None and last.ent is piece.reps.vecs and last.hi == lo and last.hi - last.lo < target:
-                calls[-1] = last._replace(hi=hi, j1=j1, counters=counters(last.lo, last.j0, j1))
+                calls[-1] = last._replace(hi=hi, j1=j1)
             else:
-                calls.append(block_native.Call(piece.reps.vecs, piece.row_start, lo, hi, j0, j1, empty,
-                                               counters(lo, j0, j1)))
+                calls.append(block_native.Call(piece.reps.vecs, piece.row_start, lo, hi, j0, j1, empty, empty))
             continue
-        chunk = _padded_chunk(pieces, parts, b0, chunk_rows, torch.bfloat16).vecs
+        chunk = _padded_chunk(pieces, parts, b0, chunk_rows, pieces[parts[0][0]].reps.vecs.dtype).vecs
         own = torch.zeros(hi - lo, dtype=torch.bool)
         for _, a, z in parts:
             own[a - lo:z - lo] = True
-        calls.append(block_native.Call(chunk, b0, lo, hi, j0, j1, (~own).nonzero().squeeze(1) + lo,
-                                       counters(lo, j0, j1)))
-    return calls
+        calls.append(block_native.Call(chunk, b0, lo, hi, j0, j1, (~own).nonzero().squeeze(1) + lo, empty))
+    return [call._replace(counters=counters(call.lo, call.j0, call.j1)) for call in calls]  # once the calls are cut
 
 
-def _native_block_gumbel(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int, seed: int,
-                         query_keys: Tensor, version: int, block_rows: int, dead: Tensor | None) -> ShardResult:
-    """:func:`_exact_block_gumbel` with steps 1-2 in the native kernel (``block_native``)."""
-    if block_rows < 1 or chunk_rows % block_rows:
+def _native_search(q: Reps, pieces: Sequence[Piece], k: int, gold: Tensor | None, chunk_rows: int,
+                   seed: int | None, query_keys: Tensor | None, version: int, block_rows: int, dead: Tensor | None,
+                   kernel: str) -> ShardResult:
+    """:func:`_exact_block_gumbel` (or, ``seed`` None, the exact top-k) with steps 1-2 in a native
+    kernel (``block_native``: ``block_lse`` or ``block_fp32``).
+
+    Top-k: the kernel keeps the k best blocks by (max desc, block asc), which hold the k best
+    rows by (score desc, row asc) (``block_fused``'s argument), and the rows are ranked here.
+    It needs no block grid, so any ``block_rows`` serves it (a block a chunk boundary cuts is two
+    pieces, each a block of its own)."""
+    if seed is not None and (block_rows < 1 or chunk_rows % block_rows):
         raise ValueError(f"exact_search: block_rows ({block_rows}) must divide chunk_rows ({chunk_rows})")
     threads = max(1, torch.get_num_threads())
     calls = _native_calls(pieces, chunk_rows, block_rows, threads)
-    kept, log_z = block_native.run_calls(calls, q.vecs.to(torch.bfloat16), k, gold, dead, seed, query_keys,
-                                         block_rows, threads)
-    return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
+    vecs = q.vecs.to(torch.bfloat16) if kernel == block_native.BF16 else q.vecs
+    kept, log_z = block_native.run_calls(calls, vecs, k, gold, dead, seed, query_keys, block_rows, threads,
+                                         kernel=kernel)
+    if seed is not None:
+        return rows_from_blocks(kept, k, seed, query_keys, log_z, version)
+    batch, c, b = kept.scores.shape
+    scores = kept.scores.reshape(batch, c * b)  # gold, dead and rows of no piece are -inf already
+    rows = block_rows_of(kept.counters, b).reshape(batch, c * b)  # ascending: blocks sorted by counter
+    return result_from_keys(scores.double(), scores, rows, k, log_z=log_z, version=version)

@@ -40,9 +40,10 @@ Scoring precision (``IndexConfig.score_dtype``, torch backend): ``bf16`` keeps t
 rows in bf16 (half the bytes) and rounds queries to bf16; scores are fp32 sums of the exact
 bf16 products (what a bf16 GEMM with fp32 accumulation computes), within 2^-7 sum_i |q_i e_i|
 of fp32 scoring. The torch path upcasts each chunk and runs the fp32 GEMM (torch's CPU bf16
-GEMM rounds its output to bf16); the block sampler over single-vector rows runs the native
-kernel instead where the CPU has AVX512-BF16 (``IndexConfig.kernel``, ``block_native``),
-which sums the same products in its own fixed order.
+GEMM rounds its output to bf16). Over single-vector rows the block sampler and the top-k run
+a native kernel instead (``IndexConfig.kernel``, ``block_native``): AVX512-BF16 where the CPU
+has it, else AVX2+FMA, which also serves fp32 rows; each sums the products in its own fixed
+order, the two the same order on bf16 rows.
 
 On a GPU (``kernel: auto`` on a CUDA device, or ``triton``) the block sampler and the exact
 top-k over single-vector rows run ``block_fused``: per chunk one GEMM (bf16 with fp32 output

@@ -66,13 +66,15 @@ from dist_nce.sampling.topk import NEG_INF, ShardResult, mask_gold, result_from_
 BLOCK_COUNTER_BIT = 1 << 62
 
 
-def block_noise(seed: int, query_keys: Tensor, block_counters: Tensor) -> Tensor:
-    """Standard Gumbel noise G_B [B, nb] float64 for block counters [nb] or [B, nb] int64.
+def block_noise(seed: int, query_keys: Tensor, block_counters: Tensor, rows_first: bool = False) -> Tensor:
+    """Standard Gumbel noise G_B [B, nb] float64 for block counters [nb] or [B, nb] int64
+    (``rows_first``: [nb, B], the same values, for counters [nb]).
 
     The counter of a block is its first global row (of the piece a shard owns); the stream
     is ``negatives.gumbel_noise`` at rows counter | 2**62, disjoint from every row's noise.
     """
-    return gumbel_noise(seed, query_keys, block_counters | BLOCK_COUNTER_BIT)
+    rows = block_counters | BLOCK_COUNTER_BIT
+    return gumbel_noise(seed, query_keys, rows, rows_first=True) if rows_first else gumbel_noise(seed, query_keys, rows)
 
 
 def log1mexp(a: Tensor) -> Tensor:
@@ -236,16 +238,51 @@ def rows_from_blocks(kept: BlockSet, k: int, seed: int, query_keys: Tensor, log_
     Returns a ShardResult [B, k] like ``gumbel_topk_dense``'s: ids global rows, scores float32,
     keys float64, ``log_z`` as given; noise is drawn for c x b rows per query only. ``noise``:
     the function drawing it (None: ``gumbel_noise``; or the fused kernel's); ``filter_rows``: take
-    eq. 23's logs only for rows that can make the top k (:func:`truncated_keys`, fewer
-    transcendentals, one host round trip) or for every row (:func:`truncated_gumbel`, a fixed
-    dozen elementwise kernels: the GPU's choice). Both give the same answer.
+    eq. 23's logs only for rows that can make the top k and rank only those (:func:`near_rows`,
+    fewer transcendentals and a top-k over ~k rows instead of c x b, one host round trip) or
+    for every row (:func:`truncated_gumbel`, a fixed dozen elementwise kernels: the GPU's choice).
+    Both give the same answer.
     """
     batch, c, b = kept.scores.shape
     rows = block_rows_of(kept.counters, b).reshape(batch, c * b)
-    phi = kept.scores.double() + (noise or gumbel_noise)(seed, query_keys, rows).view(batch, c, b)
-    phi = phi.masked_fill(kept.scores == NEG_INF, NEG_INF)
-    keys = (truncated_keys(phi, kept.top, k) if filter_rows else truncated_gumbel(phi, kept.top)).reshape(batch, c * b)
-    return result_from_keys(keys, kept.scores.reshape(batch, c * b), rows, k, log_z=log_z, version=version)
+    # phi = s + G, written over the fresh noise (s.double() + G, the same sums)
+    phi = (noise or gumbel_noise)(seed, query_keys, rows).view(batch, c, b).add_(kept.scores)
+    phi.masked_fill_(kept.scores == NEG_INF, NEG_INF)
+    scores = kept.scores.reshape(batch, c * b)
+    if not filter_rows or c < k:
+        keys = truncated_gumbel(phi, kept.top).reshape(batch, c * b)
+        return result_from_keys(keys, scores, rows, k, log_z=log_z, version=version)
+    near, z = near_rows(phi, kept.top, k)
+    qb, pos = near.view(batch, c * b).nonzero(as_tuple=True)  # by query, then position
+    keys = truncate(phi.view(batch, c * b)[qb, pos], z[qb, pos // b], kept.top[qb, pos // b])
+    # each query's near rows packed left in position order (-inf after them): the ranking of
+    # result_from_keys over all c x b keys, whose other keys are -inf, ties to the lower position
+    counts = torch.bincount(qb, minlength=batch)
+    col = torch.arange(qb.numel(), device=qb.device) - (counts.cumsum(0) - counts)[qb]
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    packed = torch.full((batch, width), NEG_INF, dtype=torch.float64, device=phi.device)
+    packed[qb, col] = keys
+    at = torch.zeros((batch, width), dtype=torch.int64, device=phi.device)
+    at[qb, col] = pos
+    return result_from_keys(packed, scores.gather(1, at), rows.gather(1, at), k, log_z=log_z, version=version)
+
+
+def near_rows(phi: Tensor, top: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(bool [B, c, b] the rows whose eq. 23 key can reach the top k, Z [B, c] each block's max of
+    phi): the rows :func:`truncated_keys` computes (its docstring says why), found in one pass.
+
+    A row is kept when phi >= phi* (less the margin) or phi == Z, and phi > -inf; as phi <= Z,
+    that is phi >= min(phi*, Z), and the floor -DBL_MAX drops the -inf rows when that bound is
+    -inf (a dead block). fmin: a NaN phi* (none arises) would leave the argmax rule, as before.
+    """
+    a = torch.topk(top, k, dim=1).values[:, k - 1:k]  # [B, 1] the k-th best block maximum
+    z = phi.amax(dim=-1)
+    live = (top > NEG_INF) & (a > NEG_INF)
+    inner = -torch.expm1((a - top).masked_fill(~live, 0.0)) + torch.exp((a - z).masked_fill(~live, 0.0))
+    star = torch.where(live, a - torch.log(inner), torch.full_like(top, NEG_INF))
+    star = star - 1e-9 * (1.0 + star.abs().nan_to_num(0.0, 0.0, 0.0))
+    bound = torch.fmin(star, z).clamp_(min=-torch.finfo(phi.dtype).max)
+    return phi >= bound[..., None], z
 
 
 def truncated_keys(phi: Tensor, top: Tensor, k: int) -> Tensor:
@@ -256,20 +293,14 @@ def truncated_keys(phi: Tensor, top: Tensor, k: int) -> Tensor:
     a = the k-th largest T, and a row whose key is below a is never picked. The key is
     increasing in phi, so key_i >= a <=> phi_i >= phi* = a - log(1 - e^(a-T) + e^(a-Z)); rows
     above phi* less a margin (1e-9 relative, far above float64 rounding here), and each
-    block's argmax row (key = T), get their exact key. The answer equals the unfiltered one,
-    exact ties at a included; the transcendental work drops from c x b rows to about k.
+    block's argmax row (key = T), get their exact key (:func:`near_rows`). The answer equals the
+    unfiltered one, exact ties at a included; the transcendental work drops from c x b rows to
+    about k.
     """
     batch, c, b = phi.shape
     if c < k:
         return truncated_gumbel(phi, top)
-    a = torch.topk(top, k, dim=1).values[:, k - 1:k]  # [B, 1] the k-th best block maximum
-    z = phi.amax(dim=-1)
-    live = (top > NEG_INF) & (a > NEG_INF)
-    inner = -torch.expm1((a - top).masked_fill(~live, 0.0)) + torch.exp((a - z).masked_fill(~live, 0.0))
-    star = torch.where(live, a - torch.log(inner), torch.full_like(top, NEG_INF))
-    star = star - 1e-9 * (1.0 + star.abs().nan_to_num(0.0, 0.0, 0.0))
-    near = (phi >= star[..., None]) | (phi == z[..., None])
-    near &= phi > NEG_INF
+    near, z = near_rows(phi, top, k)
     qb, jb, rb = near.nonzero(as_tuple=True)
     out = torch.full_like(phi, NEG_INF)
     out[qb, jb, rb] = truncate(phi[qb, jb, rb], z[qb, jb], top[qb, jb])

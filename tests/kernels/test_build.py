@@ -1,11 +1,14 @@
-"""The native kernels' build and switch (dist_nce/kernels/build.py): every kernel compiles with the
-build's flags on any CPU with a compiler (running needs AVX512-BF16, compiling does not); a fresh
-cache is built once under concurrent first uses; ``DIST_NCE_NATIVE`` takes auto or off; the
-tests' summary builds nothing."""
+"""The native kernels' build, switch and mask (dist_nce/kernels/build.py): every kernel compiles with
+its instruction set's flags on any CPU with a compiler (running needs the flags, compiling does
+not), and the AVX2 kernel holds no AVX512 instruction; a fresh cache is built once under
+concurrent first uses; ``DIST_NCE_NATIVE`` takes auto or off; ``DIST_NCE_NATIVE_MASK`` hides flags
+from every check; the tests' summary builds nothing."""
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +18,10 @@ from dist_nce.kernels import attention as na
 from dist_nce.kernels import build as native
 
 KERNELS = sorted(src.stem for src in native.SOURCES.glob("*.c"))
-ABI_SYMBOLS = {"block_lse": "dnce_block_abi", "attention_bf16": "dnce_attn_abi"}
+ABI_SYMBOLS = {"block_lse": "dnce_block_abi", "attention_bf16": "dnce_attn_abi", "block_fp32": "dnce_fp32_abi",
+               "noise": "dnce_noise_abi"}
+# an AVX2 + FMA laptop's flags (no AVX512 at all)
+AVX2_LAPTOP = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi1 bmi2".split())
 
 
 def compiler_or_skip() -> None:
@@ -67,9 +73,57 @@ def test_summaries_name_every_kernel_and_build_nothing(tmp_path, monkeypatch):
     for kernel in native.KERNELS.values():  # as in a session that never needed a kernel
         monkeypatch.setattr(kernel, "exercised", False)
         monkeypatch.setattr(kernel, "loaded", None)
-    lacks = [f for f in native.REQUIRED_FLAGS if f not in native.cpu_flags()]
-    cheap = f"not available: this CPU lacks {', '.join(lacks)}" if lacks else "not exercised"
-    assert native.summaries() == dict.fromkeys(KERNELS, cheap)
+    def cheap(name: str) -> str:
+        lacks = [f for f in native.ISAS[name].flags if f not in native.cpu_flags()]
+        return f"not available: this CPU lacks {', '.join(lacks)}" if lacks else "not exercised"
+
+    assert native.summaries() == {name: cheap(name) for name in KERNELS}
     monkeypatch.setenv(native.SWITCH, "off")
     assert native.summaries() == dict.fromkeys(KERNELS, "not available: DIST_NCE_NATIVE=off")
     assert not os.listdir(tmp_path)
+
+
+def test_every_kernel_has_an_instruction_set():
+    assert sorted(native.ISAS) == KERNELS
+    for name, isa in native.ISAS.items():
+        flags = " ".join(isa.cflags)
+        assert ("-mavx512" in flags) == any(f.startswith("avx512") for f in isa.flags), name
+
+
+def test_the_avx2_kernel_holds_no_avx512_instruction(tmp_path, monkeypatch):
+    # built with -mavx2 -mfma -mno-avx512f, it runs on a CPU without AVX512: no zmm or mask
+    # register, no EVEX-only ymm16-31 (objdump's AT&T spelling)
+    compiler_or_skip()
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump")
+    cflags = native.AVX2_FMA.cflags
+    assert not [f for f in cflags if f.startswith("-mavx512")] and "-mno-avx512f" in cflags
+    monkeypatch.setenv("DIST_NCE_NATIVE_CACHE", str(tmp_path))
+    text = subprocess.run(["objdump", "-d", str(native.compile_only("block_fp32"))], capture_output=True, text=True,
+                          check=True).stdout
+    assert "vfmadd231ps" in text and "ymm" in text  # the disassembly is there
+    assert not re.search(r"%zmm|%k[0-7]\b|%ymm(1[6-9]|2\d|3[01])\b|\{1to", text)
+
+
+def test_the_mask_hides_flags_from_every_check(monkeypatch):
+    monkeypatch.delenv(native.MASK, raising=False)
+    monkeypatch.delenv(native.SWITCH, raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: AVX2_LAPTOP)
+    assert native.missing_flags("block_lse") == "this CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16"
+    assert native.missing_flags("block_fp32") is None
+    assert native.unavailable_reason() == native.missing_flags("block_lse")  # no build: the CPU check comes first
+    monkeypatch.setattr(native, "cpu_flags", lambda: AVX2_LAPTOP | set(native.REQUIRED_FLAGS))
+    monkeypatch.setenv(native.MASK, "avx512_bf16")
+    assert native.missing_flags("block_lse") == "DIST_NCE_NATIVE_MASK hides avx512_bf16"
+    assert native.missing_flags("attention_bf16") == "DIST_NCE_NATIVE_MASK hides avx512_bf16"
+    assert native.missing_flags("block_fp32") is None
+    monkeypatch.setenv(native.MASK, " AVX2, fma ")  # as /proc/cpuinfo spells them, any case, comma or space
+    assert native.missing_flags("block_fp32") == "DIST_NCE_NATIVE_MASK hides avx2, fma"
+    assert native.BLOCK_FP32.unavailable_reason() == "DIST_NCE_NATIVE_MASK hides avx2, fma"
+    monkeypatch.setattr(native, "cpu_flags", lambda: AVX2_LAPTOP - {"fma"})
+    assert native.missing_flags("block_fp32") == "this CPU lacks fma; DIST_NCE_NATIVE_MASK hides avx2"
+    monkeypatch.setenv(native.SWITCH, "off")  # the switch still rules first
+    assert native.BLOCK_FP32.unavailable_reason() == "DIST_NCE_NATIVE=off"
+    monkeypatch.setenv(native.MASK, "avx2;rm")
+    with pytest.raises(ValueError, match="DIST_NCE_NATIVE_MASK takes CPU flag names"):
+        native.missing_flags("block_fp32")

@@ -259,8 +259,9 @@ def test_block_matches_the_flat_reference_function():
     e = torch.randn(100, 8, generator=gen(10))
     q = torch.randn(4, 8, generator=gen(11))
     gold, keys = torch.tensor([1, 50, -1, 99]), torch.arange(4)
-    res = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", chunk_rows=20, sampler="block",
-                                                  block_rows=5)).gumbel_topk(q, 7, gold, 4, keys)
+    # the torch path (the native kernels sum each score in their own order: tests/sampling/test_block_native.py)
+    res = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", chunk_rows=20, sampler="block", block_rows=5,
+                                                  kernel="torch")).gumbel_topk(q, 7, gold, 4, keys)
     ref = bg.gumbel_topk_block((q @ e.T).float(), 7, gold, 4, keys, block_rows=5)
     assert torch.equal(res.ids, ref.ids)
     torch.testing.assert_close(res.keys, ref.keys)
@@ -282,3 +283,28 @@ def test_sampler_config_is_validated():
     with pytest.raises(ValueError, match="sampler must be 'dense' or 'block'"):
         exact_search(DUAL, Reps(torch.randn(2, 4)), Reps(torch.randn(5, 4)), 0, 2, None, 8, seed=0,
                      query_keys=torch.arange(2), sampler="exact")
+
+
+@pytest.mark.parametrize("k", [1, 4, 12, 30])
+def test_rows_from_blocks_ranks_only_the_near_rows_and_answers_as_all_keys_do(k):
+    # the CPU's step 3 ranks the ~k rows that can reach the top k; the GPU's ranks every row
+    for seed in range(6):
+        g = gen(200 + seed)
+        batch, c, b = 9, 12, 16
+        scores = (torch.randn(batch, c, b, generator=g) * (1 + seed % 3)).float()
+        scores[torch.rand(batch, c, b, generator=g) < 0.2] = INF
+        scores[0, 3] = INF  # a dead block
+        if seed % 2:
+            scores = scores.round()  # exact ties among scores
+        top = torch.logsumexp(scores.double(), -1) - torch.log(-torch.log(torch.rand(batch, c, generator=g,
+                                                                                   dtype=torch.float64)))
+        top[1, :4] = top[1, 4]  # exact ties among block maxima
+        top[0, 3] = INF
+        counters = (torch.randperm(40, generator=g)[:c].sort().values * b).expand(batch, -1).clone()
+        counters[2, -1] = -1  # an empty slot
+        kept = bg.BlockSet(top, counters, scores)
+        keys, log_z = torch.arange(batch) * 3, torch.zeros(batch, dtype=torch.float64)
+        near = bg.rows_from_blocks(kept, k, 7, keys, log_z)
+        every = bg.rows_from_blocks(kept, k, 7, keys, log_z, filter_rows=False)
+        for got, want in zip(near[:3], every[:3]):  # ids, scores, keys
+            assert torch.equal(got, want)

@@ -1,11 +1,14 @@
-"""The native block kernel (dist_nce/kernels/build.py, block_native): its scores against a plain
-float32 reference bit for bit, its block log-masses and log_z against float64, the masks, the
+"""The native block kernels (dist_nce/kernels/build.py, block_native): their scores against a plain
+float32 reference bit for bit, their block log-masses and log_z against float64, the masks, the
 sampler's law (inclusion, ordered pairs, against the dense sampler), sharded == flat and
-threads, and the kernel choice (the build: tests/kernels/test_build.py).
+threads, and the kernel choice (the build: tests/kernels/test_build.py; what only the AVX2
+kernel does, fp32 rows and any block size, and the top-k: tests/sampling/test_block_fp32.py).
 
-The searches a shard runs are checked against the references twice: with ``index.kernel
-native`` where the kernel runs (skipped elsewhere, with the reason), and with ``auto`` and
-``DIST_NCE_NATIVE=off`` on every CPU, which is the torch path a CPU without the kernel takes."""
+The searches a shard runs are checked against the references three times: with ``index.kernel
+native`` where the AVX512-BF16 kernel runs, with the AVX2 kernel (``DIST_NCE_NATIVE_MASK=avx512_bf16``
+makes this machine choose what a CPU without AVX512-BF16 chooses; skipped where neither runs,
+with the reason), and with ``auto`` and ``DIST_NCE_NATIVE=off`` on every CPU, which is the torch
+path a CPU without either kernel takes."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,6 +26,7 @@ from dist_nce.sampling.laws import successive_law, two_sample_p
 from dist_nce.sampling.topk import merge_results
 
 NATIVE_REASON = native.unavailable_reason()
+AVX2_REASON = native.BLOCK_FP32.unavailable_reason()
 needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native block kernel unavailable: {NATIVE_REASON}")
 DUAL = ScoreSpec.preset("dual")
 INF = float("-inf")
@@ -32,14 +36,19 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(params=["native", "fallback"])
+@pytest.fixture(params=["native", "avx2", "fallback"])
 def kernel(request, monkeypatch) -> str:
-    """The ``index.kernel`` that runs the path under test: native, or auto with the kernel off."""
+    """The ``index.kernel`` that runs the path under test: native (AVX512-BF16), native with
+    AVX512-BF16 masked (the AVX2 kernel), or auto with the kernels off."""
     if request.param == "native" and NATIVE_REASON is not None:
         pytest.skip(f"native block kernel unavailable: {NATIVE_REASON}")
+    if request.param == "avx2":
+        if AVX2_REASON is not None:
+            pytest.skip(f"native AVX2 kernel unavailable: {AVX2_REASON}")
+        monkeypatch.setenv(native.MASK, "avx512_bf16")
     if request.param == "fallback":
         monkeypatch.setenv(native.SWITCH, "off")
-    return "native" if request.param == "native" else "auto"
+    return "auto" if request.param == "fallback" else "native"
 
 
 def sequential_scores(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -52,14 +61,17 @@ def sequential_scores(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
-def run_all_blocks(q, e, b, gold=None, dead=None, lo=0, hi=None, threads=1):
-    """Keep every block (k = number of blocks): the kernel's scores and block masses of all rows."""
+def run_all_blocks(q, e, b, gold=None, dead=None, lo=0, hi=None, threads=1, kernel=block_native.BF16):
+    """Keep every block (k = number of blocks): the kernel's scores and block masses of all rows
+    (``kernel`` BF16 takes bf16 queries, FP32 takes them as fp32)."""
+    q = q.bfloat16() if kernel == block_native.BF16 else q.float()
     hi = e.shape[0] if hi is None else hi
     nb = -(-hi // b) - lo // b
     calls = [block_native.Call(e, 0, lo, hi, lo // b, -(-hi // b), torch.empty(0, dtype=torch.int64),
                                (b * torch.arange(lo // b, -(-hi // b))).clamp(min=lo))]
     out = []
-    kept, log_z = block_native.run_calls(calls, q, nb, gold, dead, 1, torch.arange(q.shape[0]), b, threads, out=out)
+    kept, log_z = block_native.run_calls(calls, q, nb, gold, dead, 1, torch.arange(q.shape[0]), b, threads, out=out,
+                                         kernel=kernel)
     full = torch.full((q.shape[0], -(-hi // b) * b), INF)
     for i in range(q.shape[0]):
         for c, sc in zip(kept.counters[i].tolist(), kept.scores[i]):
@@ -70,11 +82,22 @@ def run_all_blocks(q, e, b, gold=None, dead=None, lo=0, hi=None, threads=1):
     return full[:, :hi], m + s.log(), log_z
 
 
-@needs_native
-def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64():
+def block_kernel(name: str) -> str:
+    """``name`` (BF16 or FP32), skipping the test where that kernel cannot run."""
+    reason = block_native.KERNELS[name].unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"native kernel {name} unavailable: {reason}")
+    return name
+
+
+KERNEL_NAMES = [block_native.BF16, block_native.FP32]
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64(name):
     q = (torch.randn(37, 64, generator=gen(1)) * 0.5).bfloat16()  # 37: a partial query tile
     e = (torch.randn(1024, 64, generator=gen(2)) * 0.5).bfloat16()
-    scores, log_mass, log_z = run_all_blocks(q, e, 64)
+    scores, log_mass, log_z = run_all_blocks(q, e, 64, kernel=block_kernel(name))
     ref = sequential_scores(q, e)
     assert torch.equal(scores, ref)  # bit for bit: the fixed summation order of VDPBF16PS
     want = torch.logsumexp(ref.double().view(37, 16, 64), -1)
@@ -82,15 +105,15 @@ def test_scores_are_the_sequential_bf16_sums_and_masses_match_float64():
     assert float((log_z - torch.logsumexp(ref.double(), -1)).abs().max()) < 1e-6
 
 
-@needs_native
-def test_gold_dead_and_piece_bounds_are_excluded():
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_gold_dead_and_piece_bounds_are_excluded(name):
     q = (torch.randn(20, 32, generator=gen(3))).bfloat16()
     e = (torch.randn(400, 32, generator=gen(4))).bfloat16()
     gold = torch.stack([torch.arange(20) * 17 + 5, torch.full((20,), -1)], 1)
     gold[3, 1] = 250
     dead = torch.tensor([16, 17, 100, 255, 256, 399])
     lo, hi = 10, 390  # neither on the 16-row grid
-    scores, log_mass, log_z = run_all_blocks(q, e, 16, gold=gold, dead=dead, lo=lo, hi=hi)
+    scores, log_mass, log_z = run_all_blocks(q, e, 16, gold=gold, dead=dead, lo=lo, hi=hi, kernel=block_kernel(name))
     ref = sequential_scores(q, e)[:, :hi].clone()
     ref[:, :lo] = INF
     ref[:, dead[dead < hi]] = INF
@@ -188,9 +211,11 @@ def test_sharded_pieces_equal_flat_bit_for_bit(kernel):
     assert not torch.isin(flat.ids, dead).any() and not (flat.ids == gold[:, None]).any()
 
 
-@needs_native
-def test_threads_do_not_change_the_native_sample():
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_threads_do_not_change_the_native_sample(name, monkeypatch):
     # the torch path promises its bits for one thread count only (BLAS picks kernels by it)
+    if block_kernel(name) == block_native.FP32:
+        monkeypatch.setenv(native.MASK, "avx512_bf16")
     e, q, gold = _data()
     kw = dict(chunk_rows=64, seed=9, query_keys=torch.arange(q.shape[0]) * 5 + 1, sampler="block", block_rows=16,
               kernel="native", dead=torch.tensor([5, 700, 701, 2999]))
@@ -206,10 +231,12 @@ def test_threads_do_not_change_the_native_sample():
         torch.set_num_threads(before)
 
 
-@needs_native
-def test_native_and_torch_paths_draw_nearly_the_same_sample():
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_native_and_torch_paths_draw_nearly_the_same_sample(name, monkeypatch):
     # Same law, same counters and noise; the scores differ in their last float32 bits (summation
     # order), so a draw differs only where two keys fall within that rounding of each other.
+    if block_kernel(name) == block_native.FP32:
+        monkeypatch.setenv(native.MASK, "avx512_bf16")
     e, q, gold = _data(n=6000, d=64, batch=64, seed=11)
     kw = dict(chunk_rows=512, seed=2, query_keys=torch.arange(64), sampler="block", block_rows=64)
     a = exact_search(DUAL, Reps(q), Reps(e), 0, 30, gold, kernel="native", **kw)
@@ -224,34 +251,51 @@ def test_native_refuses_what_it_cannot_serve_on_every_cpu():
     som = ScoreSpec.preset("som")
     with pytest.raises(ValueError, match="index.kernel 'native': the score is not a single-vector dot product"):
         exact_search(som, Reps(q[:, None]), Reps(e[:, None]), 0, 5, gold, **kw)
-    with pytest.raises(ValueError, match="entity rows are not bf16"):
-        exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, **kw)
-    with pytest.raises(ValueError, match="queries are not bf16 values"):  # storage bf16 without score_dtype
-        exact_search(DUAL, Reps(q + 1e-3), Reps(e), 0, 5, gold, **kw)
+    with pytest.raises(ValueError, match="block_lse: the entity rows are not bf16.*; block_fp32: the entity rows are "
+                                         "torch.float16, not fp32 or bf16"):
+        exact_search(DUAL, Reps(q), Reps(e.half()), 0, 5, gold, **kw)
+    with pytest.raises(ValueError, match="block_lse: the entity rows are not bf16.*; block_fp32: the queries are "
+                                         r"torch.float16, not fp32 \(index.compute fp32\)"):
+        exact_search(DUAL, Reps(q), Reps(e.float()), 0, 5, gold, compute=torch.float16, **kw)
+    # what the AVX512-BF16 kernel refuses, fp32 rows and queries that are not bf16 values (storage bf16
+    # without score_dtype), the AVX2 kernel serves where it runs
+    for rows, queries in ((e.float(), q), (e, q + 1e-3)):
+        assert block_native.usable(True, queries, rows, 16, block_native.BF16) is not None
+        assert block_native.usable(True, queries, rows, 16, block_native.FP32) == (
+            None if AVX2_REASON is None else f"the kernel is unavailable on this machine ({AVX2_REASON})")
 
 
 @needs_native
-def test_native_refuses_blocks_off_its_microtile():
+def test_native_refuses_blocks_off_its_microtile(monkeypatch):
     e, q, gold = _data(n=500, d=16, batch=6)
+    monkeypatch.setenv(native.MASK, "avx2")  # the AVX2 kernel, which takes any block size, ruled out
     with pytest.raises(ValueError, match="block_rows=12 is not a multiple of 8"):
         exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, chunk_rows=48, seed=1, query_keys=torch.arange(6),
                      sampler="block", block_rows=12, kernel="native")
 
 
-def test_switch_off_selects_the_torch_path(monkeypatch):
-    # on every CPU, also where the kernel runs: auto takes the torch path without calling the
-    # kernel, and native says why it cannot run
+@pytest.mark.parametrize("rows", ["bf16", "fp32"])
+@pytest.mark.parametrize("search", ["block", "topk"])
+def test_switch_off_selects_the_torch_path(monkeypatch, search, rows):
+    # on every CPU, also where the kernels run: auto takes the torch path without calling either
+    # kernel, and native says why neither can run
     e, q, gold = _data(n=500, d=16, batch=6)
-    kw = dict(chunk_rows=64, seed=1, query_keys=torch.arange(6), sampler="block", block_rows=16)
+    e = e if rows == "bf16" else e.float()
+    kw = dict(chunk_rows=64, block_rows=16)
+    if search == "block":
+        kw.update(seed=1, query_keys=torch.arange(6), sampler="block")
     torch_path = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="torch", **kw)
     monkeypatch.setenv(native.SWITCH, "off")
-    monkeypatch.setattr(native.BLOCK, "exercised", False)
+    for kernel in (native.BLOCK, native.BLOCK_FP32):
+        monkeypatch.setattr(kernel, "exercised", False)
     assert native.unavailable_reason() == "DIST_NCE_NATIVE=off" and not native.available()
+    assert native.BLOCK_FP32.unavailable_reason() == "DIST_NCE_NATIVE=off"
     auto = exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="auto", **kw)
-    assert not native.BLOCK.exercised
+    assert not native.BLOCK.exercised and not native.BLOCK_FP32.exercised
     for got, want in zip(auto[:4], torch_path[:4]):  # ids, scores, keys, log_z
         assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"the kernel is unavailable on this machine \(DIST_NCE_NATIVE=off\)"):
+    with pytest.raises(ValueError, match=r"block_fp32: the kernel is unavailable on this machine "
+                                         r"\(DIST_NCE_NATIVE=off\)"):
         exact_search(DUAL, Reps(q), Reps(e), 0, 5, gold, kernel="native", **kw)
     with pytest.raises(native.NativeUnavailable, match="DIST_NCE_NATIVE=off"):
         native.library()

@@ -1,5 +1,5 @@
 /* Fused bf16 scoring + block log-sum-exp + best-block selection for the exact block
- * Gumbel sampler (dist_nce/index/block_gumbel.py; Python wrapper dist_nce/index/native.py).
+ * Gumbel sampler (dist_nce/sampling/block_gumbel.py; Python wrapper dist_nce/sampling/block_native.py).
  *
  * Why a kernel: the sampler needs, per (query, block of b rows), L_B = logsumexp of the
  * block's scores and the b scores of the K-1 blocks with the best T_B = L_B + G_B. torch's
@@ -18,6 +18,10 @@
  * [tiles][d/2][QT] (QT = 32 queries per tile, lanes = queries). One entity pair is broadcast
  * and multiplied into the query lanes, so rows need no repacking and a block's reduction
  * over rows is lane-wise (no horizontal sums).
+ *
+ * Top-k (noise == NULL): a block's key is its max, not L_B + G_B; the k best blocks by
+ * (max desc, block asc) hold the k best rows by (score desc, row asc) (block_fused.py).
+ * block_fp32.c is this kernel for AVX2 + FMA, the same function of the same inputs.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,7 +41,7 @@
 #define ER 8              /* rows per micro-tile */
 #endif
 
-int dnce_block_abi(void) { return 3; }
+int dnce_block_abi(void) { return 4; }
 int dnce_block_qt(void) { return QT; }
 int dnce_block_er(void) { return ER; }
 
@@ -109,7 +113,7 @@ static int64_t worst_slot(const double *st, const int64_t *sj, int64_t k) {
  * out_m / out_s [nq][j1 - j0] (tests; NULL otherwise).
  *
  * qp:      packed queries [nqp / QT][d/2][QT] uint32 (bf16 pairs).
- * noise:   [j1 - j0][nqp] float64 G_B of each block (drawn by the caller).
+ * noise:   [j1 - j0][nqp] float64 G_B of each block (drawn by the caller), or NULL for top-k.
  * counter: [j1 - j0] int64, the first row of each block's piece.
  * gold:    [nq][ne] int64 global rows (-1 none); dead: [nd] sorted int64 global rows.
  * buf:     scratch of b * QT floats, 64-byte aligned.
@@ -192,12 +196,11 @@ int dnce_block_topk(const uint16_t *ent, int64_t base, int64_t d, int64_t lo, in
                 }
                 /* candidates: T_B <= m + log(live) + G, so lanes whose bound is below their worst kept
                  * block cannot enter and skip the log */
-                const double *g = noise + jj * nqp + q0 + 16 * v;
+                const double *g = noise ? noise + jj * nqp + q0 + 16 * v : NULL;
                 const double *th = thr + q0 + 16 * v;
                 for (int h = 0; h < 2; h++) {
-                    __m512d ub = _mm512_add_pd(_mm512_add_pd(_mm512_cvtps_pd(h ? _mm512_extractf32x8_ps(m, 1)
-                                                                                   : _mm512_castps512_ps256(m)),
-                                                             log_live), _mm512_loadu_pd(g + 8 * h));
+                    const __m512d md = _mm512_cvtps_pd(h ? _mm512_extractf32x8_ps(m, 1) : _mm512_castps512_ps256(m));
+                    const __m512d ub = g ? _mm512_add_pd(_mm512_add_pd(md, log_live), _mm512_loadu_pd(g + 8 * h)) : md;
                     __mmask8 c = _mm512_cmp_pd_mask(ub, _mm512_loadu_pd(th + 8 * h), _CMP_GE_OQ);
                     cand |= (uint32_t)c << (16 * v + 8 * h);
                 }
@@ -207,7 +210,7 @@ int dnce_block_topk(const uint16_t *ent, int64_t base, int64_t d, int64_t lo, in
                 cand &= cand - 1;
                 if (l >= qn || mv[l] == ninf) continue;
                 const int64_t q = q0 + l;
-                const double tb = (double)mv[l] + log((double)sv[l]) + noise[jj * nqp + q];
+                const double tb = noise ? (double)mv[l] + log((double)sv[l]) + noise[jj * nqp + q] : (double)mv[l];
                 double *st = slot_t + q * k;
                 int64_t *sj = slot_j + q * k;
                 const int64_t w = wslot[q];

@@ -1,7 +1,10 @@
-/* Vectorised exp shared by the native kernels (block_lse.c, attention_bf16.c). */
+/* Vectorised exp shared by the native kernels: exp_ps (AVX512: block_lse.c, attention_bf16.c) and
+ * exp256_ps (AVX2 + FMA: block_fp32.c), the same operations lane for lane, so the same bits. */
 #ifndef DNCE_SIMD_EXP_H
 #define DNCE_SIMD_EXP_H
 #include <immintrin.h>
+
+#ifdef __AVX512F__
 
 /* exp(x) for float32 lanes x <= 0 (scores minus their block maximum), ~1-2 ulp; x below -87.3
  * (also -inf, a masked row) gives ~1e-38 instead of 0: below 2^-120 of a block's sum, which
@@ -21,5 +24,29 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
+
+#endif /* __AVX512F__ */
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_ps on 8 lanes: the same clamp, reduction and polynomial; scalef(p, n) becomes a multiply by
+ * 2^n built from its exponent bits (n in [-126, 0] for the x <= 0 used here: a normal power of
+ * two, so the product rounds as scalef does). */
+static inline __m256 exp256_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 #endif
