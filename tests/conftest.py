@@ -20,6 +20,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # raylets, which Ray keeps ahead of its workers to stay responsive (a grid of 3 parallel cells lost
 # its head's GCS in a run at 0); 5 gives workers ~1/3 of a nice-0 process's share, not ~1/30.
 os.environ.setdefault("RAY_worker_niceness", "5")
+# Ray Train starts a PreemptionWatcher actor per run, which polls Ray Core's drain state for cloud
+# preemptions: none happen on this machine, and each watcher is a fresh process (~2 s of CPU, 33 of
+# them in a suite run, measured with process accounting). The jobs the tests start inherit this.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# ... and exports Prometheus metrics from its controller and every worker (to each node's agent),
+# which nothing in the tests reads.
+os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 if not os.path.exists("/dev/nvidiactl"):
     # No GPU: the Triton kernels run in Triton's interpreter (dist_nce/kernels/block_reduce.py);
     # set before anything imports triton, since triton reads it when its language is imported.
