@@ -2,7 +2,7 @@
 
 Synthetic Zeshel and AIDA of the test configs, the random tiny BERT, 2 seeds: per part the
 shared start, every arm x seed branching from it (Zeshel), Table 2's rerankers over the chosen
-retrievers' candidates, AIDA's arms (Table 2 and AIDA on one seed of their own, which is
+retrievers' candidates, AIDA's random arm (Table 2 and AIDA on one seed of their own, which is
 also the per-part ``seeds`` path); then the rerun reuses every cell.
 """
 from __future__ import annotations
@@ -47,8 +47,10 @@ def grid(tmp_path_factory, tiny_model_dir):
                          f"data.synthetic_dir={tmp / 'a_src'}", "optim.epochs=2", "run.num_workers=1",
                          "run.eval_every_steps=4", "bias.every_steps=4", "bias.probe_mentions=4", "bias.draws=4",
                          "run.checkpoint_every_steps=0"],
-                 "architectures": {"dual": []},
-                 "arms": {"random": ["negatives.mode=random"], "hard": ["negatives.mode=hard"]}}}
+                 # one arm, the baseline every part needs: the AIDA part's cells, groups and curves
+                 # (arm comparisons are the Zeshel part's code, tested with two arms here and in
+                 # tests/minipaper)
+                 "architectures": {"dual": []}, "arms": {"random": ["negatives.mode=random"]}}}
     config = tmp / "grid.yaml"
     config.write_text(yaml.safe_dump(spec))
     r = run(config, tmp / "out")
@@ -62,7 +64,7 @@ def test_the_grid_runs_every_cell_and_writes_tables_and_plots(grid):
     result = json.loads((out / "mini_paper.json").read_text())
     cells = {c["name"]: c for c in result["cells"]}
     assert set(cells) == {"zeshel-dual-start", *(f"zeshel-dual-{a}-s{s}" for a in ("random", "hard") for s in (0, 1)),
-                          *(f"aida-dual-{a}-s0" for a in ("random", "hard")),
+                          "aida-dual-random-s0",
                           *(f"rerank-dual-{a}-s1" for a in ("random", "hard"))}
     assert all(c["status"] == "done" for c in cells.values()), cells
     # every Zeshel branch started from the shared start's exported model
@@ -80,7 +82,7 @@ def test_the_grid_runs_every_cell_and_writes_tables_and_plots(grid):
     assert len(c["curves"]["dev/recall@16"]) >= 3 and len(c["curves"]["bias/norm"]) >= 2
     groups = {(g["architecture"], g["arm"]): g for g in result["zeshel"]["groups"]}
     assert groups[("dual", "hard")]["val/R@16"]["n"] == 2
-    assert {g["arm"] for g in result["aida"]["groups"]} == {"random", "hard"}
+    assert {g["arm"] for g in result["aida"]["groups"]} == {"random"}
     assert "dev/accuracy" in result["aida"]["metrics"]
     # Table 2 reranked the chosen retriever's candidates and its architecture's random one's
     assert {(g["architecture"], g["arm"]) for g in result["reranker"]["groups"]} == {("dual", "hard"), ("dual", "random")}
@@ -96,7 +98,7 @@ def test_a_rerun_reuses_every_finished_cell(grid):
     before = json.loads((tmp / "out" / "mini_paper.json").read_text())
     r = run(config, tmp / "out")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("finished earlier, reused") == 9 and ": started" not in r.stdout
+    assert r.stdout.count("finished earlier, reused") == 8 and ": started" not in r.stdout
     after = json.loads((tmp / "out" / "mini_paper.json").read_text())
     assert after["zeshel"] == before["zeshel"] and after["reranker"] == before["reranker"]
 
