@@ -6,6 +6,7 @@ malformed), prepared with kb.prepare; a tiny retriever saved with save_pretraine
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,18 +49,21 @@ def setup(tmp_path_factory, tiny_model_dir):
     return root, src
 
 
-def run_job(root: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+def run_job(root: Path, out: str, *extra: str, address: str | None = None) -> subprocess.CompletedProcess:
+    """The job in its own process; with ``address`` it joins that Ray (RAY_ADDRESS, as under ``ray job
+    submit``) instead of starting one."""
     cmd = [sys.executable, str(JOB), "--model", str(root / "model"), "--store", str(root / "kb"),
            "--out", str(root / out), "--k", str(K), "--ks", ",".join(map(str, KS)), "--no-progress",
            "--set", "num_shards=2", "--set", "num_cpus=0.5", "--set", "encode_dtype=fp32", *extra]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, **({"RAY_ADDRESS": address} if address else {})})
 
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_job_end_to_end_and_snapshot_reuse(setup):
+def test_job_end_to_end_and_snapshot_reuse(ray_local, setup):
     root, src = setup
-    r = run_job(root, "eval")
+    r = run_job(root, "eval", address=ray_local)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "index version 0: encoded" in r.stdout
     out = root / "eval"
@@ -101,7 +105,7 @@ def test_job_end_to_end_and_snapshot_reuse(setup):
     assert np.all(local.rows >= 0)
 
     # A second run over the same snapshot directory reloads the embeddings, encodes nothing.
-    r2 = run_job(root, "eval2", "--snapshot-dir", str(out / "snapshot"), "--splits", "dev")
+    r2 = run_job(root, "eval2", "--snapshot-dir", str(out / "snapshot"), "--splits", "dev", address=ray_local)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "index version 0: reused the persisted snapshot" in r2.stdout
     assert (root / "eval2" / "dev_guess.jsonl").read_bytes() == (out / "dev_guess.jsonl").read_bytes()

@@ -1,4 +1,4 @@
-"""jobs/zeshel_retriever.py then jobs/zeshel_reranker.py, as a user runs them: subprocesses, a real local Ray.
+"""jobs/zeshel_retriever.py then jobs/zeshel_reranker.py, as a user runs them: subprocesses on a real local Ray.
 
 Synthetic Zeshel (2 train, 2 val, 1 test worlds of 60 documents), the random tiny BERT,
 configs/zeshel/test_tiny.yaml and reranker_test_tiny.yaml with every path moved to tmp.
@@ -6,6 +6,7 @@ configs/zeshel/test_tiny.yaml and reranker_test_tiny.yaml with every path moved 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,17 +27,20 @@ K = 16  # zeshel.k and the reranker's C in the test configs
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-def run(job: str, config: str, *sets: str) -> subprocess.CompletedProcess:
+def run(job: str, config: str, address: str, *sets: str) -> subprocess.CompletedProcess:
+    """The job in its own process, joining the test process's local Ray through RAY_ADDRESS, as under
+    ``ray job submit`` (a job that starts its own local Ray: tests/jobs/test_chaos.py)."""
     cmd = [sys.executable, str(REPO / "jobs" / job), "--config", str(REPO / "configs" / "zeshel" / config)]
     for s in sets:
         cmd += ["--set", s]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "RAY_ADDRESS": address})
 
 
 @pytest.fixture(scope="module")
-def retriever_run(tmp_path_factory, tiny_model_dir):
+def retriever_run(ray_local, tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("zeshel_jobs")
-    r = run("zeshel_retriever.py", "test_tiny.yaml", f"model.retriever.mention_model={tiny_model_dir}",
+    r = run("zeshel_retriever.py", "test_tiny.yaml", ray_local, f"model.retriever.mention_model={tiny_model_dir}",
             f"data.prepared_dir={tmp / 'train_kb'}", f"zeshel.eval_store={tmp / 'eval_kb'}",
             f"zeshel.synthetic_dir={tmp / 'src'}", f"run.storage_path={tmp / 'ray'}", f"run.output_dir={tmp / 'run'}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -97,15 +101,15 @@ def test_retriever_job(retriever_run):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4, err_msg=f"{split} mention {m}")
 
 
-def test_reranker_job_trains_resumes_and_evaluates(retriever_run, tiny_model_dir):
+def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tiny_model_dir):
     tmp, _ = retriever_run
     sets = [f"model.reranker.model={tiny_model_dir}", f"data.train_store={tmp / 'train_kb'}",
             f"data.eval_store={tmp / 'eval_kb'}", f"data.candidates_dir={tmp / 'run' / 'candidates'}",
             f"run.storage_path={tmp / 'ray'}", f"run.output_dir={tmp / 'rerank'}"]
-    first = run("zeshel_reranker.py", "reranker_test_tiny.yaml", *sets, "run.stop_after_steps=16")
+    first = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets, "run.stop_after_steps=16")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "stopped at step 16" in first.stdout and "gold inserted for" in first.stdout
-    second = run("zeshel_reranker.py", "reranker_test_tiny.yaml", *sets)
+    second = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed at step 16" in second.stdout + second.stderr and "finished" in second.stdout
 
