@@ -11,8 +11,10 @@ nodes of two kinds, told apart by custom resources, the way a user dedicates nod
 
 Every run is the deterministic tiny config (sync refresh at epoch starts), so a run that
 lost a node must reproduce the undisturbed run's losses exactly (rtol 1e-5, as the
-one-node test in tests/train/test_train_ray.py). Each test fails loudly if its fault did
-not happen.
+one-node test in tests/train/test_train_ray.py). The undisturbed run is the one a user
+submits (``ray job submit`` of jobs/aida_finetune.py); the run that loses nodes is driven
+from this process, so their equal losses also show the job and the driver train alike.
+Each test fails loudly if its fault did not happen.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 from dist_nce.worker.tb import read_metrics
-from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
+from tests.train.tinyrun import losses, prepare_tiny, tiny_config, tiny_overrides, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multinode]
 
@@ -113,12 +115,6 @@ def kb(tmp_path_factory, tiny_model_dir):
     return root
 
 
-def train_worker_nodes() -> set[str]:
-    from ray.util.state import list_actors
-
-    return {a.node_id for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])}
-
-
 class NodeRemover(threading.Thread):
     """Removes the node ``pick()`` names (its raylet and every process on it, as a lost machine)
     once the run has logged ``after`` steps."""
@@ -144,32 +140,70 @@ class NodeRemover(threading.Thread):
             self.error = e
 
 
+def live_nodes(class_name: str) -> set[str]:
+    """The nodes of the live actors of a class, from Ray's state API (any job's, any namespace)."""
+    from ray.util.state import list_actors
+
+    return {a.node_id for a in list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])}
+
+
+def train_worker_nodes() -> set[str]:
+    return live_nodes("RayTrainWorker")
+
+
+def submit(address: str, out: Path, kb: Path, tiny_model_dir: str, storage: Path, *sets: str):
+    """``ray job submit`` of jobs/aida_finetune.py on the tiny config, as a user types it against a cluster."""
+    sets = (*tiny_overrides(kb, tiny_model_dir), f"run.output_dir={out}", f"run.storage_path={storage}", *sets)
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
+           "--", "python", "jobs/aida_finetune.py", "--config", "configs/aida/test_tiny.yaml",
+           *[x for s in sets for x in ("--set", s)]]
+    for _ in range(30):  # the head's job agent comes up a little after the head itself
+        r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+        if "No available agent" not in r.stdout + r.stderr:
+            break
+        time.sleep(2)
+    return r
+
+
 @pytest.fixture(scope="module")
 def reference(cluster, kb, tiny_model_dir, tmp_path_factory):
-    """The undisturbed run on the cluster, with where its shards and trainers ran."""
-    nodes, _ = cluster
-    cfg = tiny_config(kb, tiny_model_dir, tmp_path_factory.mktemp("reference"), *DETERMINISTIC)
+    """The undisturbed run, submitted with ``ray job submit`` as a user runs it on a cluster, and
+    the nodes its shards and trainers ran on (read from Ray's state API once it has logged a step)."""
+    _, address = cluster
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "out"
+    metrics = out / "metrics.jsonl"
     seen: dict[str, set[str]] = {}
-    metrics = Path(cfg.run.output_dir) / "metrics.jsonl"
+    done = threading.Event()
 
-    def watch(service):
-        def look():
-            while not metrics.exists() or not read_metrics(metrics):
-                time.sleep(0.2)
-            seen["trainers"] = train_worker_nodes()
-        threading.Thread(target=look, daemon=True).start()
+    def look():
+        while not done.is_set():
+            if metrics.exists() and read_metrics(metrics):
+                seen["shards"], seen["trainers"] = live_nodes("EntityShard"), train_worker_nodes()
+                return
+            time.sleep(0.2)
 
-    final, status = train(cfg, during=watch)
-    return cfg, final, losses(cfg), status, seen
+    watcher = threading.Thread(target=look, daemon=True)
+    watcher.start()
+    r = submit(address, out, kb, tiny_model_dir, root / "ray", *DETERMINISTIC)
+    done.set()
+    watcher.join()
+    (root / "submit.log").write_text(r.stdout + r.stderr)
+    assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-4000:] + r.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    loss = {s: v["train/loss"] for s, v in read_metrics(metrics).items() if "train/loss" in v}
+    return summary, loss, seen
 
 
-def test_shards_spread_over_shard_nodes_and_trainers_run_on_another(cluster, reference):
+def test_ray_job_submit_places_shards_on_shard_nodes_and_trainers_on_another(cluster, reference):
+    """What a user types against a cluster: the job trains and evaluates, its 2 shards land on 2
+    shard nodes and its 2 Ray Train workers, packed, on one trainer node."""
     nodes, _ = cluster
-    _, final, loss, status, seen = reference
-    assert final["done"] and final["step"] == 24 and sorted(loss) == list(range(24))
-    shard_nodes = [s["node"] for s in status]
-    assert len(set(shard_nodes)) == 2 and {nodes.kind(n) for n in shard_nodes} == {"shard"}, shard_nodes
-    assert len(seen.get("trainers", ())) == 1, seen  # both workers packed on one trainer node
+    summary, loss, seen = reference
+    assert summary["done"] and summary["step"] == 24 and sorted(loss) == list(range(24))
+    assert summary["dev_after"]["n_mentions"] == 32
+    assert len(seen.get("shards", ())) == 2 and {nodes.kind(n) for n in seen["shards"]} == {"shard"}, seen
+    assert len(seen.get("trainers", ())) == 1, seen
     assert nodes.kind(next(iter(seen["trainers"]))) == "trainer"
 
 
@@ -248,28 +282,6 @@ def test_a_lost_shard_node_and_a_lost_trainer_node_cost_nothing(cluster, referen
     assert (restart % 3 == 0 or restart % 4 == 0) and 0 < restart <= steps[back[0] - 1], steps
     # and nothing changed: every loss equals the undisturbed run's
     assert final["done"] and final["step"] == 24
-    loss, ref = losses(cfg), reference[2]
+    loss, ref = losses(cfg), reference[1]
     assert sorted(loss) == list(range(24))
     np.testing.assert_allclose([loss[s] for s in range(24)], [ref[s] for s in range(24)], rtol=1e-5)
-
-
-def test_ray_job_submit_to_the_multinode_cluster(cluster, kb, tiny_model_dir, tmp_path):
-    """What a user types against a cluster: the job's shards and trainers go to their nodes."""
-    nodes, address = cluster
-    out = tmp_path / "out"
-    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
-           "--", "python", "jobs/aida_finetune.py", "--config", "configs/aida/test_tiny.yaml",
-           "--set", f"model.retriever.mention_model={tiny_model_dir}",
-           "--set", f"data.prepared_dir={kb / 'prepared'}", "--set", f"data.synthetic_dir={kb / 'synthetic'}",
-           "--set", f"run.output_dir={out}", "--set", f"run.storage_path={tmp_path / 'ray_results'}",
-           "--set", "run.evaluate_before=false", *[x for p in PLACEMENT for x in ("--set", p)]]
-    env = dict(os.environ)
-    for _ in range(30):  # the head's job agent comes up a little after the head itself
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        if "No available agent" not in r.stdout + r.stderr:
-            break
-        time.sleep(2)
-    (tmp_path / "submit.log").write_text(r.stdout + r.stderr)
-    assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, r.stdout[-4000:] + r.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["done"] and summary["step"] == 24 and summary["dev_after"]["n_mentions"] == 32
