@@ -40,18 +40,6 @@
 int dnce_fp32_abi(void) { return 1; }
 int dnce_fp32_qt(void) { return QT; }
 
-/* exp(m - i ln2) for float64 lanes with i = round(m / ln2): block_lse.c's exp_pd_reduced, the same
- * FMAs on 4 lanes (degree-12 Taylor, truncation < 1e-15 relative). */
-static inline __m256d exp_pd_reduced(__m256d m, __m256d i) {
-    __m256d r = _mm256_fnmadd_pd(i, _mm256_set1_pd(6.93147180369123816490e-01), m);
-    r = _mm256_fnmadd_pd(i, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[13] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600};
-    __m256d p = _mm256_set1_pd(c[12]);
-    for (int j = 11; j >= 0; j--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[j]));
-    return p;
-}
-
 /* x 2^e for an integer-valued e <= 0 (or -inf): AVX512's scalef (exact scaling, one rounding). */
 static inline double scale2(double x, double e) {
     return ldexp(x, e >= 0.0 ? 0 : e > -4000.0 ? (int)e : -4000);
@@ -269,7 +257,7 @@ int dnce_fp32_block_topk(const void *ent, int64_t ent_bf16, int64_t base, int64_
                     _mm256_andnot_pd(fresh, scale2_pd(acc, _mm256_sub_pd(ref, i), _mm256_andnot_pd(fresh, up)));
                 acc = _mm256_blendv_pd(acc, moved, up);
                 ref = _mm256_blendv_pd(ref, i, up);
-                const __m256d w = _mm256_mul_pd(_mm256_cvtps_pd(_mm_load_ps(sv + 4 * h)), exp_pd_reduced(md, i));
+                const __m256d w = _mm256_mul_pd(_mm256_cvtps_pd(_mm_load_ps(sv + 4 * h)), exp256_pd_reduced(md, i));
                 acc = _mm256_blendv_pd(acc, _mm256_add_pd(acc, scale2_pd(w, _mm256_sub_pd(i, ref), alive)), alive);
                 _mm256_storeu_pd(rf, ref);
                 _mm256_storeu_pd(sm, acc);

@@ -45,18 +45,6 @@ int dnce_block_abi(void) { return 4; }
 int dnce_block_qt(void) { return QT; }
 int dnce_block_er(void) { return ER; }
 
-/* exp(m - i ln2) for float64 lanes with i = round(m / ln2), so |m - i ln2| <= ln2/2: the mantissa
- * of exp(m) = exp(m - i ln2) 2^i. Degree-12 Taylor, truncation < 1e-15 relative. */
-static inline __m512d exp_pd_reduced(__m512d m, __m512d i) {
-    __m512d r = _mm512_fnmadd_pd(i, _mm512_set1_pd(6.93147180369123816490e-01), m);
-    r = _mm512_fnmadd_pd(i, _mm512_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[13] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600};
-    __m512d p = _mm512_set1_pd(c[12]);
-    for (int j = 11; j >= 0; j--) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c[j]));
-    return p;
-}
-
 /* Scores of rows [first, first + b) for one query tile into buf[r * QT + lane], and their
  * lane-wise maximum into mx[v]; rows outside [lo, hi) are computed on row lo (valid memory)
  * and masked by the caller (mx then counts them: the caller uses mx only for unmasked blocks). */
