@@ -347,6 +347,16 @@ def _port_range() -> tuple[int, int]:
     return lo, hi
 
 
+def _bindable(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` can be bound now (it is released at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     """A TCP port on 127.0.0.1 that is free now and not in ``taken``, outside the ephemeral range
     (comment above); the kernel's choice (ephemeral) only if 200 random tries all find a port in use."""
@@ -354,14 +364,8 @@ def free_port(taken: set[int] | frozenset[int] = frozenset()) -> int:
     draw = random.SystemRandom()  # not the global RNG: seeded tests in two processes would agree
     for _ in range(200 if hi >= lo else 0):
         port = draw.randint(lo, hi)
-        if port in taken:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+        if port not in taken and _bindable(port):
+            return port
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))

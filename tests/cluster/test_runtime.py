@@ -274,6 +274,9 @@ def test_a_local_heads_ports_are_distinct(tmp_path, monkeypatch):
     # The draws repeat a port: the head must not hand it to two of its listeners.
     draws = iter([21000, 21000, 21001, 21000, 21002, 21003, 21004, 21005, 21006, 21007, 21008])
     monkeypatch.setattr("dist_nce.cluster.runtime.random.SystemRandom.randint", lambda self, a, b: next(draws))
+    # Every draw counts as free: a neighbour's Ray holding one of these ports must not change the draws
+    # (CI saw the scripted list run out when 21000-21008 had a port in use).
+    monkeypatch.setattr("dist_nce.cluster.runtime._bindable", lambda port: True)
     h = head_mod.LocalHead(env={"HOME": str(tmp_path)}, temp_dir=str(tmp_path / "t"))
     assert sorted(h.ports.values()) == list(range(21000, 21009)) and len(h.ports) == len(head_mod.PORT_FLAGS)
 
