@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kb.arrow_view import numpy_view
+
 _BLOCK = 1 << 20
 
 
@@ -97,7 +99,7 @@ class SourceIndex:
         key = table.column("key").combine_chunks()
         self.width = key.type.byte_width
         self._keys = np.frombuffer(key.buffers()[1], dtype=f"S{self.width}")[key.offset : key.offset + len(key)]
-        self._rows = table.column("row_id").combine_chunks().to_numpy(zero_copy_only=True)
+        self._rows = numpy_view(table.column("row_id"))
 
     def lookup(self, ids: Sequence[str]) -> np.ndarray:
         """``[len(ids)]`` int64 rows, -1 where the id is absent."""

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dist_nce.core.artifacts import ArtifactMismatch, atomic_path, read_manifest
+from kb.arrow_view import arrow_indices, numpy_view
 # The gold-status vocabulary (column ``gold_status``) lives with the rule that reads it; the
 # store re-exports it as part of its own face.
 from kb.gold_version import (GOLD_BY_ID, GOLD_BY_TITLE, GOLD_MISSING, GOLD_REMOVED,  # noqa: F401
@@ -136,8 +137,7 @@ def token_view(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
             raise ValueError(f"expected one chunk, got {column.num_chunks}")
         column = column.chunk(0)
     width = column.type.list_size
-    flat = column.flatten().to_numpy(zero_copy_only=True)
-    return flat.reshape(-1, width)
+    return numpy_view(column.flatten()).reshape(-1, width)
 
 
 def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:
@@ -160,7 +160,7 @@ def read_arrow(path: str | os.PathLike) -> pa.Table:
 
 def read_tombstones(path: str | os.PathLike) -> np.ndarray:
     """A version's removed rows: sorted unique int64 ``[t]`` (memory-mapped)."""
-    rows = read_arrow(path).column("row_id").combine_chunks().to_numpy(zero_copy_only=False)
+    rows = numpy_view(read_arrow(path).column("row_id"))
     if len(rows) > 1 and not bool((rows[1:] > rows[:-1]).all()):
         raise ArtifactMismatch(f"{path}: tombstones are not sorted and unique")
     return rows.astype(np.int64, copy=False)
@@ -269,7 +269,7 @@ class EntityStore:
         for file, tok in zip(files, self._tokens):
             if tok.shape[1] != self.max_len:
                 raise ArtifactMismatch(f"{file}: token width {tok.shape[1]}, manifest says {self.max_len}")
-        self._lengths = [t.column("length").to_numpy() for t in self._parts]
+        self._lengths = [numpy_view(t.column("length")) for t in self._parts]
         self._index_files = index_files
         self._index: list[SourceIndex] | None = None
         if self.records:
@@ -359,7 +359,7 @@ class EntityStore:
         values: list = [None] * len(flat)
         for p in np.unique(part):
             sel = np.flatnonzero(part == p)
-            taken = self._parts[p].column(name).take(pa.array(offset[sel])).to_pylist()
+            taken = self._parts[p].column(name).take(arrow_indices(offset[sel])).to_pylist()
             for i, v in zip(sel, taken):
                 values[i] = v
         if g.ndim == 1:
@@ -438,7 +438,7 @@ class EntityStore:
             hits = np.flatnonzero(pc.is_in(col, value_set=wanted).to_numpy(zero_copy_only=False))
             if len(hits):
                 hits = hits[self._live_global(first + lo + hits)]
-            for i, title in zip(hits, col.take(pa.array(hits)).to_pylist()):
+            for i, title in zip(hits, col.take(arrow_indices(hits)).to_pylist()):
                 found.setdefault(title, first + lo + int(i) - self.start)
         return np.array([found.get(t, -1) for t in titles], dtype=np.int64)
 
@@ -488,7 +488,7 @@ class MentionTable:
 
     def _numpy(self, name: str) -> np.ndarray:
         col = self.table.column(name)
-        return col.to_numpy() if self.table.num_rows else np.zeros(0, np.int64)
+        return numpy_view(col) if self.table.num_rows else np.zeros(0, np.int64)
 
     @property
     def prepared_gold_rows(self) -> np.ndarray:
