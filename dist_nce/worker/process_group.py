@@ -68,6 +68,7 @@ class LocalGroupBackend(_TorchBackend):
             return super().on_start(worker_group, backend_config)
         backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU", 0)
                                               else "gloo")
+        self._remove_store()  # a restarted group's predecessor: an aborted group is not shut down
         store_path = self._store_path = os.path.join(tempfile.gettempdir(), f"dist_nce_group_{uuid.uuid4().hex}")
 
         def set_env(addr: str, port: int) -> None:  # read by libraries that expect a launcher's env
@@ -82,10 +83,19 @@ class LocalGroupBackend(_TorchBackend):
                  for i in range(len(worker_group))])
 
     def on_shutdown(self, worker_group, backend_config) -> None:
-        super().on_shutdown(worker_group, backend_config)
-        path = getattr(self, "_store_path", None)
-        if path and os.path.exists(path):  # torch leaves it behind when a rank exits without leaving
-            os.remove(path)
+        try:  # raises when a worker is already dead (Ray Train logs it and goes on)
+            super().on_shutdown(worker_group, backend_config)
+        finally:
+            self._remove_store()
+
+    def _remove_store(self) -> None:
+        """torch leaves the FileStore's file behind when a rank exits without leaving the group."""
+        path, self._store_path = getattr(self, "_store_path", None), None
+        if path:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 @dataclass

@@ -51,3 +51,55 @@ def test_two_workers_meet_without_a_routable_listener(ray_local, tmp_path):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (seen["world"], seen["sum"], seen["iface"]) == (2, 3.0, "lo"), seen
         assert seen["listening"] and seen["routable"] == [], seen  # gloo's pairs listen, on loopback
+
+
+class _FakeLocalGroup:
+    """What LocalGroupBackend.on_start asks of a Ray Train worker group, all workers on loopback."""
+
+    def __init__(self):
+        self.joined: list[dict] = []
+
+    def __len__(self) -> int:
+        return 2
+
+    def get_resources_per_worker(self) -> dict:
+        return {"CPU": 1}
+
+    def execute_single(self, rank, fn, *args, **kwargs):
+        return "127.0.0.1", 29500
+
+    def execute(self, fn, *args, **kwargs):
+        return None
+
+    def execute_single_async(self, rank, fn, **kwargs):
+        self.joined.append(kwargs)
+        return None
+
+
+def test_a_groups_store_file_is_removed_on_restart_and_on_a_failed_shutdown(tmp_path, monkeypatch):
+    """torch leaves the FileStore's file when a rank dies; Ray Train aborts a failed group without
+    shutting it down, and a shutdown with a dead worker raises: neither may leave the file in /tmp."""
+    import ray
+    from ray.train.torch.config import _TorchBackend
+
+    from dist_nce.worker.process_group import LocalGroupBackend, LocalGroupTorchConfig
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # the fake group's joins return nothing to wait on
+    backend, config, group = LocalGroupBackend(), LocalGroupTorchConfig(backend="gloo"), _FakeLocalGroup()
+    backend.on_start(group, config)
+    first = group.joined[0]["store_path"]
+    assert {j["store_path"] for j in group.joined} == {first} and first.startswith(str(tmp_path))
+    open(first, "w").close()  # what torch's FileStore left when a rank was killed
+    backend.on_start(group, config)  # Ray Train restarts the group (the failed one was aborted)
+    second = group.joined[-1]["store_path"]
+    assert second != first and not (tmp_path / first).exists()
+    open(second, "w").close()
+
+    def dead_worker(self, worker_group, backend_config):
+        raise RuntimeError("the actor died")
+
+    monkeypatch.setattr(_TorchBackend, "on_shutdown", dead_worker)
+    with pytest.raises(RuntimeError, match="died"):
+        backend.on_shutdown(group, config)
+    assert list(tmp_path.iterdir()) == []
