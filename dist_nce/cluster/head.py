@@ -40,6 +40,7 @@ from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, fre
 # the remedy the raylet's fixed agent window leaves: the second start finds Ray's modules in the
 # page cache.
 STARTED = "Ray runtime started."
+DRAIN_VAR = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 START_ATTEMPTS = 3
 # Every listener of a head, each given an explicit free port (the defaults, e.g. the agent's
 # 52365 or the client server's 10001, may belong to another Ray on the machine).
@@ -79,6 +80,11 @@ class LocalHead:
                 self.env.pop(var, None)
         # Unbuffered, so that `ray start --block` has written STARTED to its log before it blocks.
         self._start_env = {**self.env, "PYTHONUNBUFFERED": "1"}
+        # On SIGTERM `ray start --block` first drains its node, up to this many seconds, so that Serve
+        # proxies can finish in-flight requests (a KubeRay pod's upgrade). A LocalHead is stopped when
+        # its work is done (the demo's job, a mini-paper grid, a test session), and once a job had run
+        # the drain always lasted the whole default 30 s. A value set by the caller or the user wins.
+        self._start_env.setdefault(DRAIN_VAR, "0")
         self.token_location = ensure_auth_token(self.env)
         # Short: Ray's socket paths under the temp dir have a length limit (~107 bytes).
         self._own_temp = temp_dir is None

@@ -149,3 +149,17 @@ def test_a_head_that_never_comes_up_is_an_error_that_keeps_its_logs(tmp_path, mo
     assert count.read_text() == str(head_mod.START_ATTEMPTS) and head.proc is None
     assert "timed out during startup" in str(e.value) and head.log_path.exists()
     assert all(p.exists() for p in head.failed_logs) and len(head.failed_logs) == head_mod.START_ATTEMPTS - 1
+
+
+def test_a_stopped_head_does_not_drain_for_30_s_unless_asked(tmp_path, monkeypatch):
+    """`ray start --block` drains its node on SIGTERM (Ray's default 30 s, for Serve traffic during a
+    pod upgrade); a LocalHead ends when its work is done: 0 unless the caller or the user set it. The
+    session head of tests/conftest.py took 32 s to stop after the AIDA job without this."""
+    from dist_nce.cluster import head as head_mod
+
+    monkeypatch.delenv(head_mod.DRAIN_VAR, raising=False)
+    assert head_mod.LocalHead(env={"HOME": str(tmp_path)})._start_env[head_mod.DRAIN_VAR] == "0"
+    assert head_mod.LocalHead(env={"HOME": str(tmp_path), head_mod.DRAIN_VAR: "12"})._start_env[
+        head_mod.DRAIN_VAR] == "12"
+    monkeypatch.setenv(head_mod.DRAIN_VAR, "7")
+    assert head_mod.LocalHead(env={"HOME": str(tmp_path)})._start_env[head_mod.DRAIN_VAR] == "7"
