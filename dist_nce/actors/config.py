@@ -19,7 +19,9 @@ def _help(text: str, bounds: Range | None = None, **kw):
 @dataclass
 class ServiceConfig:
     num_shards: int = _help("EntityShard actors the KB rows are split into (evenly, contiguous ranges; with "
-                            "index.sampler block, boundaries on the index.block_rows grid).",
+                            "the block sampler (index.sampler block, or auto where it resolves to block), "
+                            "boundaries on the index.block_rows grid; under auto a KB too small for that grid "
+                            "is split evenly).",
                             AT_LEAST_1, default=2)
     num_cpus: float = _help("CPUs reserved per shard actor (fractional allowed).", AT_LEAST_0, default=0.5)
     num_gpus: float = _help("GPUs per shard actor; fractional values share a GPU with trainers.", AT_LEAST_0,

@@ -188,7 +188,7 @@ class NegativeService:
         if store.num_live < config.num_shards + 1:
             raise ValueError(f"{store_dir}: {n} entities cannot be split into {config.num_shards} shards "
                              "with negatives to spare")
-        ranges = even_ranges(n, config.num_shards, config.index.row_grid())
+        ranges = even_ranges(n, config.num_shards, config.index.row_grid(n, config.num_shards))
         shard_root = Path(config.shard_dir or Path(run_dir) / "shards")
         dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
@@ -265,7 +265,8 @@ class NegativeService:
         loads = [sum(b - a for a, b in rs) - sum(int(((live.dead >= a) & (live.dead < b)).sum()) for a, b in rs)
                  for rs in self.pieces]
         tail = next((i for i, rs in enumerate(self.pieces) for a, b in rs if a < first <= b), None)
-        placed = place_rows(first, count, loads, self.config.index.row_grid(), tail)
+        grid = self.config.index.row_grid(self.ranges[-1][1], self.num_shards)  # the grid create() split on
+        placed = place_rows(first, count, loads, grid, tail)
         state = self._state_ref if entity_state is None else entity_state
         if isinstance(state, dict):
             self._check_state(state)

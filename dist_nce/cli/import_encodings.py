@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     del ids
     storage_dtype = args.storage_dtype or config.storage_dtype
     n = store.num_entities
+    if getattr(args, "index_config", None) is not None:  # the service's grid for this KB (IndexConfig.row_grid)
+        args.row_grid = args.index_config.row_grid(n, args.num_shards)
     out = Path(args.out)
     target = ImportTarget(shard_root, even_ranges(n, args.num_shards, args.row_grid),
                           store_fingerprint(args.prepared), dataclasses.asdict(spec), storage_dtype, fingerprint)
@@ -185,6 +187,7 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     args.model = args.model or cfg.model.blink_checkpoint or cfg.model.init_from or f"{src} (model.retriever)"
     args.prepared = cfg.data.prepared_dir
     args.num_shards, args.row_grid = cfg.service.num_shards, cfg.service.index.row_grid()
+    args.index_config = cfg.service.index  # sampler auto: a KB too small for its grid is split evenly
     shard_root = Path(cfg.service.shard_dir or Path(cfg.run.output_dir) / "shards")
     args.out = args.out or str(shard_root)
     # build_retriever reads a BLINK file as load_blink_retriever(blink_checkpoint, retriever config)

@@ -77,7 +77,7 @@ class LiveIndex:
         res = exact_search_pieces(
             self.spec, q, [Piece(p.row_start, p.entities) for p in self.pieces], k,
             None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute, seed,
-            None if query_keys is None else query_keys.to(self.device), self.version, self.config.sampler,
+            None if query_keys is None else query_keys.to(self.device), self.version, self.config.resolved_sampler(),
             self.config.block_rows, self._dead())
         return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
 

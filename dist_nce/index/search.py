@@ -27,10 +27,11 @@ Gumbel-top-k (hard negatives, docs/design.md section 5), ``IndexConfig.gumbel``:
   turns it into the estimated softmax mass outside the candidates.
 * ``auto``: exact for torch/flat, candidates for ivf/hnsw.
 
-The exact mode's sampler (``IndexConfig.sampler``): ``dense`` adds one Gumbel to every
-score (the reference); ``block`` draws each ``block_rows`` block's maximum from its
-logsumexp, keeps the K-1 best blocks and draws only their rows' keys, conditioned on the
-block maximum (``block_gumbel``): the same law with noise for N/b + (K-1) b rows per query.
+The exact mode's sampler (``IndexConfig.sampler``; the default ``auto`` is ``block`` wherever it
+applies, ``IndexConfig.resolved_sampler``): ``dense`` adds one Gumbel to every score (the
+reference); ``block`` draws each ``block_rows`` block's maximum from its logsumexp, keeps the
+K-1 best blocks and draws only their rows' keys, conditioned on the block maximum
+(``block_gumbel``): the same law with noise for N/b + (K-1) b rows per query.
 Its sharded answer equals the flat one bit for bit when every shard starts on the
 ``block_rows`` grid (a shard starting inside a block samples its piece as a block of its
 own: exact, but another draw than flat); ``NegativeService`` puts its shard boundaries on
@@ -229,7 +230,7 @@ class ShardIndex:
         res = exact_search(self.spec, queries, self.entities, self.row_start, k,
                            None if gold is None else gold.to(self.device), self.config.chunk_rows, self.compute,
                            seed, None if query_keys is None else query_keys.to(self.device), self.version,
-                           self.config.sampler, self.config.block_rows, dead, self.config.kernel)
+                           self.config.resolved_sampler(), self.config.block_rows, dead, self.config.kernel)
         return ShardResult(*(x.cpu() if isinstance(x, Tensor) else x for x in res))
 
     def topk(self, queries: Reps | Tensor, k: int, gold: Tensor | None = None, dead: Tensor | None = None

@@ -10,8 +10,9 @@ import torch
 
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import ConfigError, from_dict
-from dist_nce.index.encode import (Precision, autocast_dtype, compile_wanted, encode_batch, encode_precision,
-                                   encode_rows, prepare_encoder, transformer_layers)
+from dist_nce.index.encode import (Precision, autocast_dtype, compile_encoder, compile_wanted, encode_batch,
+                                   encode_precision, encode_rows, prepare_encoder, static_batch_shape, static_shapes,
+                                   transformer_layers)
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder
 from dist_nce.modeling.scoring import ScoreSpec
@@ -219,3 +220,85 @@ def test_a_layer_compiled_encoder_encodes_like_eager_with_one_graph_for_every_la
     fresh = ready(second, precision)
     torch.testing.assert_close(encode_rows(compiled, full, 4, CPU, None, "float32").vecs,
                                encode_rows(fresh, full, 4, CPU, None, "float32").vecs, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- static shapes of a compiled encoder
+
+
+def test_static_batch_shape_rounds_to_a_handful_of_lengths():
+    shape = static_batch_shape
+    assert [shape(3, n, 4, 128)[1] for n in (1, 31, 32, 33, 64, 65, 100, 128)] == [32, 32, 32, 64, 64, 96, 128, 128]
+    assert shape(3, 7, 512, 128) == (512, 32)  # the short last batch is filled up to the batch size
+    for width in (16, 24, 40, 128, 130, 512):  # at most 4 lengths, each a multiple of 8 or the width itself
+        lengths = {shape(1, n, 1, width)[1] for n in range(1, width + 1)}
+        assert len(lengths) <= 4 and max(lengths) == width and all(t % 8 == 0 or t == width for t in lengths)
+        assert all(shape(1, n, 1, width)[1] >= n for n in range(1, width + 1))
+    assert sorted({shape(1, n, 1, 130)[1] for n in range(1, 131)}) == [40, 80, 120, 130]
+    with pytest.raises(ValueError, match="rows"):
+        shape(5, 3, 4, 16)
+
+
+# rows of 1..40 tokens (store width 40) in batches of 8, the last one of 5 rows
+RAGGED = Rows([int(n) for n in np.random.default_rng(3).permutation(np.arange(1, 41))[:37]], 40, vocab=30000)
+
+
+def spy_compile(monkeypatch) -> list[tuple[tuple[int, ...], bool]]:
+    """Make ``nn.Module.compile`` wrap the layer's call in a spy (eager) instead of dynamo: returns the
+    (hidden states shape, masked) of every call that reaches a "compiled" layer."""
+    seen = []
+
+    def fake_compile(fn, *args, **kwargs):
+        def spy(hidden, *rest, **kw):
+            mask = kw.get("attention_mask", rest[0] if rest else None)
+            seen.append((tuple(hidden.shape), mask is not None))
+            return fn(hidden, *rest, **kw)
+        return spy
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    return seen
+
+
+@pytest.mark.parametrize("preset,m", [("dual", None), ("multi", 3), ("som", None)])
+def test_a_static_shape_encoder_sees_a_handful_of_shapes_and_encodes_like_the_plain_path(
+        tiny_model_dir, monkeypatch, preset, m):
+    # issue 35 item 5: every (batch, longest) shape was a compile, past dynamo's limit of 8 on a GPU refresh
+    state = entity_state(tiny_model_dir, preset=preset, m=m)
+    plain = EntityEncoder.from_state(state)
+    want = encode_rows(plain, RAGGED, 8, CPU, None, "float32")
+    seen = spy_compile(monkeypatch)
+    compiled = EntityEncoder.from_state(state)
+    compile_encoder(compiled, layers=True)
+    assert static_shapes(compiled) and not static_shapes(plain)
+    got = encode_rows(compiled, RAGGED, 8, CPU, None, "float32")
+    layers = len(transformer_layers(compiled))
+    assert len(seen) == 5 * layers  # 37 rows: 5 batches, each through every layer
+    # 16 = ceil(40 / 4) rounded up to a multiple of 8; the last batch of 5 rows filled up to 8;
+    # a mask throughout on a CPU (what the plain path does too)
+    assert {shape[:2] for shape, _ in seen} == {(8, 16), (8, 32), (8, 40)}
+    assert all(masked for _, masked in seen)
+    torch.testing.assert_close(got.vecs, want.vecs, rtol=1e-5, atol=1e-5)
+    assert (got.mask is None) == (want.mask is None)
+    if want.mask is not None:
+        assert torch.equal(got.mask, want.mask)
+    # fewer rows than a batch: one batch of all of them, not padded up to the batch size
+    seen.clear()
+    few = Rows([5, 19, 3], 40, vocab=30000)
+    torch.testing.assert_close(encode_rows(compiled, few, 8, CPU, None, "float32").vecs,
+                               encode_rows(plain, few, 8, CPU, None, "float32").vecs, rtol=1e-5, atol=1e-5)
+    assert {s[:2] for s, _ in seen} == {(3, 32)}
+
+
+def test_a_layer_compiled_encoder_compiles_one_graph_per_length_bucket(tiny_model_dir):
+    # the real thing on a CPU (inductor): rows of 37 different lengths and a ragged last batch make
+    # 3 graphs (lengths 16, 32, 40, batch 8), not one per (batch, longest) shape
+    import torch._dynamo
+
+    state = entity_state(tiny_model_dir)
+    compiled = EntityEncoder.from_state(state)
+    prepare_encoder(compiled, Precision(FP32, None), "model", True, CPU, layers=True)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = encode_rows(compiled, RAGGED, 8, CPU, None, "float32").vecs
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
+    torch.testing.assert_close(got, encode_rows(EntityEncoder.from_state(state), RAGGED, 8, CPU, None,
+                                                "float32").vecs, rtol=1e-4, atol=1e-5)

@@ -235,9 +235,10 @@ def test_candidates_mode_covering_every_row_is_the_exact_sample():
     e = torch.randn(150, 8, generator=gen(19))
     q, gold, qkeys = torch.randn(4, 8, generator=gen(20)), torch.tensor([1, 2, 3, -1]), torch.arange(4)
     # kernel torch: the candidates' top-k and the dense sample score rows with the same arithmetic (the
-    # native top-k sums each score in its own order, a few ulps away)
-    exact = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", gumbel="exact", kernel="torch")).gumbel_topk(
-        q, 9, gold, 5, qkeys)
+    # native top-k sums each score in its own order, a few ulps away); candidates mode adds one Gumbel per
+    # candidate, so its exact twin is the dense sampler (the default, auto, is the block sampler here)
+    exact = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", gumbel="exact", sampler="dense",
+                                                     kernel="torch")).gumbel_topk(q, 9, gold, 5, qkeys)
     cand = ShardIndex(DUAL, Reps(e), 0, IndexConfig(backend="torch", gumbel="candidates", candidates=150,
                                                    tail_sample=150, kernel="torch")).gumbel_topk(q, 9, gold, 5, qkeys)
     assert torch.equal(cand.ids, exact.ids) and torch.equal(cand.keys, exact.keys)

@@ -285,6 +285,69 @@ def test_sampler_config_is_validated():
                      query_keys=torch.arange(2), sampler="exact")
 
 
+
+def test_default_sampler_is_block_where_it_applies_else_dense():
+    # issue 35 item 5: the dense sampler (one Gumbel per row) took 17-19x a GEMM + top-k on an H200;
+    # the block sampler draws the same law, so the default "auto" takes it wherever it can run
+    assert IndexConfig().sampler == "auto" and IndexConfig().resolved_sampler() == "block"  # flat: exact mode
+    for score_dtype in ("fp32", "bf16"):
+        cfg = IndexConfig(backend="torch", score_dtype=score_dtype)
+        cfg.validate()
+        assert cfg.resolved_sampler() == "block" and cfg.row_grid() == cfg.block_rows == 128
+    assert IndexConfig(backend="torch", chunk_rows=4096, block_rows=64).resolved_sampler() == "block"
+    # where block cannot apply, auto is dense (and shards keep a row grid of 1) rather than an error
+    for cfg in (IndexConfig(backend="ivf"), IndexConfig(backend="hnsw"),  # candidates mode: no exact sampler
+                IndexConfig(backend="torch", gumbel="candidates"),
+                IndexConfig(backend="torch", chunk_rows=100),  # 128-row blocks cannot tile 100-row chunks
+                IndexConfig(backend="torch", chunk_rows=32, block_rows=48)):
+        cfg.validate()
+        assert cfg.resolved_sampler() == "dense" and cfg.row_grid() == 1 and cfg.row_grid(10_000, 4) == 1
+    with pytest.raises(ValueError, match="must divide"):  # an explicit block still says why not
+        IndexConfig(backend="torch", chunk_rows=100, sampler="block").validate()
+    # explicit choices are kept
+    assert IndexConfig(backend="torch", sampler="dense").resolved_sampler() == "dense"
+    assert IndexConfig(backend="torch", sampler="dense").row_grid(10_000, 4) == 1
+    assert IndexConfig(backend="ivf", sampler="block").resolved_sampler() == "block"
+    assert from_dict(IndexConfig, {}, "configs/x.yaml").resolved_sampler() == "block"
+    assert from_dict(IndexConfig, {"sampler": "auto"}, "configs/x.yaml").sampler == "auto"
+    # shard boundaries: on the block grid when the KB splits on it; a tiny KB (test configs: 120
+    # entities, 2 shards) is split evenly under auto instead of being refused
+    auto, block = IndexConfig(backend="torch"), IndexConfig(backend="torch", sampler="block")
+    assert auto.row_grid(1000, 3) == block.row_grid(1000, 3) == 128
+    assert auto.row_grid(120, 2) == 1 and block.row_grid(120, 2) == 128
+    assert auto.row_grid(129, 2) == 128 and auto.row_grid(128, 2) == 1  # the cut at 64 rounds up to 128: empty
+
+
+@pytest.mark.parametrize("score_dtype", ["fp32", "bf16"])
+def test_default_config_search_draws_the_dense_law(score_dtype):
+    # A ShardIndex with the default sampler over 12 rows (row 5 gold) in blocks of 3: its draws are the
+    # explicit block sampler's bit for bit, and follow the law of the explicit dense reference (two-sample
+    # chi-square on the ordered pairs) and the exact successive-sampling law (total variation).
+    n, draws = 12, 100_000
+    s = torch.tensor([0.5, 1.0, -0.3, 2.0, 0.1, 3.0, -1.0, 0.7, 1.5, 0.0, -0.5, 1.2])
+    ents = Reps(torch.diag(s))  # row i scores s[i] against the all-ones query
+    q, gold, keys = torch.ones(draws, n), torch.full((draws,), 5), torch.arange(draws)
+
+    def draw(**kw):
+        cfg = IndexConfig(backend="torch", score_dtype=score_dtype, block_rows=3, chunk_rows=12, kernel="torch",
+                          **kw)
+        return ShardIndex(DUAL, ents, 0, cfg).gumbel_topk(q, 2, gold, 3, keys).ids
+
+    default, block, dense = draw(), draw(sampler="block"), draw(sampler="dense")
+    assert torch.equal(default, block) and not torch.equal(default, dense)
+    a, b = _ordered_pairs(default, n), _ordered_pairs(dense, n)
+    cells = (a + b) > 0
+    a, b = a[cells], b[cells]
+    assert chi2_pvalue(float(((a - b) ** 2 / (a + b)).sum()), int(cells.sum()) - 1) > 1e-4
+    law_scores = s.bfloat16().float() if score_dtype == "bf16" else s  # the scores the index computes
+    p = torch.softmax(law_scores.double().masked_fill(torch.arange(n) == 5, INF), 0)
+    law = torch.zeros(n * n, dtype=torch.float64)
+    for i, j in itertools.permutations(range(n), 2):
+        if 5 not in (i, j):
+            law[i * n + j] = p[i] * p[j] / (1 - p[i])
+    for ids in (default, dense):
+        assert 0.5 * float((_ordered_pairs(ids, n) / draws - law).abs().sum()) < 0.015
+
 @pytest.mark.parametrize("k", [1, 4, 12, 30])
 def test_rows_from_blocks_ranks_only_the_near_rows_and_answers_as_all_keys_do(k):
     # the CPU's step 3 ranks the ~k rows that can reach the top k; the GPU's ranks every row
