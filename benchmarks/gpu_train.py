@@ -503,7 +503,7 @@ def _summarise(records: dict[str, list[dict]], entries: dict, plain: str, flops:
 def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = None, *,
         steps: int | None = None, warmup: int | None = None, configs: dict[str, Any] | None = None,
         compare_before: bool = False, profile: bool | None = None, seed: int = 0,
-        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+        log: Callable[[str], None] | None = None, bert: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure plain torch vs the project's DeepSpeed engine on ``device`` (see the module docstring).
 
     ``quick``: a tiny BERT (2 layers, hidden 64), a small batch repeated, 1 + 3 steps: the CPU test.
@@ -518,7 +518,7 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     shape = dict(QUICK if quick else FULL)
     shape["steps"] = steps if steps is not None else shape["steps"]
     shape["warmup"] = warmup if warmup is not None else shape["warmup"]
-    bert = TINY_BERT if quick else BERT_BASE
+    bert = bert or (TINY_BERT if quick else BERT_BASE)  # bert: a config dict (gpu_e2e: the job's model)
     is_cuda = device.startswith("cuda")
     profile = is_cuda if profile is None else profile
     compare_before = bool(compare_before)

@@ -176,13 +176,26 @@ def test_require_faiss_returns_the_library():
     assert hasattr(require_faiss(), "IndexFlatIP")
 
 
-def test_jobs_fail_with_install_advice_when_faiss_is_missing(monkeypatch):
-    """Every job, trainer and shard calls configure_process, which calls require_faiss."""
+def test_without_faiss_the_torch_backend_runs_and_a_faiss_backend_gives_install_advice(monkeypatch):
+    """Every job, trainer and shard calls configure_process. Without faiss (a GPU machine with torch
+    only) it goes on, the exact torch backend searches, and building a faiss index fails with the advice."""
+    import torch
+
     from dist_nce.cluster.runtime import configure_process
+    from dist_nce.index.config import IndexConfig
+    from dist_nce.index.search import ShardIndex
+    from dist_nce.modeling.retriever import RetrieverConfig
+    from dist_nce.modeling.scoring import Reps
 
     monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` raises ImportError
+    configure_process(threads=None)
+    spec = RetrieverConfig(preset="dual").spec()
+    ents = torch.randn(50, 8)
+    q = torch.randn(3, 8)
+    top = ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="torch", device="cpu")).topk(q, 5, torch.full((3,), -1))
+    assert torch.equal(torch.as_tensor(top.ids), (q @ ents.t()).topk(5).indices)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[cpu\]' \(faiss-cpu\) or pip install -e '\.\[gpu\]'"):
-        configure_process(threads=None)
+        ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="flat", device="cpu"))
 
 
 def test_jobs_fail_clearly_on_a_faiss_left_behind_by_uninstalling_its_twin(monkeypatch):

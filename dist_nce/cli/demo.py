@@ -23,7 +23,6 @@ the finished run.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,38 +31,7 @@ from dist_nce.cli.common import CHECKOUT as ROOT, error
 from dist_nce.core.config import ConfigError, load_config, plain_name
 from dist_nce.core.flags import FlagParser, checked
 from dist_nce.cluster.head import LocalHead
-
-
-def _ray(bin_dir: Path, *args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(bin_dir / "ray"), *args]
-    print("$ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env, cwd=ROOT, check=check)
-
-
-def _submit_and_follow(bin_dir: Path, head: str, config: str, overrides: list[str], env: dict[str, str]) -> int:
-    """``ray job submit`` (retried while the fresh head's job agent is still starting), then
-    ``ray job logs --follow`` and the final ``ray job status``; returns 0 if it SUCCEEDED."""
-    address = f"--address={head}"
-    job_id = f"dist_nce_demo_{int(time.time())}"
-    submit = ["job", "submit", address, f"--submission-id={job_id}", "--no-wait", "--working-dir", ".", "--",
-              "python", "jobs/aida_finetune.py", "--config", config]
-    for o in overrides:
-        submit += ["--set", o]
-    for attempt in range(30):
-        if _ray(bin_dir, *submit, env=env, check=False).returncode == 0:
-            break
-        print("the head's job agent is not up yet; retrying in 5 s", flush=True)
-        time.sleep(5)
-    else:
-        return 1
-    _ray(bin_dir, "job", "logs", address, "--follow", job_id, env=env, check=False)
-    status = subprocess.run([str(bin_dir / "ray"), "job", "status", address, job_id], env=env, cwd=ROOT,
-                            capture_output=True, text=True)
-    said = (status.stdout + status.stderr).strip()
-    # Ray 2.60 prints "Job '<id>' succeeded" between separator lines (older: "...: SUCCEEDED").
-    lines = [line for line in said.splitlines() if job_id in line]
-    print(lines[-1] if lines else said or "ray job status printed nothing", flush=True)
-    return 0 if any("succeeded" in line.lower() for line in lines) else 1
+from dist_nce.cluster.submit import submit_and_follow
 
 
 def _config_file(text: str) -> str:
@@ -110,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     print("$ " + " ".join(head.command()), flush=True)
     print(f"(token authentication on; token: {head.token_location})", flush=True)
     with head:
-        rc = _submit_and_follow(head.bin_dir, head.address, args.config, overrides, head.env)
+        entrypoint = ["python", "jobs/aida_finetune.py", "--config", args.config]
+        for o in overrides:
+            entrypoint += ["--set", o]
+        rc = submit_and_follow(head.bin_dir, head.address, entrypoint, head.env, cwd=ROOT,
+                               job_id=f"dist_nce_demo_{int(time.time())}")
     if rc != 0:
         print(f"demo: the job failed (exit {rc}); see the log above", file=sys.stderr)
         return rc

@@ -70,10 +70,22 @@ def configure_faiss(blas_threshold: int = FAISS_BLAS_THRESHOLD) -> None:
 
 def configure_process(threads: int | None = 1, faiss: bool = True) -> None:
     """Everything a worker, actor or job process applies at its start (``faiss=False``: a
-    process that searches nothing, such as the reranker's, and need not have faiss)."""
+    process that searches nothing, such as the reranker's, and need not have faiss).
+
+    A process without faiss at all runs on: the exact torch backend needs none (a GPU machine with
+    torch but no faiss-gpu wheel runs the one-GPU AIDA job), and the faiss backends ask for it when
+    they build an index (:func:`require_faiss`: the install advice). A broken faiss (the remnant of an
+    uninstalled twin) is still an error here."""
     configure_threads(threads)
     if faiss:
-        configure_faiss()
+        try:
+            configure_faiss()
+        except FaissMissing:
+            pass
+
+
+class FaissMissing(ImportError):
+    """``import faiss`` failed: no faiss in this environment (:func:`require_faiss`)."""
 
 
 def pin_jit_builds() -> None:
@@ -404,8 +416,9 @@ def require_faiss():
     try:
         import faiss
     except ImportError as exc:
-        raise ImportError(
-            f"dist-nce needs FAISS, and `import faiss` failed ({exc}). It comes from exactly one "
+        raise FaissMissing(
+            f"dist-nce needs FAISS for this (index.backend flat, ivf or hnsw; the torch backend needs none), "
+            f"and `import faiss` failed ({exc}). It comes from exactly one "
             "setup.py extra: pip install -e '.[cpu]' (faiss-cpu) or pip install -e '.[gpu]' "
             "(faiss-gpu); scripts/install.sh (run by `make venv`) picks one. An environment that "
             "ever held both packages has a broken faiss (they own the same files): recreate it."

