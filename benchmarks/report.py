@@ -496,6 +496,76 @@ def gpu_train(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _spread_ms(s: dict | None) -> str:
+    return "-" if not s else f"{1e3 * s['median']:.0f} ({1e3 * s['min']:.0f}-{1e3 * s['max']:.0f})"
+
+
+def gpu_e2e(data: dict) -> str:
+    """The AIDA job end to end on one GPU (benchmarks/gpu_e2e.py)."""
+    train, checks = data.get("train") or {}, data.get("checks") or {}
+    steps, kb, job = train.get("steps") or {}, train.get("kb") or {}, train.get("job") or {}
+    plan = (job.get("kb_snapshot") or {}).get("num_entities") or kb.get("entities")
+    ds = job.get("deepspeed_config") or {}
+    stage = (ds.get("zero_optimization") or {}).get("stage")
+    lines = [f"`{data['config']}` submitted with `ray job submit` to a `LocalHead` on one {data.get('device_name')}: "
+             f"{plan:,} synthetic KILT entities in 2 shard actors (0.25 GPU each) and one DeepSpeed worker "
+             f"(0.5 GPU; ZeRO-{stage}, bf16) training both random BERT-base towers, K = 64 mixed-50, "
+             f"{job.get('step')} steps of 8 mentions, the KB re-encoded at step 250 while training went on and once "
+             f"more with the final weights. Step times after the first {steps.get('left_out_warm_steps')} steps; "
+             "a refresh is in flight while the shards still encode a published version.", ""]
+    eng = (data.get("bare_engine") or {}).get("modes") or {}
+    rows = [["job step, all", _spread_ms(steps.get("step_s")), f"{steps.get('steps')} steps"],
+            ["job step, no refresh in flight", _spread_ms(steps.get("step_s_no_refresh")),
+             f"{(steps.get('step_s_no_refresh') or {}).get('n')} steps"],
+            ["job step, refresh in flight", _spread_ms(steps.get("step_s_refresh_in_flight")),
+             f"{(steps.get('step_s_refresh_in_flight') or {}).get('n')} steps"]]
+    for name, label in (("engine", "bare engine step (same model, batch and DeepSpeed JSON)"),
+                        ("plain", "plain torch step (fused AdamW, autocast)")):
+        if "step_seconds" in eng.get(name, {}):
+            m = eng[name]
+            rows.append([label, _spread_ms(m["step_seconds"]),
+                         f"MFU {100 * m['mfu']:.1f}%, optimizer {m['phases_median_ms']['device_ms']['optimizer']:.0f} ms"])
+    lines += _table(["what", "ms median (min-max)", ""], rows)
+    lines.append("")
+    r = checks.get("step_ratio_to_engine")
+    if r:
+        lines.append(f"- Job step / bare engine step: {r['ratio']:.2f}x ({r['ratio_without_refresh_in_flight']:.2f}x "
+                     f"without a refresh in flight); target <= {r['target']}x: {'met' if r['met'] else 'NOT met'}.")
+    w = checks.get("negatives_wait_fraction")
+    if w:
+        lines.append(f"- The trainer's wait for negatives: {100 * w['fraction']:.2f}% of step time with a refresh in "
+                     f"flight ({100 * steps['negatives_wait_fraction']:.2f}% over all steps); target < "
+                     f"{100 * w['target']:.0f}%: {'met' if w['met'] else 'NOT met'}.")
+    refs = train.get("refreshes") or []
+    if refs:
+        lines.append("- KB encodes (both shards at once; seconds of the slower shard): " + "; ".join(
+            f"version {x['version']} {x['seconds']:.1f} s, {x['entities_per_s']:,.0f} entities/s, "
+            f"{100 * x['mfu']:.1f}% MFU" for x in refs)
+            + f" (forward FLOPs of the useful tokens, {kb.get('tokens_mean', 0):.1f} per entity on average).")
+    if train.get("e2e_mfu"):
+        lines.append(f"- End-to-end MFU of the training step: {100 * train['e2e_mfu']:.1f}% "
+                     f"({100 * train['e2e_no_refresh_mfu']:.1f}% without a refresh in flight).")
+    mem = data.get("memory") or {}
+    if mem.get("peak_mib_by_role"):
+        lines.append("- GPU memory, peak per process role (nvidia-smi each second; peaks at different moments): "
+                     + ", ".join(f"{k} {v / 1024:.1f} GiB" for k, v in sorted(mem["peak_mib_by_role"].items()))
+                     + f"; the GPU's total in use peaked at {mem['gpu_used_peak_mib'] / 1024:.1f} GiB.")
+    tj = data.get("train_job") or {}
+    if tj.get("seconds"):
+        lines.append(f"- The train job, `ray job submit` to SUCCEEDED: {tj['seconds']:.0f} s (data generated and "
+                     "prepared on first use, three KB encodes, checkpoints, export with the BLINK file).")
+    for key, what in (("mining", "mining through the service against the kernel alone"),
+                      ("kilt_eval", "the KILT evaluation job")):
+        if key in (data.get("missing") or []):
+            lines.append(f"- Not measured in this run: {what}.")
+    for note in data.get("notes") or []:
+        lines.append(f"- {note}")
+    v = data.get("versions") or {}
+    lines.append(f"Run: {data.get('device_name')}, torch {v.get('torch')}, CUDA {v.get('cuda')}; bf16 GEMM peak "
+                 f"{data.get('peak_tflops', float('nan')):.0f} TFLOP/s in the same run.")
+    return "\n".join(lines) + "\n"
+
+
 def import_rss(data: dict) -> str:
     """BLINK's encodings imported (jobs/import_encodings.py): peak resident memory against torch.load."""
     sizes = data["sizes"]
@@ -614,6 +684,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale,
                                                 "update": update, "attention": attention,
                                                 "gpu_mining": gpu_mining, "gpu_law": gpu_law,
                                                 "gpu_encode": gpu_encode, "gpu_train": gpu_train,
+                                                "gpu_e2e": gpu_e2e,
                                                 "import_rss": import_rss, "monitor": monitor,
                                                 "som_grid": som_grid, "serve_load": serve_load}
 
@@ -634,7 +705,7 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 # Pages that carry copies of some of the page's blocks beside their own prose, and the blocks each must
 # carry (the page itself must carry every block). The README carries none, but one it gains is checked too.
-COPIES = {"docs/gpu.md": ("gpu_mining",), "docs/real_data.md": ("import_rss",), "docs/linking.md": ("serve_load",),
+COPIES = {"docs/gpu.md": ("gpu_mining", "gpu_e2e"), "docs/real_data.md": ("import_rss",), "docs/linking.md": ("serve_load",),
           "README.md": ()}
 
 

@@ -85,31 +85,8 @@ EOF
 
 echo "== ray $RAY_VERSION without ray/jars, ray/rllib, ray/llm and *.map, as a stored wheel, xz-compressed"
 RAY_WHL="$(ls "$BUILD"/dl/ray-"$RAY_VERSION"-*.whl)"
-"$PY" - "$RAY_WHL" "$BUILD/ray_slim" <<'EOF'
-import base64, csv, hashlib, io, sys, zipfile
-from pathlib import Path
-src, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-out_dir.mkdir()
-dropped = ("ray/jars/", "ray/rllib/", "ray/llm/")
-with zipfile.ZipFile(src) as zin:
-    names = [n for n in zin.namelist() if not n.startswith(dropped) and not n.endswith(".map")]
-    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
-    out = out_dir / src.name
-    rows = io.StringIO()
-    writer = csv.writer(rows, lineterminator="\n")
-    # ZIP_STORED: xz then compresses the files themselves (a deflated zip would not compress again).
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
-        for n in names:
-            if n == record:
-                continue
-            data = zin.read(n)
-            zout.writestr(zin.getinfo(n), data, compress_type=zipfile.ZIP_STORED)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            writer.writerow([n, f"sha256={digest}", len(data)])
-        writer.writerow([record, "", ""])
-        zout.writestr(record, rows.getvalue(), compress_type=zipfile.ZIP_STORED)
-print(f"{len(names)} of {len(zin.namelist())} files kept")
-EOF
+"$PY" "$REPO/scripts/slim_wheel.py" "$RAY_WHL" "$BUILD/ray_slim" \
+  --drop ray/jars/ --drop ray/rllib/ --drop ray/llm/ --drop-suffix .map
 xz -T0 -6 -c "$BUILD"/ray_slim/*.whl > "$OUT/wheels/$(basename "$RAY_WHL").xz"
 
 echo "== the MiniLM tokenizer (uncased BERT vocabulary)"

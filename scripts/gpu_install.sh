@@ -20,7 +20,9 @@ for x in "$CARRY"/wheels/*.whl.xz; do
 done
 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
   "$CARRY"/wheels/*.whl "$TMP"/*.whl
-"$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --disable-pip-version-check -e .
+# The checkout on the interpreter's path, as a .pth file (what an editable install amounts to: pip's
+# editable install wants setuptools from an index for its build environment, and there is none).
+"$PYTHON" -c 'import site, sys; open(site.getsitepackages()[0] + "/dist_nce_checkout.pth", "w").write(sys.argv[1] + "\n")' "$PWD"
 "$PYTHON" - <<'EOF'
 import importlib
 for name in ("ray", "ray.dashboard.optional_deps", "ray.train.torch", "deepspeed", "dist_nce.train.driver"):

@@ -360,6 +360,12 @@ def state_fingerprint(state: dict[str, Any]) -> str:
     Hugging Face bookkeeping in the config (``_name_or_path``, ``transformers_version``, ...)
     is left out: it says where a model was loaded from, not how it encodes, and changes
     when a retriever is saved and loaded again.
+
+    An fp32 weight whose every value is a bf16 value is digested as that bf16 tensor: a model
+    trained with DeepSpeed bf16 publishes bf16 weights to the shards and is exported in fp32
+    (``train.model.full_state_dict``), and the two hold the same numbers, so they encode alike.
+    Without this, evaluating or linking with the export re-encoded the whole KB (seen on a GPU:
+    1M entities encoded again instead of reusing the run's final version).
     """
     h = hashlib.blake2b(digest_size=16)
     config = {k: v for k, v in state["transformer_config"].items()
@@ -368,6 +374,10 @@ def state_fingerprint(state: dict[str, Any]) -> str:
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     for name in sorted(state["weights"]):
         t = state["weights"][name].detach().cpu().contiguous()
+        if t.dtype == torch.float32:
+            as_bf16 = t.to(torch.bfloat16)
+            if torch.equal(as_bf16.float(), t):  # NaN never compares equal: such a tensor stays fp32
+                t = as_bf16
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()

@@ -272,6 +272,10 @@ def _reduce(spec: ScoreSpec, sim: Tensor, key_mask: Tensor | None, query_dim: in
     return per_query.sum(query_dim, dtype=acc)
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _common(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     dt = torch.promote_types(a.dtype, b.dtype)
     return a.to(dt), b.to(dt)
@@ -281,14 +285,16 @@ def score_candidates(spec: ScoreSpec, m: Reps, e: Reps) -> Tensor:
     """Each mention against its own K candidates (training).
 
     m: [B, d] or [B, n, d] (+ mask [B, n]); e: [B, K, d] or [B, K, n', d] (+ mask
-    [B, K, n']). Returns [B, K] scores (fp32 for half-precision inputs).
+    [B, K, n']). Returns [B, K] scores, computed in fp32 from half-precision reps: the B x K x d
+    product is cheap, and a bf16 score is coarse exactly where NCE's softmax looks (at |s| ~ 700,
+    what a random BERT-base gave on the GPU run, bf16 values are 4 apart; at BLINK's ~100, 0.5).
     """
     mv, mmask = _multi(m, 1, spec.mention_side, "score_candidates: mention reps")
     ev, emask = _multi(e, 2, spec.entity_side, "score_candidates: entity reps")
     if ev.shape[0] != mv.shape[0] or ev.shape[-1] != mv.shape[-1]:
         raise ValueError(f"score_candidates: mention reps {tuple(m.vecs.shape)} and entity reps "
                          f"{tuple(e.vecs.shape)} disagree on batch size or d")
-    mv, ev = _common(mv, ev)
+    mv, ev = _common(_at_least_fp32(mv), _at_least_fp32(ev))
     b, k, nj, d = ev.shape
     if spec.direction == "x->y":  # queries: mention columns i; keys: entity columns j
         sim = (mv @ ev.reshape(b, k * nj, d).transpose(1, 2)).view(b, mv.shape[1], k, nj)

@@ -40,8 +40,12 @@ def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str
         # position: the files do not depend on it); one process takes ~220 s for 1M entities, and a pool's
         # start-up is not worth it for the small test KBs.
         workers = d.prepare_workers if d.synthetic_entities >= 100_000 else 1
+        # The words come from the tokenizer's vocabulary (MiniLM's when no model is named: the same
+        # bert-uncased vocabulary as BERT-base's, so the same files), so no other model must be installed.
+        vocab = Path(tokenizer_dir) / "vocab.txt" if tokenizer_dir else None
         ensure_kilt(synthetic, d.synthetic_entities, d.synthetic_train, d.synthetic_dev, d.synthetic_test,
-                    d.synthetic_seed, workers=workers, log=log)
+                    d.synthetic_seed, workers=workers, vocab_path=vocab if vocab and vocab.exists() else None,
+                    log=log)
         kilt_ks, aida_dir = str(synthetic / KB_FILE), str(synthetic)
     if not (out / "manifest.json").exists():
         log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")

@@ -302,3 +302,23 @@ def test_a_layer_compiled_encoder_compiles_one_graph_per_length_bucket(tiny_mode
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
     torch.testing.assert_close(got, encode_rows(EntityEncoder.from_state(state), RAGGED, 8, CPU, None,
                                                 "float32").vecs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_bf16_trained_state_and_its_fp32_export_have_one_fingerprint():
+    """DeepSpeed bf16 publishes bf16 weights; the export holds the same numbers in fp32: one encoding."""
+    from dist_nce.index.encode import state_fingerprint
+    from dist_nce.modeling.retriever import entity_state
+
+    torch.manual_seed(0)
+    bf16 = {"w": torch.randn(16, 8).bfloat16(), "b": torch.randn(8).bfloat16(), "ids": torch.arange(4)}
+    def state(weights):
+        return entity_state({"model_type": "bert", "hidden_size": 8}, ScoreSpec(), True, weights)
+
+    exported = {k: (v.float() if v.is_floating_point() else v) for k, v in bf16.items()}
+    assert state_fingerprint(state(bf16)) == state_fingerprint(state(exported))
+    nudged = dict(exported, w=exported["w"].clone())
+    nudged["w"][0, 0] += 2.0 ** -20  # no longer a bf16 value: another model
+    assert state_fingerprint(state(nudged)) != state_fingerprint(state(exported))
+    nan = dict(exported, b=exported["b"].clone())
+    nan["b"][0] = float("nan")
+    assert state_fingerprint(state(nan)) != state_fingerprint(state(exported))

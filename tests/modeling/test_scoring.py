@@ -370,3 +370,20 @@ def test_arbitrary_mask_patterns(attention):
     for chunk in (None, 2):
         fast = score_all(spec, Reps(E, emask), Reps(F, fmask), chunk_size=chunk)
         torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_score_candidates_sums_half_precision_reps_in_fp32(half):
+    """The training scores of bf16 reps (a DeepSpeed bf16 engine) are the fp32 products of those values,
+    not products rounded to bf16 (at |s| ~ 700 bf16 values are 4 apart), and the gradient flows."""
+    spec = ScoreSpec()
+    g = torch.Generator().manual_seed(0)
+    m = (torch.randn(3, 64, generator=g) * 3).to(half).requires_grad_()
+    e = (torch.randn(3, 5, 64, generator=g) * 3).to(half)
+    got = score_candidates(spec, Reps(m), Reps(e))
+    want = torch.einsum("bd,bkd->bk", m.detach().double(), e.double()).float()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
+    assert not torch.equal(got, got.to(half).float())  # finer than the half type's grid
+    got.sum().backward()
+    assert m.grad is not None and m.grad.dtype == half

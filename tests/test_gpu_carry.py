@@ -1,0 +1,80 @@
+"""The GPU carry (scripts/gpu_carry.sh): the slimmed, stored wheel pip accepts, and the one install command
+(scripts/gpu_install.sh) on a fake carry in a fresh virtual environment, offline."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import lzma
+import os
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from scripts.slim_wheel import slim_wheel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
+    """A pure-Python wheel ``name``-1.0 holding ``files``, with METADATA, WHEEL and a valid RECORD."""
+    info = f"{name}-1.0.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}\n"
+                     for n, d in files.items()) + f"{info}/RECORD,,\n"
+    path = directory / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def test_a_slim_wheel_keeps_what_is_asked_stored_and_pip_installs_it(tmp_path):
+    src = _wheel(tmp_path, "fakeray", {"fakeray/__init__.py": b"X = 1\n", "fakeray/jars/big.jar": b"j" * 1000,
+                                       "fakeray/dash/app.js": b"js", "fakeray/dash/app.js.map": b"m" * 500})
+    out, kept, total = slim_wheel(src, tmp_path / "slim", ("fakeray/jars/",), (".map",))
+    with zipfile.ZipFile(out) as z:
+        names = z.namelist()
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+    assert "fakeray/jars/big.jar" not in names and "fakeray/dash/app.js.map" not in names
+    assert {"fakeray/__init__.py", "fakeray/dash/app.js"} <= set(names) and (kept, total) == (5, 7)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(target), str(out)], check=True)
+    assert (target / "fakeray" / "dash" / "app.js").exists() and not (target / "fakeray" / "jars").exists()
+    record = (target / "fakeray-1.0.dist-info" / "RECORD").read_text()
+    assert "app.js.map" not in record and "fakeray/__init__.py,sha256=" in record
+
+
+def test_the_install_command_installs_a_carry_offline_into_a_fresh_environment(tmp_path):
+    """bash <carry>/install.sh from the repository root: every wheel (one xz-compressed) with --no-deps, the
+    checkout on the path, then the import check (Ray, Ray Train, DeepSpeed, the project: here from this
+    test's own environment, which the fresh one sees through a .pth file)."""
+    carry = tmp_path / "carry"
+    (carry / "wheels").mkdir(parents=True)
+    _wheel(carry / "wheels", "fake_plain", {"fake_plain.py": b"WHO = 'plain'\n"})
+    slim, _, _ = slim_wheel(_wheel(tmp_path, "fake_xz", {"fake_xz/__init__.py": b"WHO = 'xz'\n"}), tmp_path / "s",
+                            (), ())
+    (carry / "wheels" / f"{slim.name}.xz").write_bytes(lzma.compress(slim.read_bytes()))
+    (carry / "manifest.json").write_text(json.dumps({"kind": "dist_nce.gpu_carry"}))
+    (carry / "install.sh").write_text((REPO / "scripts" / "gpu_install.sh").read_text())
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    fresh_site = Path(subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
+                                     capture_output=True, text=True, check=True).stdout.strip())
+    (fresh_site / "parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    done = subprocess.run(["bash", str(carry / "install.sh")], cwd=REPO, env={**env, "PYTHON": str(py)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "installed: ray" in done.stdout
+    said = subprocess.run([str(py), "-c", "import fake_plain, fake_xz, dist_nce; print(fake_plain.WHO, fake_xz.WHO, "
+                                          "dist_nce.__file__)"], capture_output=True, text=True, check=True,
+                          cwd=tmp_path).stdout.split()
+    assert said[:2] == ["plain", "xz"] and said[2].startswith(str(REPO))
+    assert (fresh_site / "dist_nce_checkout.pth").read_text().strip() == str(REPO)
