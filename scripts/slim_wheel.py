@@ -27,9 +27,10 @@ def slim_wheel(src: Path, out_dir: Path, drop: tuple[str, ...], drop_suffix: tup
     with zipfile.ZipFile(src) as zin:
         every = zin.namelist()
         names = [n for n in every if not n.startswith(drop) and not n.endswith(drop_suffix)]
-        records = [n for n in names if n.endswith(".dist-info/RECORD")]
+        # the wheel's own RECORD, at the top level (Ray vendors packages with dist-info folders of their own)
+        records = [n for n in names if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
         if len(records) != 1:
-            raise ValueError(f"{src}: {len(records)} .dist-info/RECORD files, want one: not a wheel")
+            raise ValueError(f"{src}: {len(records)} top-level .dist-info/RECORD files, want one: not a wheel")
         rows = io.StringIO()
         writer = csv.writer(rows, lineterminator="\n")
         with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:

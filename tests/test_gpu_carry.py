@@ -34,20 +34,23 @@ def _wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
 
 
 def test_a_slim_wheel_keeps_what_is_asked_stored_and_pip_installs_it(tmp_path):
+    vendored = "fakeray/thirdparty/dep-2.0.dist-info/RECORD"  # as Ray's wheel has: not the wheel's RECORD
     src = _wheel(tmp_path, "fakeray", {"fakeray/__init__.py": b"X = 1\n", "fakeray/jars/big.jar": b"j" * 1000,
-                                       "fakeray/dash/app.js": b"js", "fakeray/dash/app.js.map": b"m" * 500})
+                                       "fakeray/dash/app.js": b"js", "fakeray/dash/app.js.map": b"m" * 500,
+                                       vendored: b"dep.py,,\n"})
     out, kept, total = slim_wheel(src, tmp_path / "slim", ("fakeray/jars/",), (".map",))
     with zipfile.ZipFile(out) as z:
         names = z.namelist()
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
     assert "fakeray/jars/big.jar" not in names and "fakeray/dash/app.js.map" not in names
-    assert {"fakeray/__init__.py", "fakeray/dash/app.js"} <= set(names) and (kept, total) == (5, 7)
+    assert {"fakeray/__init__.py", "fakeray/dash/app.js", vendored} <= set(names) and (kept, total) == (6, 8)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--target", str(target), str(out)], check=True)
     assert (target / "fakeray" / "dash" / "app.js").exists() and not (target / "fakeray" / "jars").exists()
     record = (target / "fakeray-1.0.dist-info" / "RECORD").read_text()
-    assert "app.js.map" not in record and "fakeray/__init__.py,sha256=" in record
+    assert "app.js.map" not in record and "fakeray/__init__.py,sha256=" in record and f"{vendored},sha256=" in record
+    assert (target / vendored).read_text() == "dep.py,,\n"
 
 
 def test_the_install_command_installs_a_carry_offline_into_a_fresh_environment(tmp_path):
