@@ -46,6 +46,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/aida/one_gpu_dual_p50.yaml"
 TARGETS = {"step_ratio_to_engine": 1.15, "negatives_wait_fraction": 0.02}
+STAGES = ("bare_engine", "train", "mining", "kilt_eval")
 WARM_STEPS = 10  # steps left out of the step-time figures: compile, allocator and cache warm-up
 # The CPU rehearsal: the same config at tiny size (tiny BERT, 3,000 entities, shards and worker on CPUs).
 TINY_SETS = [
@@ -414,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/gpu_e2e.json; --tiny: <work>)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer files for the random BERT (default: MiniLM's)")
     ap.add_argument("--engine-steps", type=int, default=None, help="timed bare engine steps (default 12; tiny 2)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="what to run (default all): a GPU call too short for all runs the train job, a second "
+                         "one on the same warm machine and work dir the rest")
     ap.add_argument("--force", action="store_true", help="record even above the load limit (marked noisy)")
     ap.add_argument("--keep-ray-logs", action="store_true", help="keep the head's session logs in /tmp/rh_*")
     ap.add_argument("--assemble", default=None, metavar="DIR",
@@ -471,10 +475,15 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = args.engine_steps or (2 if args.tiny else 12)
     env_before = dict(os.environ)  # the engine's single-process RANK, MASTER_PORT, ... stay out of the head's env
-    run.stage("bare_engine", lambda: _bare_engine(gpu_train.run(
-        device, quick=args.tiny, peak_tflops=payload.get("peak_tflops"), steps=steps, warmup=2 if args.tiny else 3,
-        configs={"engine": str(ROOT / cfg.deepspeed.config)}, profile=False,
-        bert=None if args.tiny else _bert_dict(model))), key="bare_engine")
+    stages = set(args.stages.split(","))
+    if stages - set(STAGES):
+        ap.error(f"--stages: unknown {sorted(stages - set(STAGES))}; known: {','.join(STAGES)}")
+    payload["stages_asked"] = sorted(stages)
+    if "bare_engine" in stages:
+        run.stage("bare_engine", lambda: _bare_engine(gpu_train.run(
+            device, quick=args.tiny, peak_tflops=payload.get("peak_tflops"), steps=steps,
+            warmup=2 if args.tiny else 3, configs={"engine": str(ROOT / cfg.deepspeed.config)}, profile=False,
+            bert=None if args.tiny else _bert_dict(model))), key="bare_engine")
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -496,14 +505,19 @@ def main(argv: list[str] | None = None) -> int:
         entry = ["python", "jobs/aida_finetune.py", "--config", args.config]
         for o in overrides:
             entry += ["--set", o]
-        run.stage("train_job", lambda: _submit(head, entry, log_path, "train"), key="train_job")
-        payload["memory"] = memory.result() if cuda else {"available": False}
+        if "train" in stages:
+            run.stage("train_job", lambda: _submit(head, entry, log_path, "train"), key="train_job")
+            payload["memory"] = memory.result() if cuda else {"available": False}
+        # without "train": the run a previous call of the same work dir left (a warm GPU machine keeps it)
         run.stage("train_figures", lambda: train_figures(
             work / "run", Path(cfg.data.prepared_dir), _bert_dict(model), _shape(cfg), payload.get("peak_tflops")),
             key="train")
         _targets(payload)
-        run.stage("mining", lambda: _mining_in_subprocess(head, args, work, 3 if args.tiny else 10), key="mining")
-        run.stage("kilt_eval", lambda: _kilt_eval(head, cfg, work, log_path), key="kilt_eval")
+        if "mining" in stages:
+            run.stage("mining", lambda: _mining_in_subprocess(head, args, work, 3 if args.tiny else 10),
+                      key="mining")
+        if "kilt_eval" in stages:
+            run.stage("kilt_eval", lambda: _kilt_eval(head, cfg, work, log_path), key="kilt_eval")
     finally:
         head.stop()
     _targets(payload)
@@ -535,16 +549,17 @@ def assemble(source: Path, partials: list[Path], out: Path, config: str, sets: l
     for path in partials:
         part = json.loads(path.read_text())
         for key in ("load_average_before", "load_limit", "noisy", "device_name", "versions", "peak_tflops", "peak_source", "overrides", "bare_engine", "memory",
-                    "train_job", "mining", "kilt_eval"):
+                    "train_job", "mining", "kilt_eval", "train"):
             if part.get(key) is not None and key not in payload:
                 payload[key] = part[key]
                 payload["provenance"][key] = path.name
-    cfg = load_config(TrainJobConfig, ROOT / config, sets)
-    bert = json.loads((source / "model_config.json").read_text())
-    payload["train"] = train_figures(source / "run", source / "data" / "prepared", bert, _shape(cfg),
-                                     payload.get("peak_tflops"))
-    payload["provenance"]["train"] = f"recomputed from the run's files ({source})"
-    payload["missing"] = [k for k in ("bare_engine", "memory", "mining", "kilt_eval") if k not in payload]
+    if (source / "run" / "metrics.jsonl").exists():  # else the train figures of the call that had the files
+        cfg = load_config(TrainJobConfig, ROOT / config, sets)
+        bert = json.loads((source / "model_config.json").read_text())
+        payload["train"] = train_figures(source / "run", source / "data" / "prepared", bert, _shape(cfg),
+                                         payload.get("peak_tflops"))
+        payload["provenance"]["train"] = f"recomputed from the run's files ({source})"
+    payload["missing"] = [k for k in ("bare_engine", "memory", "train", "mining", "kilt_eval") if k not in payload]
     _targets(payload)
     from benchmarks.common import save_results
 

@@ -6,6 +6,11 @@
 # and the Ray session's logs when something failed.
 #   E2E_SECONDS: the benchmark's time limit (default 480); E2E_ARGS: more arguments for it
 #   (the CPU rehearsal: E2E_SKIP_INSTALL=1 E2E_ARGS=--tiny scripts/device_e2e.sh).
+# The whole benchmark at 1M entities takes about 10 minutes, one call's limit; on a lent machine run it
+# as two calls, the second while the machine is still warm (it keeps $WORK):
+#   E2E_SECONDS=540 E2E_ARGS="--stages bare_engine,train" bash scripts/device_e2e.sh
+#   E2E_ARGS="--stages mining,kilt_eval" bash scripts/device_e2e.sh
+# then, here: python -m benchmarks.gpu_e2e --assemble <dir> --partial <call 1 json> --partial <call 2 json>.
 set -u
 OUT=${OUT:-/tmp/e2e_out}
 WORK=${WORK:-/tmp/gpu_e2e}
