@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=POSITIVE_INT, default=None,
                    help="shards the serving service will run (default 2)")
     p.add_argument("--row-grid", type=POSITIVE_INT, default=None,
-                   help="shard boundaries on this grid (a service with index.sampler block: its block_rows; default 1)")
+                   help="shard boundaries on this grid (default: the grid a service with the default index "
+                        "config splits this KB on: block_rows 128 under index.sampler auto, 1 for a KB too small "
+                        "for it; a service with another index config: its IndexConfig.row_grid)")
     p.add_argument("--storage-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="dtype the shards keep (default: the model's storage_dtype)")
     p.add_argument("--chunk-rows", type=POSITIVE_INT, default=16384, help="rows read and converted at a time")
@@ -159,7 +161,11 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     from dist_nce.modeling.retriever import RetrieverConfig
 
     if args.train_config is None:
-        args.num_shards, args.row_grid = args.num_shards or 2, args.row_grid or 1
+        args.num_shards = args.num_shards or 2
+        if args.row_grid is None:  # the layout a service with the default index config will look for
+            from dist_nce.index.config import IndexConfig
+
+            args.index_config = IndexConfig()
         # load_retriever's defaults for a BLINK file: RetrieverConfig(), the tokenizer of --tokenizer
         model = blink_source_model(args.model, RetrieverConfig(), args.tokenizer) \
             if is_checkpoint_file(args.model) else None
