@@ -2,21 +2,25 @@
 
 1. A random BERT-base in Hugging Face layout (bert-base-uncased's shapes and dropout, the MiniLM
    tokenizer, seed 0: no weights are downloaded on the GPU machine) as both towers.
-2. A head started the project's way (:class:`~dist_nce.cluster.head.LocalHead`: ``ray start --head`` on
+2. With the GPU to itself: the bare engine step of the same model and batch
+   (:func:`benchmarks.gpu_train.run` with the job's DeepSpeed JSON: B = 8 mentions x K = 64
+   candidates, 32 / 128 tokens), against a plain torch step.
+3. A head started the project's way (:class:`~dist_nce.cluster.head.LocalHead`: ``ray start --head`` on
    loopback with token authentication), then ``ray job submit --working-dir . -- python
    jobs/aida_finetune.py --config configs/aida/one_gpu_dual_p50.yaml`` with absolute data and run paths:
    synthetic KILT KB (1M entities) -> prepared store -> 2 GPU shard actors (0.25 GPU each) encode index
    version 0 -> one DeepSpeed worker under Ray Train (0.5 GPU) trains both towers with mixed-50
    negatives, the KB re-encoded every 250 steps while training goes on (refresh async) -> dev
    evaluation before and after -> checkpoint, export (Hugging Face + BLINK layout, KB snapshot).
-3. ``ray job submit -- python jobs/evaluate_kilt_aida.py`` on the exported model: KILT guess files
+4. On the same head after the job: one mining call through the NegativeService (Ray call, the
+   shards' searches, the merge) against the kernel alone (one ShardIndex over all rows, in a driver
+   process of its own), interleaved and repeated.
+5. ``ray job submit -- python jobs/evaluate_kilt_aida.py`` on the exported model: KILT guess files
    and scores over the whole KB, reusing the shards' persisted encoding of the final weights.
-4. On the same head after the jobs: one mining call through the NegativeService (Ray call, the
-   shards' searches, the merge) against the kernel alone (one ShardIndex over all rows, in this
-   process), interleaved and repeated.
-5. With the GPU free again: the bare engine step of the same model and batch
-   (:func:`benchmarks.gpu_train.run` with the job's DeepSpeed JSON: B = 8 mentions x K = 64
-   candidates, 32 / 128 tokens).
+
+``--stages`` runs a part (a GPU call's 10 minutes hold the train job, a second call on the same warm
+machine the rest: scripts/device_e2e.sh); ``--assemble`` makes one JSON of the calls' JSONs and the
+run's files.
 
 While the jobs run, ``nvidia-smi`` is sampled every second: GPU memory per process (shards, the Train
 worker, others), named from each process's title. From the run's own files: the step times
