@@ -537,6 +537,14 @@ def _bare_engine(engine: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _rel(path: Path) -> str:
+    """``path`` relative to the checkout when inside it (a committed result names its sources portably)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def assemble(source: Path, partials: list[Path], out: Path, config: str, sets: list[str],
              notes: list[str] | None = None, load: dict[str, Any] | None = None) -> int:
     """The result of a GPU run whose stages ran in more than one call of a lease (each call's own JSON in
@@ -548,7 +556,7 @@ def assemble(source: Path, partials: list[Path], out: Path, config: str, sets: l
     from dist_nce.train.config import TrainJobConfig
 
     payload: dict[str, Any] = {"benchmark": "gpu_e2e (issue 35)", "config": config, "tiny": False,
-                               "targets": TARGETS, "assembled_from": [str(p) for p in partials], "provenance": {},
+                               "targets": TARGETS, "assembled_from": [_rel(p) for p in partials], "provenance": {},
                                "notes": list(notes or []), **(load or {})}
     for path in partials:
         part = json.loads(path.read_text())
@@ -562,7 +570,7 @@ def assemble(source: Path, partials: list[Path], out: Path, config: str, sets: l
         bert = json.loads((source / "model_config.json").read_text())
         payload["train"] = train_figures(source / "run", source / "data" / "prepared", bert, _shape(cfg),
                                          payload.get("peak_tflops"))
-        payload["provenance"]["train"] = f"recomputed from the run's files ({source})"
+        payload["provenance"]["train"] = f"recomputed from the run's files ({_rel(source)})"
     payload["missing"] = [k for k in ("bare_engine", "memory", "train", "mining", "kilt_eval") if k not in payload]
     _targets(payload)
     from benchmarks.common import save_results

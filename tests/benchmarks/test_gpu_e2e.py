@@ -89,3 +89,17 @@ def test_the_one_gpu_config_end_to_end_at_tiny_size_on_a_cpu(tmp_path):
     row = result["mining"]["rows"][0]
     assert row["service_vs_kernel"]["x_median"] > 0
     assert set(result["checks"]) == {"step_ratio_to_engine", "negatives_wait_fraction"}
+
+
+def test_the_committed_result_is_what_its_committed_sources_assemble_to(tmp_path):
+    """benchmarks/results/gpu_e2e.json was assembled from a GPU lease's files, committed beside it: every
+    figure in it (and so on the pages) is recomputed from them here."""
+    committed = json.loads((REPO / "benchmarks" / "results" / "gpu_e2e.json").read_text())
+    sources = REPO / "benchmarks" / "results" / "gpu_e2e_h200"
+    out = tmp_path / "again.json"
+    gpu_e2e.assemble(sources, [REPO / p for p in committed["assembled_from"]], out, committed["config"],
+                     ["deepspeed.config=configs/deepspeed/zero0_bf16.json"], committed["notes"],
+                     {"noisy": committed["noisy"], "load_guard": committed["load_guard"]})
+    again = json.loads(out.read_text())
+    assert again["train"] == committed["train"] and again["checks"] == committed["checks"]
+    assert again == committed
