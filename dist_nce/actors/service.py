@@ -137,6 +137,12 @@ def _hidden_size(model_dir: str) -> int:
     return int(AutoConfig.from_pretrained(model_dir, local_files_only=True).hidden_size)
 
 
+# apply_delta numbers its version one past every shard's; a refresh published meanwhile can take that number
+# (EntityShard.apply_delta refuses it, before any change, saying VERSION_TAKEN): it is numbered again.
+DELTA_VERSION_ATTEMPTS = 5
+VERSION_TAKEN = "versions must increase"
+
+
 class NegativeService:
     """S shard handles + what the caller needs to validate and merge (see module docstring)."""
 
@@ -271,14 +277,30 @@ class NegativeService:
         if isinstance(state, dict):
             self._check_state(state)
             state = ray.put(state)
-        status = self.status()
-        version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
         policy = dataclasses.replace(self._policy, call_timeout_s=None)  # encodes: no per-call timeout
         # Boxed: a shard already holding the served weights never fetches them (EntityShard._fetch).
         boxed = None if state is None else [state]
-        calls = [ShardCall(h, i, "apply_delta", (boxed, version, store.kb_version, placed[i]), {}, policy)
-                 for i, h in enumerate(self._handles)]
-        served = min(int(c.get()) for c in calls)
+        for attempt in range(DELTA_VERSION_ATTEMPTS):
+            status = self.status()
+            version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
+            calls = [ShardCall(h, i, "apply_delta", (boxed, version, store.kb_version, placed[i]), {}, policy)
+                     for i, h in enumerate(self._handles)]
+            outcomes = []
+            for c in calls:
+                try:
+                    outcomes.append(int(c.get()))
+                except Exception as e:  # noqa: BLE001 - looked at below, then raised
+                    outcomes.append(e)
+            errors = [e for e in outcomes if isinstance(e, Exception)]
+            # A trainer's refresh published between the status read and these calls took the same version
+            # number: every shard then refused it before changing anything. Number the delta again.
+            if errors and len(errors) == len(outcomes) and attempt + 1 < DELTA_VERSION_ATTEMPTS \
+                    and all(VERSION_TAKEN in str(e) for e in errors):
+                continue
+            if errors:
+                raise errors[0]
+            break
+        served = min(outcomes)
         self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]
         self.num_entities, self.live, self.kb_version = count, live, store.kb_version
         return served
