@@ -101,18 +101,16 @@ EOF
 
 cp "$REPO/scripts/gpu_install.sh" "$OUT/install.sh"
 "$PY" - "$OUT" "$RAY_VERSION" "$DS_VERSION" "$LIMIT_MIB" <<'EOF'
-import hashlib, json, os, sys, tempfile
+import sys
 from pathlib import Path
+from dist_nce.core.artifacts import atomic_write_json, file_sha256
 out, ray_v, ds_v, limit = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-files = {str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+files = {str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
          for p in sorted(out.rglob("*")) if p.is_file()}
 total = sum(f["bytes"] for f in files.values())
 manifest = {"kind": "dist_nce.gpu_carry", "ray": ray_v, "deepspeed": ds_v, "python": "cp312 manylinux x86_64",
             "bytes": total, "files": files, "install": "bash <carry>/install.sh  (from the repository root)"}
-fd, tmp = tempfile.mkstemp(dir=out)
-with os.fdopen(fd, "w") as f:
-    json.dump(manifest, f, indent=1)
-os.replace(tmp, out / "manifest.json")
+atomic_write_json(out / "manifest.json", manifest)
 print(f"{len(files)} files, {total / 2**20:.1f} MiB")
 if total > limit * 2**20:
     sys.exit(f"scripts/gpu_carry.sh: the carry is {total / 2**20:.1f} MiB, over its {limit} MiB")
