@@ -29,6 +29,12 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # ... and exports Prometheus metrics from its controller and every worker (to each node's agent),
 # which nothing in the tests reads.
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+# The native kernels' build cache (dist_nce/kernels/build.py) is ~/.cache/dist_nce/native: tests that
+# give their processes a new HOME (a machine that never ran Ray) rebuilt every kernel there, about
+# 8 CPU-s per such test (process accounting: 15 compiler runs in tests/benchmarks/test_gpu_e2e.py).
+# Those tests are about Ray's first start, not the compiler; tests/kernels/test_build.py builds into
+# fresh caches on purpose. The jobs and Ray workers the tests start inherit this.
+os.environ.setdefault("DIST_NCE_NATIVE_CACHE", str(Path.home() / ".cache" / "dist_nce" / "native"))
 if not os.path.exists("/dev/nvidiactl"):
     # No GPU: the Triton kernels run in Triton's interpreter (dist_nce/kernels/block_reduce.py);
     # set before anything imports triton, since triton reads it when its language is imported.

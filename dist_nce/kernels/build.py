@@ -17,7 +17,9 @@ a CPU without AVX512.
 
 The shared library is built once per (source, compiler, CPU flags) into
 ``$DIST_NCE_NATIVE_CACHE`` (default ``~/.cache/dist_nce/native``), by writing a temporary
-file and renaming it, so concurrent first uses in several Ray workers are safe. The flags
+file and renaming it, so concurrent first uses in several Ray workers are safe, and under a
+lock beside it, so they build it once: the others wait for that build (a fresh node's shards
+and Train workers start together; each compiled every kernel, about 0.7 CPU-s apiece). The flags
 are explicit (no ``-march=native``), so one build runs on every CPU with these features.
 
 ``$DIST_NCE_NATIVE`` switches every kernel of ``native/``: ``auto`` (the default, also when
@@ -40,6 +42,7 @@ fleet on one kernel; it can only take kernels away, never enable one the CPU lac
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import functools
 import os
@@ -152,16 +155,20 @@ def _build(cc: str, source: Path) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *cflags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
-        if proc.returncode:
-            raise NativeUnavailable(f"{cc} could not build {source.name}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(out.parent / f"{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if out.exists():  # built by the process this one waited for
+            return out
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *cflags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+            if proc.returncode:
+                raise NativeUnavailable(f"{cc} could not build {source.name}: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out
 
 

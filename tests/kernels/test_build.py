@@ -42,16 +42,24 @@ def test_every_kernel_compiles_on_any_cpu(name, tmp_path, monkeypatch):
 
 
 def test_fresh_cache_builds_once_under_concurrent_first_use(tmp_path):
+    """Three processes ask for the same kernel at once: the compiler runs once (the others wait on
+    the lock and load its library), and the cache holds one library and no temporary file."""
     compiler_or_skip()
-    env = {**os.environ, "DIST_NCE_NATIVE_CACHE": str(tmp_path)}
+    cache, log = tmp_path / "cache", tmp_path / "builds.log"
+    cc = tmp_path / "cc"  # the real compiler, logging each build (not the --version the cache key reads)
+    cc.write_text(f'#!/bin/sh\ncase "$1" in --version) ;; *) echo build >> {log} ;; esac\n'
+                  f'exec {shutil.which(native.compiler())} "$@"\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "DIST_NCE_NATIVE_CACHE": str(cache), "CC": str(cc)}
     code = "from dist_nce.kernels import build as native; print(native.compile_only('block_lse').name)"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    files = sorted(os.listdir(tmp_path))
-    assert len(files) == 1 and files[0].startswith("block_lse-") and files[0].endswith(".so"), files
-    assert all(o[0].strip() == files[0] for o in outs)
+    libs = sorted(f for f in os.listdir(cache) if not f.endswith(".lock"))
+    assert len(libs) == 1 and libs[0].startswith("block_lse-") and libs[0].endswith(".so"), libs
+    assert all(o[0].strip() == libs[0] for o in outs)
+    assert log.read_text().splitlines() == ["build"]
 
 
 def test_the_switch_takes_auto_or_off(monkeypatch):
