@@ -129,8 +129,11 @@ def build_model(bert: dict[str, Any], seed: int):
 
 
 def make_batches(n: int, shape: dict[str, Any], vocab: int, device: str, seed: int) -> list[tuple]:
-    """``n`` batches (mention_ids [B, Lm], mention_mask, cand_ids [B, K, Lc], cand_mask), every token real
-    ([CLS]=101 first, as BLINK lays them out); one batch repeated unless ``shape["distinct_batches"]``."""
+    """``n`` batches (mention_ids [B, Lm], mention_mask, cand_ids [B, K, Lc], cand_mask, then the forward's
+    keywords from :func:`host_checked` on the host masks, as the training step passes them), every token
+    real ([CLS]=101 first, as BLINK lays them out); one batch repeated unless ``shape["distinct_batches"]``."""
+    from dist_nce.modeling.retriever import host_checked
+
     g = torch.Generator().manual_seed(seed)
     b, k, lm, lc = shape["mentions"], shape["candidates"], shape["mention_len"], shape["cand_len"]
     low = 1000 if vocab > 2000 else 2
@@ -139,7 +142,8 @@ def make_batches(n: int, shape: dict[str, Any], vocab: int, device: str, seed: i
         m = torch.randint(low, vocab, (b, lm), generator=g)
         c = torch.randint(low, vocab, (b, k, lc), generator=g)
         m[:, 0] = c[..., 0] = min(101, vocab - 1)
-        out.append(tuple(t.to(device) for t in (m, torch.ones_like(m), c, torch.ones_like(c))))
+        masks = torch.ones_like(m, dtype=torch.bool), torch.ones_like(c, dtype=torch.bool)
+        out.append((*(t.to(device) for t in (m, masks[0], c, masks[1])), host_checked(*masks)))
     return out * (n // len(out))
 
 
@@ -208,7 +212,7 @@ class Plain(Mode):
         from dist_nce.modeling.losses import nce_loss
 
         with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            scores = self.model(*batch)
+            scores = self.model(*batch[:4], **batch[4])
         return nce_loss(scores.float())
 
     def backward(self, loss):
@@ -254,7 +258,7 @@ class Engine(Mode):
     def forward(self, batch):
         from dist_nce.modeling.losses import nce_loss
 
-        return nce_loss(self.engine(*batch).float())
+        return nce_loss(self.engine(*batch[:4], **batch[4]).float())
 
     def backward(self, loss):
         self.engine.backward(loss)

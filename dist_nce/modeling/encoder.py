@@ -70,6 +70,21 @@ def trim_padding(ids: torch.Tensor, mask: torch.Tensor, min_len: int = 1) -> tup
     return ids[..., :keep], mask[..., :keep]
 
 
+def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, T] bool -> the 4D attention mask ``model``'s attention implementation takes (bool
+    [B, 1, T, T] for sdpa, additive float for eager), made by transformers' own function but with
+    its shortcut off: that shortcut drops the mask when no token is padding, and finding out reads
+    the mask back (a host-device synchronisation per forward on a GPU). A 4D mask is passed to the
+    model as it is."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    # What the mask function reads of the embeddings: batch, length, dtype (eager's additive mask), device.
+    probe = torch.empty(mask.shape[0], mask.shape[1], 0, dtype=model.get_input_embeddings().weight.dtype,
+                        device=mask.device)
+    return create_bidirectional_mask(config=model.config, inputs_embeds=probe, attention_mask=mask,
+                                     allow_is_bidirectional_skip=False)
+
+
 class Encoder(nn.Module):
     """Token states of a Hugging Face transformer.
 
@@ -99,14 +114,24 @@ class Encoder(nn.Module):
     def config_dict(self) -> dict[str, Any]:
         return self.model.config.to_dict()
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> TokenStates:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                padded: bool | None = None) -> TokenStates:
+        """``padded``: whether any token of ``mask`` is padding, when the caller knows it without reading
+        the mask (the training loop knows its rows' lengths on the host). None: transformers looks
+        (``padding_mask.all()`` to pick an unmasked kernel), which on a GPU waits for the device. False:
+        no mask is made (the unmasked kernels). True: the mask is made for the model's attention
+        implementation without that look (:func:`attention_mask_4d`)."""
         if ids.shape != mask.shape:
             raise ValueError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must have the same shape")
         lead, t = ids.shape[:-1], ids.shape[-1]
         flat_mask = mask.reshape(-1, t).bool()
+        if padded is None:
+            attention = flat_mask.long()
+        else:
+            attention = attention_mask_4d(self.model, flat_mask) if padded else None
         out = self.model(
             input_ids=ids.reshape(-1, t).long(),
-            attention_mask=flat_mask.long(),
+            attention_mask=attention,
             token_type_ids=None if token_type_ids is None else token_type_ids.reshape(-1, t).long(),
         )
         states = out.last_hidden_state

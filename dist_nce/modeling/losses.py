@@ -82,8 +82,20 @@ def nce_loss(scores: Tensor, temperature: float = 1.0, reduction: Reduction = "m
     return _softmax_nll_of_gold(scores / temperature, reduction)
 
 
+def check_log_q(log_q: Tensor, what: str = "adjusted_nce_loss") -> None:
+    """Raise unless every entry of ``log_q`` is a finite log-probability (<= 0). Reads the values:
+    call it where they are on the host (the training step does, before the batch goes to the GPU,
+    and then passes ``checked=True``)."""
+    if not bool(torch.isfinite(log_q).all()):
+        raise ValueError(f"{what}: log_q has non-finite entries (a negative the sampler gave "
+                         "probability 0 cannot have been drawn)")
+    if bool((log_q > 1e-6).any()):
+        raise ValueError(f"{what}: log_q must be log-probabilities (<= 0); max is "
+                         f"{float(log_q.max()):.4g} (were probabilities passed instead of their logs?)")
+
+
 def adjusted_nce_loss(
-    scores: Tensor, log_q: Tensor, temperature: float = 1.0, reduction: Reduction = "mean"
+    scores: Tensor, log_q: Tensor, temperature: float = 1.0, reduction: Reduction = "mean", checked: bool = False
 ) -> Tensor:
     """Score-adjusted NCE, J_ADJ: negatives' scores lowered by log((K-1) nu(y_k | x, y_1)).
 
@@ -96,6 +108,9 @@ def adjusted_nce_loss(
     raised by the constant c = log((N-1)/(K-1)) (equivalently, the gold's lowered by c):
     each of the K-1 sampled negatives stands for (N-1)/(K-1) labels. When K = N it is
     J_HARD itself.
+
+    ``checked``: the caller ran :func:`check_log_q` on ``log_q``'s host copy, so its values are
+    not read here (on a GPU that read waits for the device).
     """
     _check_scores(scores, temperature, reduction, "adjusted_nce_loss")
     b, k = scores.shape
@@ -103,12 +118,8 @@ def adjusted_nce_loss(
         shape = tuple(log_q.shape) if isinstance(log_q, Tensor) else type(log_q).__name__
         raise ValueError(f"adjusted_nce_loss: log_q must be [B, K-1] = [{b}, {k - 1}] "
                          f"(one log-probability per negative), got {shape}")
-    if not bool(torch.isfinite(log_q).all()):
-        raise ValueError("adjusted_nce_loss: log_q has non-finite entries (a negative the sampler gave "
-                         "probability 0 cannot have been drawn)")
-    if bool((log_q > 1e-6).any()):
-        raise ValueError(f"adjusted_nce_loss: log_q must be log-probabilities (<= 0); max is "
-                         f"{float(log_q.max()):.4g} (were probabilities passed instead of their logs?)")
+    if not checked:  # checked: the caller ran check_log_q on the host copy
+        check_log_q(log_q)
     logits = scores.to(torch.promote_types(scores.dtype, torch.float32)) / temperature
     correction = torch.log(torch.tensor(float(k - 1), dtype=logits.dtype, device=logits.device)) + log_q
     logits = torch.cat([logits[:, :1], logits[:, 1:] - correction.to(logits.dtype)], dim=1)

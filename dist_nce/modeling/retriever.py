@@ -108,6 +108,37 @@ def entity_state(transformer_config: dict[str, Any], spec: ScoreSpec, trim_paddi
     }
 
 
+def host_checked(mention_mask: torch.Tensor, cand_mask: torch.Tensor | None = None) -> dict[str, bool]:
+    """Check a batch's masks on the host, before they go to the device: the ``mention_padded`` /
+    ``cand_padded`` keywords of :meth:`Retriever.forward`, with which the forward reads nothing back.
+
+    mention_mask [B, T], cand_mask [B, K, T'] (optional), bool, on the CPU, left-aligned as
+    ``train.batches.trimmed`` makes them. Every row's first token must be real (what the device
+    checks: a row needs a real token, and [CLS] is read by the leftmost-m reductions) and the last
+    column must be real in some row (the batch is cut to its longest row, so the device has nothing
+    left to trim). Raises ValueError naming the side and row otherwise.
+
+    Why: each device read (``trim_padding``'s length, the reductions' mask checks, transformers'
+    look for padding) made the host wait for the GPU, four times per tower in every step."""
+    out: dict[str, bool] = {}
+    for side, mask in (("mention", mention_mask), ("cand", cand_mask)):
+        if mask is None:
+            continue
+        if mask.device.type != "cpu" or mask.dtype != torch.bool or mask.dim() < 2:
+            raise ValueError(f"host_checked: {side} mask must be a bool CPU tensor [..., T], got {mask.dtype} "
+                             f"{tuple(mask.shape)} on {mask.device}")
+        rows = mask.reshape(-1, mask.shape[-1])
+        if rows.shape[-1] == 0 or not bool(rows[:, 0].all()):
+            bad = 0 if rows.shape[-1] == 0 else int((~rows[:, 0]).nonzero()[0])
+            raise ValueError(f"host_checked: {side} row {bad} (flattened) has no real first token; every row "
+                             "needs at least one real token, left-aligned")
+        if not bool(rows[:, -1].any()):
+            raise ValueError(f"host_checked: the last {side} column is padding in every row; cut the batch to its "
+                             "longest row first (train.batches.trimmed)")
+        out[f"{side}_padded"] = not bool(rows.all())
+    return out
+
+
 class EntityEncoder(nn.Module):
     """The entity side: forward(ids [..., T], mask [..., T]) -> entity Reps with the same leading dims.
 
@@ -124,13 +155,15 @@ class EntityEncoder(nn.Module):
         self.spec = spec
         self.trim_padding = trim_padding
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> Reps:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
+        """``padded`` (from :func:`host_checked`): the masks were checked on the host, so nothing is read
+        back from the device (no trim, no mask check; see :meth:`Encoder.forward`)."""
         lead = ids.shape[:-1]
         ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
-        if self.trim_padding:
+        if self.trim_padding and padded is None:
             ids, mask = trim_padding(ids, mask, _min_len(self.spec, "entity"))
-        states, mask = self.encoder(ids, mask)
-        vecs, rmask = entity_reps(self.spec, states, mask)
+        states, mask = self.encoder(ids, mask, padded=padded)
+        vecs, rmask = entity_reps(self.spec, states, mask, checked=padded is not None)
         vecs = vecs.reshape(*lead, *vecs.shape[1:])
         return Reps(vecs, None if rmask is None else rmask.reshape(*lead, *rmask.shape[1:]))
 
@@ -227,20 +260,21 @@ class Retriever(nn.Module):
     def hidden_size(self) -> int:
         return self.mention_encoder.hidden_size
 
-    def encode_mentions(self, ids: torch.Tensor, mask: torch.Tensor) -> Reps:
-        """ids, mask [B, T] -> mention Reps (dual/multi [B, d]; poly/genpoly [B, m, d]; som [B, T, d] + mask)."""
-        if self.config.trim_padding:
+    def encode_mentions(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
+        """ids, mask [B, T] -> mention Reps (dual/multi [B, d]; poly/genpoly [B, m, d]; som [B, T, d] + mask).
+        ``padded``: as in :meth:`EntityEncoder.forward`."""
+        if self.config.trim_padding and padded is None:
             ids, mask = trim_padding(ids, mask, _min_len(self.spec, "mention"))
-        states, mask = self.mention_encoder(ids, mask)
-        return mention_reps(self.spec, states, mask, self.codes)
+        states, mask = self.mention_encoder(ids, mask, padded=padded)
+        return mention_reps(self.spec, states, mask, self.codes, checked=padded is not None)
 
-    def encode_entities(self, ids: torch.Tensor, mask: torch.Tensor) -> Reps:
+    def encode_entities(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
         """ids, mask [..., T] -> entity Reps with the same leading dims (see :class:`EntityEncoder`)."""
-        return self.entity_side(ids, mask)
+        return self.entity_side(ids, mask, padded)
 
-    def score_candidates(self, m: Reps, e: Reps) -> torch.Tensor:
-        """m [B, ...], e [B, K, ...] -> [B, K]."""
-        return score_candidates(self.spec, m, e)
+    def score_candidates(self, m: Reps, e: Reps, checked: bool = False) -> torch.Tensor:
+        """m [B, ...], e [B, K, ...] -> [B, K]; ``checked``: see :func:`scoring.score_candidates`."""
+        return score_candidates(self.spec, m, e, checked)
 
     def score_all(self, m: Reps, e: Reps, chunk_size: int | None = None) -> torch.Tensor:
         """m [B, ...], e [N, ...] -> [B, N]."""
@@ -249,21 +283,27 @@ class Retriever(nn.Module):
     def forward(
         self, mention_ids: torch.Tensor, mention_mask: torch.Tensor, cand_ids: torch.Tensor | None = None,
         cand_mask: torch.Tensor | None = None, cand_reps: Reps | None = None,
+        mention_padded: bool | None = None, cand_padded: bool | None = None,
     ) -> torch.Tensor:
         """Scores [B, K] of the candidates: token ids ``cand_ids``/``cand_mask`` [B, K, L] through the
         entity encoder, or ``cand_reps`` already encoded (vecs [B, K, ...], a frozen entity tower's
-        cache: ``dist_nce.train.entity_cache``)."""
+        cache: ``dist_nce.train.entity_cache``). ``mention_padded``/``cand_padded``: what
+        :func:`host_checked` found on the host copies of the masks (the training step passes them, so
+        its forward reads nothing back from the GPU); None: checked here, on the device."""
         b = mention_ids.shape[0]
         if cand_reps is not None:
             if cand_reps.vecs.shape[0] != b or cand_reps.vecs.dim() < 3:
                 raise ValueError(f"expected cand_reps.vecs [B, K, ...] with B={b}, got {tuple(cand_reps.vecs.shape)}")
-            m = self.encode_mentions(mention_ids, mention_mask)
-            return self.score_candidates(m, Reps(cand_reps.vecs.to(m.vecs.dtype), cand_reps.mask))
+            m = self.encode_mentions(mention_ids, mention_mask, mention_padded)
+            # the cache's reps were checked when it encoded them
+            return self.score_candidates(m, Reps(cand_reps.vecs.to(m.vecs.dtype), cand_reps.mask),
+                                         checked=mention_padded is not None)
         if cand_ids is None or cand_mask is None or cand_ids.dim() != 3 or cand_ids.shape[0] != b:
             got = None if cand_ids is None else tuple(cand_ids.shape)
             raise ValueError(f"expected cand_ids [B, K, L] with B={b}, got {got}")
-        return self.score_candidates(self.encode_mentions(mention_ids, mention_mask),
-                                     self.encode_entities(cand_ids, cand_mask))
+        return self.score_candidates(self.encode_mentions(mention_ids, mention_mask, mention_padded),
+                                     self.encode_entities(cand_ids, cand_mask, cand_padded),
+                                     checked=mention_padded is not None and cand_padded is not None)
 
     def to_storage(self, reps: Reps) -> Reps:
         return to_storage(reps, self.config.storage_dtype)

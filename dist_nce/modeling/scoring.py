@@ -170,8 +170,13 @@ class ScoreSpec:
 # --------------------------------------------------------------------------- reps
 
 
-def _reduce_tokens(side: Side, states: Tensor, mask: Tensor | None, codes: Tensor | None, what: str) -> Reps:
-    """states [P, T, d], mask [P, T] -> Reps [P, d] (count 1) or [P, n, d] (+ mask)."""
+def _reduce_tokens(side: Side, states: Tensor, mask: Tensor | None, codes: Tensor | None, what: str,
+                   checked: bool = False) -> Reps:
+    """states [P, T, d], mask [P, T] -> Reps [P, d] (count 1) or [P, n, d] (+ mask).
+
+    ``checked``: the caller checked on the host that every row's first token is real
+    (:func:`dist_nce.modeling.retriever.host_checked`), so the mask is not read here (reading a
+    device tensor's value waits for the device)."""
     if states.ndim != 3:
         raise ValueError(f"{what}: token states must be [batch, T, d], got shape {tuple(states.shape)}")
     p, t, d = states.shape
@@ -180,7 +185,7 @@ def _reduce_tokens(side: Side, states: Tensor, mask: Tensor | None, codes: Tenso
     elif mask.shape != (p, t):
         raise ValueError(f"{what}: mask must be [{p}, {t}] like the states, got {tuple(mask.shape)}")
     mask = mask.bool()
-    if t == 0 or not bool(mask.any(-1).all()):
+    if t == 0 or not (checked or bool(mask.any(-1).all())):
         raise ValueError(f"{what}: every row needs at least one real token (mask all False in some row)")
 
     if side.reduction == "codes":
@@ -199,7 +204,7 @@ def _reduce_tokens(side: Side, states: Tensor, mask: Tensor | None, codes: Tenso
         return Reps(states, mask)
     m = side.count
     if m == 1:
-        if not bool(mask[:, 0].all()):
+        if not (checked or bool(mask[:, 0].all())):
             raise ValueError(f"{what}: position 0 ([CLS]) is padding in some row; leftmost-1 reduction needs it")
         return Reps(states[:, 0], None)
     if t < m:  # the encoder trimmed padding below m: pad back with masked zeros
@@ -208,29 +213,37 @@ def _reduce_tokens(side: Side, states: Tensor, mask: Tensor | None, codes: Tenso
     return Reps(states[:, :m], mask[:, :m])
 
 
-def mention_reps(spec: ScoreSpec, E: Tensor, mask: Tensor | None, codes: Tensor | None = None) -> Reps:
+def mention_reps(spec: ScoreSpec, E: Tensor, mask: Tensor | None, codes: Tensor | None = None,
+                 checked: bool = False) -> Reps:
     """Mention encoder output E [B, T, d] (+ mask [B, T]) -> what the score needs.
 
     dual / multi: [B, d]; poly / genpoly: [B, m, d] (code-attended; pass ``codes``
-    [m, d]); som: [B, T, d] + mask [B, T].
+    [m, d]); som: [B, T, d] + mask [B, T]. ``checked``: see :func:`_reduce_tokens`.
     """
-    return _reduce_tokens(spec.mention_side, E, mask, codes, "mention_reps")
+    return _reduce_tokens(spec.mention_side, E, mask, codes, "mention_reps", checked)
 
 
-def entity_reps(spec: ScoreSpec, F: Tensor, mask: Tensor | None, codes: Tensor | None = None) -> Reps:
+def entity_reps(spec: ScoreSpec, F: Tensor, mask: Tensor | None, codes: Tensor | None = None,
+                checked: bool = False) -> Reps:
     """Entity encoder output F [N, T, d] (+ mask [N, T]) -> what the index stores.
 
     dual / poly: [N, d]; multi-m / genpoly-m: [N, m, d] + mask [N, m]; som: [N, T, d] +
     mask [N, T]. ``codes`` only for a general spec that reduces the entity side by codes.
+    ``checked``: see :func:`_reduce_tokens`.
     """
-    return _reduce_tokens(spec.entity_side, F, mask, codes, "entity_reps")
+    return _reduce_tokens(spec.entity_side, F, mask, codes, "entity_reps", checked)
 
 
 # ------------------------------------------------------------------------ scoring
 
 
-def _multi(reps: Reps, lead: int, side: Side, what: str) -> tuple[Tensor, Tensor | None]:
-    """Reps with ``lead`` leading dims -> (vecs [*lead, n, d], mask or None), checked."""
+def _multi(reps: Reps, lead: int, side: Side, what: str, checked: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Reps with ``lead`` leading dims -> (vecs [*lead, n, d], mask or None), checked.
+
+    ``checked``: every row of the mask is known to hold a real position (reps of host-checked tokens,
+    :func:`_reduce_tokens`): the mask is then kept as it is, without reading it (no check, no
+    dropping an all-real mask, no cutting all-padding columns: the same scores, with no wait for the
+    device)."""
     vecs, mask = reps
     single = side.count == 1
     if vecs.ndim == lead + 1:
@@ -246,6 +259,8 @@ def _multi(reps: Reps, lead: int, side: Side, what: str) -> tuple[Tensor, Tensor
     if mask is not None:
         if mask.shape != vecs.shape[:-1]:
             raise ValueError(f"{what}: mask shape {tuple(mask.shape)} does not match vecs {tuple(vecs.shape)}")
+        if checked:
+            return vecs.masked_fill(~mask.unsqueeze(-1), 0), mask
         if mask.numel() and not bool(mask.any(-1).all()):
             raise ValueError(f"{what}: some row has no real position (mask all False)")
         if bool(mask.all()):
@@ -281,16 +296,17 @@ def _common(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a.to(dt), b.to(dt)
 
 
-def score_candidates(spec: ScoreSpec, m: Reps, e: Reps) -> Tensor:
+def score_candidates(spec: ScoreSpec, m: Reps, e: Reps, checked: bool = False) -> Tensor:
     """Each mention against its own K candidates (training).
 
     m: [B, d] or [B, n, d] (+ mask [B, n]); e: [B, K, d] or [B, K, n', d] (+ mask
     [B, K, n']). Returns [B, K] scores, computed in fp32 from half-precision reps: the B x K x d
     product is cheap, and a bf16 score is coarse exactly where NCE's softmax looks (at |s| ~ 700,
     what a random BERT-base gave on the GPU run, bf16 values are 4 apart; at BLINK's ~100, 0.5).
+    ``checked``: the reps' masks come from host-checked tokens (see :func:`_multi`).
     """
-    mv, mmask = _multi(m, 1, spec.mention_side, "score_candidates: mention reps")
-    ev, emask = _multi(e, 2, spec.entity_side, "score_candidates: entity reps")
+    mv, mmask = _multi(m, 1, spec.mention_side, "score_candidates: mention reps", checked)
+    ev, emask = _multi(e, 2, spec.entity_side, "score_candidates: entity reps", checked)
     if ev.shape[0] != mv.shape[0] or ev.shape[-1] != mv.shape[-1]:
         raise ValueError(f"score_candidates: mention reps {tuple(m.vecs.shape)} and entity reps "
                          f"{tuple(e.vecs.shape)} disagree on batch size or d")

@@ -26,7 +26,8 @@ from dist_nce.actors.protocols import NegativeSource
 from dist_nce.bias.monitor import BiasMonitor
 from dist_nce.core.text import tokenizer_fingerprint
 from dist_nce.index.encode import store_fingerprint
-from dist_nce.modeling.losses import adjusted_nce_loss, nce_loss
+from dist_nce.modeling.losses import adjusted_nce_loss, check_log_q, nce_loss
+from dist_nce.modeling.retriever import host_checked
 from dist_nce.sampling.keys import query_keys, request_seed
 from dist_nce.sampling.negatives import Negatives
 from dist_nce.train import checkpoint
@@ -217,9 +218,10 @@ class Worker(WorkerScaffold):
     # ------------------------------------------------------------------ one step
 
     def loss(self, scores: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """The step's loss; ``log_q`` was checked on the host (:meth:`train_step`)."""
         n = self.cfg.negatives
         if n.adjusted_loss:
-            return adjusted_nce_loss(scores, log_q, temperature=n.temperature)
+            return adjusted_nce_loss(scores, log_q, temperature=n.temperature, checked=True)
         return nce_loss(scores, temperature=n.temperature)
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -236,15 +238,21 @@ class Worker(WorkerScaffold):
         # Random-only mining asks no shard (version -1): look at the shards every 16 steps instead.
         self._follow_kb(mined.version if mined.version >= 0 else (None if step % 16 == 0 else -1))
         idx, gold, negatives, skipped = self._live_part(idx, gold, mined.negatives)
-        batch = assemble_batch(self.train.token_ids(idx), self.train_len[idx], self.store, gold,
-                               negatives).to(self.device)
+        host = assemble_batch(self.train.token_ids(idx), self.train_len[idx], self.store, gold, negatives)
+        # What the forward and the loss would otherwise read back from the device (a host-GPU
+        # synchronisation each), checked here on the host copies: the step then reads back only its logs.
+        padded = host_checked(host.mention_mask, None if self.entity_cache is not None else host.cand_mask)
+        if self.cfg.negatives.adjusted_loss:
+            check_log_q(host.log_q)
+        batch = host.to(self.device)
         t3 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.entity_cache is not None:
-            scores = self.engine(batch.mention_ids, batch.mention_mask,
+            scores = self.engine(batch.mention_ids, batch.mention_mask, **padded,
                                  cand_reps=self.entity_cache.candidates(self.store, batch.candidates)).float()
         else:
-            scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask).float()
+            scores = self.engine(batch.mention_ids, batch.mention_mask, batch.cand_ids, batch.cand_mask,
+                                 **padded).float()
         loss = self.loss(scores, batch.log_q)
         if skipped == len(idx):  # every gold of the batch removed: no signal, the step keeps the schedule
             loss = loss * 0.0
@@ -256,9 +264,12 @@ class Worker(WorkerScaffold):
         t5 = time.perf_counter()
         self.state.step = step + 1
         s = scores.detach()
+        # one read back for the three logged values
+        logged, gold_score, negative_score = torch.stack([loss.detach().float(), s[:, 0].mean(),
+                                                          s[:, 1:].mean()]).tolist()
         return {
-            "train/loss": float(loss.detach()), "train/lr": lr,
-            "train/gold_score": float(s[:, 0].mean()), "train/negative_score": float(s[:, 1:].mean()),
+            "train/loss": logged, "train/lr": lr,
+            "train/gold_score": gold_score, "train/negative_score": negative_score,
             "time/step_s": t5 - t0, "time/negatives_wait_s": wait, "time/batch_s": t3 - t2,
             "time/compute_s": t4 - t3, "time/refresh_s": t1 - t0,
             "time/refresh_wait_s": self.publisher.wait_s - refresh_wait0,
