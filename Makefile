@@ -14,6 +14,8 @@ PYTEST_ARGS ?=
 # Two pytest processes (pytest-xdist), one test file each at a time: most of the suite waits on
 # Ray, DeepSpeed and job start-up rather than computing, so two files share the 2 cores well.
 # Module-scoped fixtures (a cluster, a trained run) stay within their file. TEST_WORKERS=0: one process.
+# Three were slower on 2 cores: 32 min against 27 for two (fresh clones; the run with three shared the
+# machine with about 6 CPU-min of other tests, worth ~3 min), with more Ray clusters up at once.
 # Files go out longest first (tests/durations.json, ordered by tests/conftest.py), so xdist's own
 # reordering (most tests first) is off.
 TEST_WORKERS ?= 2
