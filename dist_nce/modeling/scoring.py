@@ -259,15 +259,14 @@ def _multi(reps: Reps, lead: int, side: Side, what: str, checked: bool = False) 
     if mask is not None:
         if mask.shape != vecs.shape[:-1]:
             raise ValueError(f"{what}: mask shape {tuple(mask.shape)} does not match vecs {tuple(vecs.shape)}")
-        if checked:
-            return vecs.masked_fill(~mask.unsqueeze(-1), 0), mask
-        if mask.numel() and not bool(mask.any(-1).all()):
-            raise ValueError(f"{what}: some row has no real position (mask all False)")
-        if bool(mask.all()):
-            return vecs, None
-        # Columns that are padding in every row cost GEMM work and change nothing.
-        keep = int(mask.flatten(0, -2).any(0).nonzero().max()) + 1 if mask.numel() else 0
-        vecs, mask = vecs[..., :keep, :], mask[..., :keep]
+        if not checked:
+            if mask.numel() and not bool(mask.any(-1).all()):
+                raise ValueError(f"{what}: some row has no real position (mask all False)")
+            if bool(mask.all()):
+                return vecs, None
+            # Columns that are padding in every row cost GEMM work and change nothing.
+            keep = int(mask.flatten(0, -2).any(0).nonzero().max()) + 1 if mask.numel() else 0
+            vecs, mask = vecs[..., :keep, :], mask[..., :keep]
         # Zeroed padding makes a padded query column contribute exactly 0, and keeps
         # non-finite junk in padded slots out of the soft path's 0 * sim products.
         vecs = vecs.masked_fill(~mask.unsqueeze(-1), 0)
