@@ -111,12 +111,24 @@ QUICK = {"mentions": 2, "candidates": 4, "mention_len": 8, "cand_len": 16, "warm
          "lr": 1e-3, "distinct_batches": False}
 
 TARGETS = {"zero2": 1.1, "zero3": 1.5}  # issue 23: the engine's step time over the plain step's, at most
+# issue 37 item 1, with realistic lengths: the packed ZeRO-2 step's MFU on real tokens, at least; ZeRO-3's step
+# over ZeRO-2's, at most
+PACKED_TARGETS = {"zero2_packed_mfu": 0.5, "zero3_over_zero2": 1.2}
 LOSS_REL_TOL = 0.10  # of plain's first loss (the test's tolerance, justified in its docstring)
 
 WEIGHT_DECAY, WARMUP_PROPORTION, GRAD_CLIP = 0.01, 0.1, 1.0  # BLINK's clip and warm-up; decay: both groups used
 
 
 # --------------------------------------------------------------------------- model, batches, FLOPs
+
+
+def packed_copy(model):
+    """A copy of the retriever whose towers run packed (``RetrieverConfig.pack_tokens``: only the real tokens)."""
+    model = copy.deepcopy(model)
+    model.config.pack_tokens = True
+    for encoder in (model.mention_encoder, model.entity_encoder):
+        encoder.use_packing("auto")
+    return model
 
 
 def build_model(bert: dict[str, Any], seed: int):
@@ -130,11 +142,18 @@ def build_model(bert: dict[str, Any], seed: int):
 
 def make_batches(n: int, shape: dict[str, Any], vocab: int, device: str, seed: int) -> list[tuple]:
     """``n`` batches (mention_ids [B, Lm], mention_mask, cand_ids [B, K, Lc], cand_mask, then the forward's
-    keywords from :func:`host_checked` on the host masks, as the training step passes them), every token
-    real ([CLS]=101 first, as BLINK lays them out); one batch repeated unless ``shape["distinct_batches"]``."""
+    keywords from :func:`host_checked` on the host masks, as the training step passes them), [CLS]=101 first
+    as BLINK lays them out; one batch repeated unless ``shape["distinct_batches"]``. Every token is real, or
+    with ``shape["lengths"] == "kb"`` each candidate's length is drawn from the synthetic KILT KB's
+    (:mod:`benchmarks.kb_lengths`, scaled to ``cand_len``) and the batch is cut to its longest, as
+    ``train.batches.trimmed`` cuts it; mentions fill their window (AIDA's do at 32)."""
+    import numpy as np
+
+    from benchmarks import kb_lengths
     from dist_nce.modeling.retriever import host_checked
 
     g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     b, k, lm, lc = shape["mentions"], shape["candidates"], shape["mention_len"], shape["cand_len"]
     low = 1000 if vocab > 2000 else 2
     out = []
@@ -143,8 +162,28 @@ def make_batches(n: int, shape: dict[str, Any], vocab: int, device: str, seed: i
         c = torch.randint(low, vocab, (b, k, lc), generator=g)
         m[:, 0] = c[..., 0] = min(101, vocab - 1)
         masks = torch.ones_like(m, dtype=torch.bool), torch.ones_like(c, dtype=torch.bool)
+        if shape.get("lengths", "full") == "kb":
+            lengths = torch.from_numpy(kb_lengths.sample(b * k, rng, lc)).reshape(b, k)
+            width = int(lengths.max())
+            cand_mask = torch.arange(width)[None, None, :] < lengths[..., None]
+            c = c[..., :width] * cand_mask
+            masks = masks[0], cand_mask
         out.append((*(t.to(device) for t in (m, masks[0], c, masks[1])), host_checked(*masks)))
     return out * (n // len(out))
+
+
+def real_token_flops(model, batch) -> int:
+    """:data:`MFU_FORMULA` over the batch's real tokens only (padding is not work): per sequence of length
+    l, 6 * matmul_params * l + 12 * layers * l^2 * d."""
+    total = 0
+    for enc, lengths in ((model.mention_encoder, batch[4]["mention_lengths"]),
+                         (model.entity_encoder, batch[4]["cand_lengths"])):
+        cfg = enc.model.config
+        matmul = sum(m.weight.numel() for m in enc.model.encoder.modules() if isinstance(m, torch.nn.Linear))
+        lengths = lengths.to(torch.int64)
+        total += 6 * matmul * int(lengths.sum()) + 12 * cfg.num_hidden_layers * cfg.hidden_size * int(
+            (lengths * lengths).sum())
+    return total
 
 
 def step_flops(model, shape: dict[str, Any]) -> dict[str, Any]:
@@ -507,8 +546,14 @@ def _summarise(records: dict[str, list[dict]], entries: dict, plain: str, flops:
 def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = None, *,
         steps: int | None = None, warmup: int | None = None, configs: dict[str, Any] | None = None,
         compare_before: bool = False, profile: bool | None = None, seed: int = 0,
-        log: Callable[[str], None] | None = None, bert: dict[str, Any] | None = None) -> dict[str, Any]:
+        log: Callable[[str], None] | None = None, bert: dict[str, Any] | None = None,
+        lengths: str = "full", packed: bool | None = None) -> dict[str, Any]:
     """Measure plain torch vs the project's DeepSpeed engine on ``device`` (see the module docstring).
+
+    ``lengths``: ``full`` (every token real) or ``kb`` (candidates of the synthetic KILT KB's lengths,
+    :func:`make_batches`); ``packed`` (default: with ``kb``) adds ``plain_packed`` / ``zero2_packed`` /
+    ``zero3_packed``, the same modes with the towers packed (``RetrieverConfig.pack_tokens``). MFU counts the
+    real tokens only (:func:`real_token_flops`, the mean over the timed batches).
 
     ``quick``: a tiny BERT (2 layers, hidden 64), a small batch repeated, 1 + 3 steps: the CPU test.
     ``steps`` / ``warmup``: timed / untimed interleaved rounds (default 15 / 3). ``configs``: name -> DeepSpeed
@@ -520,6 +565,10 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     shape = dict(QUICK if quick else FULL)
+    if lengths not in ("full", "kb"):
+        raise ValueError(f"lengths must be full or kb, got {lengths!r}")
+    shape["lengths"] = lengths
+    packed = lengths == "kb" if packed is None else packed
     shape["steps"] = steps if steps is not None else shape["steps"]
     shape["warmup"] = warmup if warmup is not None else shape["warmup"]
     bert = bert or (TINY_BERT if quick else BERT_BASE)  # bert: a config dict (gpu_e2e: the job's model)
@@ -532,7 +581,8 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     result: dict[str, Any] = {
         "benchmark": "gpu_train (issue 23 item 4)", "device": device, "quick": quick, **device_header(device),
         "model": {"retriever": "dual", "bert": bert},
-        "batch": {k: shape[k] for k in ("mentions", "candidates", "mention_len", "cand_len", "distinct_batches")},
+        "batch": {k: shape[k] for k in ("mentions", "candidates", "mention_len", "cand_len", "distinct_batches",
+                                        "lengths")},
         "rounds": {"warmup": shape["warmup"], "timed": shape["steps"], "order": "interleaved A B C A B C ..."},
         "optim": {"lr": shape["lr"], "weight_decay": WEIGHT_DECAY, "warmup_proportion": WARMUP_PROPORTION,
                   "grad_clip": GRAD_CLIP, "schedule": f"linear warm-up + decay over {rounds} steps"},
@@ -543,8 +593,18 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
 
     base = build_model(bert, seed).to(device)  # the modes' copies are then device-to-device
     flops = step_flops(base, shape)
-    result["flops"] = flops
     batches = make_batches(rounds + 1, shape, bert["vocab_size"], device, seed + 1)
+    if lengths == "kb":  # the work is the real tokens': the mean over the timed batches
+        real = [real_token_flops(base, b) for b in batches[shape["warmup"]:rounds]]
+        tokens = [int(b[4]["cand_lengths"].sum()) for b in batches[shape["warmup"]:rounds]]
+        widths = [int(b[2].shape[-1]) for b in batches[shape["warmup"]:rounds]]
+        flops = {**flops, "flops_per_step": round(statistics.mean(real)),
+                 "full_length_flops_per_step": flops["flops_per_step"],
+                 "real_candidate_tokens_mean": statistics.mean(tokens),
+                 "candidate_width_mean": statistics.mean(widths),
+                 "formula": MFU_FORMULA + "; with lengths=kb over the real tokens only (real_token_flops): "
+                            "full_length_flops_per_step is the shape's with every token real"}
+    result["flops"] = flops
 
     dist_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env0 = {k: os.environ.get(k) for k in dist_env}
@@ -569,18 +629,28 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
             resident[plain_name] = alloc() - a0
             entries[plain_name] = {"kind": "plain torch: fp32 weights, bf16 autocast, clip_grad_norm_, AdamW"
                                            + (" fused" if is_cuda else "")}
-            for name, cfg in wanted.items():
+            if packed and now:
+                a0 = alloc()
+                modes["plain_packed"] = Plain("plain_packed", packed_copy(base), device, shape["lr"], rounds)
+                resident["plain_packed"] = alloc() - a0
+                entries["plain_packed"] = {"kind": entries[plain_name]["kind"] + "; towers packed"}
+            variants = [(n, c, False) for n, c in wanted.items()]
+            if packed and now:
+                variants += [(f"{n}_packed", c, True) for n, c in wanted.items()]
+            for name, cfg, pack in variants:
                 if skip is not None:
                     entries[name] = {"skipped": skip}
                     continue
                 try:
                     ds = _load_config(cfg, shape["mentions"], engine_rules=now)
                     a0 = alloc()
-                    mode = Engine(name, copy.deepcopy(base), device, ds, shape["lr"], rounds, before=not now)
+                    model = packed_copy(base) if pack else copy.deepcopy(base)
+                    mode = Engine(name, model, device, ds, shape["lr"], rounds, before=not now)
                     modes[name] = mode
                     resident[name] = alloc() - a0
-                    entries[name] = {"kind": "dist_nce.worker.engine.build_engine" if now else
-                                     "the engine and JSON of issue 23", **mode.info,
+                    entries[name] = {"kind": ("dist_nce.worker.engine.build_engine" if now else
+                                              "the engine and JSON of issue 23") + ("; towers packed" if pack else ""),
+                                     **mode.info,
                                      "config": cfg if isinstance(cfg, str) else "inline", "ds_config": ds}
                 except Exception as e:  # noqa: BLE001
                     entries[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
@@ -615,6 +685,15 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
                                        "met": ratio is not None and ratio <= limit,
                                        "max_loss_diff_over_initial_loss": gap,
                                        "losses_within_bf16_tolerance": gap is not None and gap <= LOSS_REL_TOL}
+    if "zero2_packed" in entries:
+        z2, z3 = entries["zero2_packed"], entries.get("zero3_packed", {})
+        ratio = (z3["step_seconds"]["median"] / z2["step_seconds"]["median"]
+                 if "step_seconds" in z3 and "step_seconds" in z2 else None)
+        result["targets"]["zero2_packed_mfu"] = {"min": PACKED_TARGETS["zero2_packed_mfu"], "mfu": z2.get("mfu"),
+                                                 "met": (z2.get("mfu") or 0) >= PACKED_TARGETS["zero2_packed_mfu"]}
+        result["targets"]["zero3_packed_over_zero2_packed"] = {
+            "max": PACKED_TARGETS["zero3_over_zero2"], "ratio": ratio,
+            "met": ratio is not None and ratio <= PACKED_TARGETS["zero3_over_zero2"]}
     result["loss_tolerance"] = (f"max |loss - plain loss| over the steps <= {LOSS_REL_TOL:g} x plain's first loss: "
                                 "pure bf16 (engine) vs fp32 elementwise ops under autocast (plain) on the same bf16 "
                                 "weights; see tests/benchmarks/test_gpu_train.py")
@@ -635,11 +714,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-before", choices=["yes", "no"], default="no",
                     help="also the configs issue 23 measured (default no: the first H100 run has them)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--lengths", choices=["full", "kb"], default="full",
+                    help="kb: candidates of the synthetic KILT KB's token lengths, packed modes added (issue 37)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     res = run(args.device, args.quick, args.peak_tflops, steps=args.steps, warmup=args.warmup,
               compare_before=args.compare_before == "yes",
-              profile=False if args.no_profile else None)
+              profile=False if args.no_profile else None, lengths=args.lengths)
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text)

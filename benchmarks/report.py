@@ -363,6 +363,25 @@ def attention(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def packed(data: dict) -> str:
+    """Packed against padded towers on the CPU (benchmarks/packed.py)."""
+    b = data["batch"]
+    lines = [f"{data['model']}, {b['mentions']} mentions x {b['candidates']} candidates, {data['precision']}; "
+             f"candidate lengths {b['lengths']}. Seconds: median [min-max] of "
+             f"{next(iter(data['results'].values()))['padded']['repeats']} interleaved repeats; packed/padded: "
+             "the ratio of medians [the range the spreads allow]; the last column: the largest |score "
+             "difference| of one eval-mode forward over the largest |score|.", ""]
+    rows = []
+    for key, r in data["results"].items():
+        work, lengths = key.split("/")
+        rows.append([work.replace("_", " "), lengths, f"{r['real_candidate_tokens']} / {r['padded_candidate_tokens']}",
+                     _ms(r["padded"], 1), _ms(r["packed"], 1), _x(r["packed_over_padded"]),
+                     f"{r['eval_scores_max_abs_diff_over_max_abs']:.2g}"])
+    lines += _table(["work", "lengths", "real / padded candidate tokens", "padded s", "packed s", "packed / padded",
+                     "score diff"], rows)
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
 def _gpu_line(data: dict) -> str:
     i = data["info"]
     return (f"Run: {i.get('name', i['device'])}, torch {i['torch']}, CUDA {i.get('cuda')}, Triton {i.get('triton')}; "
@@ -686,7 +705,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale,
                                                 "gpu_encode": gpu_encode, "gpu_train": gpu_train,
                                                 "gpu_e2e": gpu_e2e,
                                                 "import_rss": import_rss, "monitor": monitor,
-                                                "som_grid": som_grid, "serve_load": serve_load}
+                                                "som_grid": som_grid, "serve_load": serve_load,
+                                                "packed": packed}
 
 
 def sources(name: str) -> tuple[str, ...]:
@@ -705,7 +725,7 @@ def render(name: str, results: Path = RESULTS) -> str:
 
 # Pages that carry copies of some of the page's blocks beside their own prose, and the blocks each must
 # carry (the page itself must carry every block). The README carries none, but one it gains is checked too.
-COPIES = {"docs/gpu.md": ("gpu_mining", "gpu_e2e"), "docs/real_data.md": ("import_rss",), "docs/linking.md": ("serve_load",),
+COPIES = {"docs/gpu.md": ("gpu_mining", "gpu_e2e", "packed"), "docs/real_data.md": ("import_rss",), "docs/linking.md": ("serve_load",),
           "README.md": ()}
 
 

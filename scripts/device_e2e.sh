@@ -10,6 +10,7 @@
 # as two calls, the second while the machine is still warm (it keeps $WORK):
 #   E2E_SECONDS=540 E2E_ARGS="--stages bare_engine,train" bash scripts/device_e2e.sh
 #   E2E_ARGS="--stages mining,kilt_eval" bash scripts/device_e2e.sh
+# With TRAIN_KB=1 (or TRAIN_KB=only) the first call also measures the packed step (see below).
 # then, here: python -m benchmarks.gpu_e2e --assemble <dir> --partial <call 1 json> --partial <call 2 json>.
 set -u
 OUT=${OUT:-/tmp/e2e_out}
@@ -24,6 +25,14 @@ if [[ -z "${E2E_SKIP_INSTALL:-}" ]]; then
   tail -2 "$OUT/install.log"
 fi
 echo "install: $(( $(date +%s) - T0 )) s"
+# TRAIN_KB=1: first the retriever step at the synthetic KILT KB's candidate lengths, padded against packed
+# towers (issue 37 item 1: benchmarks/gpu_train.py --lengths kb, about 2 minutes); TRAIN_KB=only: that alone.
+if [[ -n "${TRAIN_KB:-}" ]]; then
+  timeout "${TRAIN_KB_SECONDS:-300}" "$PY" -m benchmarks.gpu_train --lengths kb --out "$OUT/gpu_train_kb.json" \
+    > "$OUT/gpu_train_kb.log" 2>&1
+  echo "gpu_train --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
+  [[ "$TRAIN_KB" == "only" ]] && exit 0
+fi
 # shellcheck disable=SC2086
 timeout "${E2E_SECONDS:-480}" "$PY" -m benchmarks.gpu_e2e --work "$WORK" --out "$OUT/gpu_e2e.json" --keep-ray-logs \
   $( [[ -d .gpu_carry/tokenizer ]] && echo --tokenizer .gpu_carry/tokenizer ) ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

@@ -20,6 +20,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from dist_nce.modeling import packed
+from dist_nce.modeling.packed import attention_mask_4d
+
 
 class TokenStates(NamedTuple):
     """``states`` [B, T, d] last-layer hidden states; ``mask`` [B, T] bool (True = real token)."""
@@ -70,21 +73,6 @@ def trim_padding(ids: torch.Tensor, mask: torch.Tensor, min_len: int = 1) -> tup
     return ids[..., :keep], mask[..., :keep]
 
 
-def attention_mask_4d(model: nn.Module, mask: torch.Tensor) -> torch.Tensor:
-    """mask [B, T] bool -> the 4D attention mask ``model``'s attention implementation takes (bool
-    [B, 1, T, T] for sdpa, additive float for eager), made by transformers' own function but with
-    its shortcut off: that shortcut drops the mask when no token is padding, and finding out reads
-    the mask back (a host-device synchronisation per forward on a GPU). A 4D mask is passed to the
-    model as it is."""
-    from transformers.masking_utils import create_bidirectional_mask
-
-    # What the mask function reads of the embeddings: batch, length, dtype (eager's additive mask), device.
-    probe = torch.empty(mask.shape[0], mask.shape[1], 0, dtype=model.get_input_embeddings().weight.dtype,
-                        device=mask.device)
-    return create_bidirectional_mask(config=model.config, inputs_embeds=probe, attention_mask=mask,
-                                     allow_is_bidirectional_skip=False)
-
-
 class Encoder(nn.Module):
     """Token states of a Hugging Face transformer.
 
@@ -95,6 +83,7 @@ class Encoder(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.packing: str | None = None  # see use_packing
         pooler = getattr(model, "pooler", None)
         if pooler is not None:
             pooler.requires_grad_(False)
@@ -107,6 +96,15 @@ class Encoder(nn.Module):
     def from_config(cls, config: dict[str, Any]) -> "Encoder":
         return cls(transformer_from_config(config))
 
+    def use_packing(self, attention: str | None = "auto") -> None:
+        """Run calls that give row ``lengths`` packed (``modeling.packed``): only the real tokens go
+        through the transformer; ``attention`` is ``auto``, ``nested`` or ``padded`` (see there);
+        None: always padded. Raises ValueError for a model that cannot be packed."""
+        if attention is not None:
+            packed.resolve_attention(attention, torch.device("cpu"))
+            packed.enable(self.model)
+        self.packing = attention
+
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
@@ -115,16 +113,28 @@ class Encoder(nn.Module):
         return self.model.config.to_dict()
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                padded: bool | None = None) -> TokenStates:
+                padded: bool | None = None, lengths: torch.Tensor | None = None) -> TokenStates:
         """``padded``: whether any token of ``mask`` is padding, when the caller knows it without reading
         the mask (the training loop knows its rows' lengths on the host). None: transformers looks
         (``padding_mask.all()`` to pick an unmasked kernel), which on a GPU waits for the device. False:
         no mask is made (the unmasked kernels). True: the mask is made for the model's attention
-        implementation without that look (:func:`attention_mask_4d`)."""
+        implementation without that look (:func:`attention_mask_4d`).
+
+        ``lengths`` [prod(...)] int64 on the host: each row's real tokens, which ``mask`` must hold as
+        a run from position 0 (``packed.lengths_of``). With packing on (:meth:`use_packing`) only those
+        tokens go through the transformer, and the states at padding are zeros; otherwise ignored."""
         if ids.shape != mask.shape:
             raise ValueError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must have the same shape")
         lead, t = ids.shape[:-1], ids.shape[-1]
         flat_mask = mask.reshape(-1, t).bool()
+        if lengths is not None and self.packing is not None:
+            plan = packed.plan(lengths, t, ids.device, self.packing)
+            if plan.lengths.numel() != flat_mask.shape[0]:
+                raise ValueError(f"lengths give {plan.lengths.numel()} rows, ids {tuple(ids.shape)} have "
+                                 f"{flat_mask.shape[0]}")
+            flat_types = None if token_type_ids is None else token_type_ids.reshape(-1, t)
+            states = packed.unpack(packed.forward(self.model, ids.reshape(-1, t), plan, flat_types), plan)
+            return TokenStates(states.reshape(*lead, t, states.shape[-1]), flat_mask.reshape(*lead, t))
         if padded is None:
             attention = flat_mask.long()
         else:

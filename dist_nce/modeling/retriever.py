@@ -35,6 +35,7 @@ from dist_nce.core.config import AT_LEAST_1, ConfigError, check_fields, from_dic
 from dist_nce.core.models import default_model_dir
 from dist_nce.core.text import load_tokenizer, tokenizer_fingerprint
 from dist_nce.modeling.encoder import Encoder, trim_padding
+from dist_nce.modeling.packed import ATTENTION, lengths_of
 from dist_nce.modeling.scoring import PRESETS, Reps, ScoreSpec, entity_reps, mention_reps, score_all, score_candidates
 
 SCHEMA_VERSION = 1
@@ -64,12 +65,23 @@ class RetrieverConfig:
     trim_padding: bool = field(
         default=True, metadata={"help": "drop all-padding columns of a batch before the transformer (same result)"}
     )
+    pack_tokens: bool = field(
+        default=False, metadata={"help": "training step: only the real tokens go through the transformers "
+                                         "(modeling.packed; same scores up to rounding, dropout draws differ)"}
+    )
+    packed_attention: Literal["auto", "nested", "padded"] = field(
+        default="auto", metadata={"help": "attention over packed rows: nested (FlashAttention varlen on "
+                                          "CUDA), padded (the model's own over rows padded to the longest), "
+                                          "auto = nested on CUDA, padded elsewhere"}
+    )
 
     def validate(self) -> None:
         check_fields(self)  # the loader did already; direct constructions did not
         self.spec()
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {list(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        if self.packed_attention not in ATTENTION:
+            raise ValueError(f"packed_attention must be one of {list(ATTENTION)}, got {self.packed_attention!r}")
 
     def spec(self) -> ScoreSpec:
         return ScoreSpec.preset(self.preset, m=self.m)
@@ -108,9 +120,11 @@ def entity_state(transformer_config: dict[str, Any], spec: ScoreSpec, trim_paddi
     }
 
 
-def host_checked(mention_mask: torch.Tensor, cand_mask: torch.Tensor | None = None) -> dict[str, bool]:
+def host_checked(mention_mask: torch.Tensor, cand_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Check a batch's masks on the host, before they go to the device: the ``mention_padded`` /
-    ``cand_padded`` keywords of :meth:`Retriever.forward`, with which the forward reads nothing back.
+    ``cand_padded`` keywords of :meth:`Retriever.forward`, with which the forward reads nothing back,
+    and ``mention_lengths`` / ``cand_lengths`` (int64 [rows], flattened) when every row is a run of
+    real tokens from position 0, with which a packing retriever packs (``RetrieverConfig.pack_tokens``).
 
     mention_mask [B, T], cand_mask [B, K, T'] (optional), bool, on the CPU, left-aligned as
     ``train.batches.trimmed`` makes them. Every row's first token must be real (what the device
@@ -120,7 +134,7 @@ def host_checked(mention_mask: torch.Tensor, cand_mask: torch.Tensor | None = No
 
     Why: each device read (``trim_padding``'s length, the reductions' mask checks, transformers'
     look for padding) made the host wait for the GPU, four times per tower in every step."""
-    out: dict[str, bool] = {}
+    out: dict[str, Any] = {}
     for side, mask in (("mention", mention_mask), ("cand", cand_mask)):
         if mask is None:
             continue
@@ -136,6 +150,9 @@ def host_checked(mention_mask: torch.Tensor, cand_mask: torch.Tensor | None = No
             raise ValueError(f"host_checked: the last {side} column is padding in every row; cut the batch to its "
                              "longest row first (train.batches.trimmed)")
         out[f"{side}_padded"] = not bool(rows.all())
+        lengths = lengths_of(rows)
+        if lengths is not None:
+            out[f"{side}_lengths"] = lengths
     return out
 
 
@@ -155,14 +172,16 @@ class EntityEncoder(nn.Module):
         self.spec = spec
         self.trim_padding = trim_padding
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None,
+                lengths: torch.Tensor | None = None) -> Reps:
         """``padded`` (from :func:`host_checked`): the masks were checked on the host, so nothing is read
-        back from the device (no trim, no mask check; see :meth:`Encoder.forward`)."""
+        back from the device (no trim, no mask check; see :meth:`Encoder.forward`). ``lengths``: the
+        rows' host lengths (flattened), with which a packing encoder packs."""
         lead = ids.shape[:-1]
         ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
         if self.trim_padding and padded is None:
             ids, mask = trim_padding(ids, mask, _min_len(self.spec, "entity"))
-        states, mask = self.encoder(ids, mask, padded=padded)
+        states, mask = self.encoder(ids, mask, padded=padded, lengths=lengths)
         vecs, rmask = entity_reps(self.spec, states, mask, checked=padded is not None)
         vecs = vecs.reshape(*lead, *vecs.shape[1:])
         return Reps(vecs, None if rmask is None else rmask.reshape(*lead, *rmask.shape[1:]))
@@ -231,6 +250,9 @@ class Retriever(nn.Module):
             )
         self.mention_encoder = mention_encoder
         self.entity_side = EntityEncoder(entity_encoder, self.spec, config.trim_padding)
+        if config.pack_tokens:
+            for encoder in (mention_encoder, entity_encoder):
+                encoder.use_packing(config.packed_attention)
         self.tokenizer = tokenizer
         side = self.spec.mention_side
         if side.reduction == "codes":
@@ -260,17 +282,19 @@ class Retriever(nn.Module):
     def hidden_size(self) -> int:
         return self.mention_encoder.hidden_size
 
-    def encode_mentions(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
+    def encode_mentions(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None,
+                        lengths: torch.Tensor | None = None) -> Reps:
         """ids, mask [B, T] -> mention Reps (dual/multi [B, d]; poly/genpoly [B, m, d]; som [B, T, d] + mask).
-        ``padded``: as in :meth:`EntityEncoder.forward`."""
+        ``padded``, ``lengths``: as in :meth:`EntityEncoder.forward`."""
         if self.config.trim_padding and padded is None:
             ids, mask = trim_padding(ids, mask, _min_len(self.spec, "mention"))
-        states, mask = self.mention_encoder(ids, mask, padded=padded)
+        states, mask = self.mention_encoder(ids, mask, padded=padded, lengths=lengths)
         return mention_reps(self.spec, states, mask, self.codes, checked=padded is not None)
 
-    def encode_entities(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None) -> Reps:
+    def encode_entities(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool | None = None,
+                        lengths: torch.Tensor | None = None) -> Reps:
         """ids, mask [..., T] -> entity Reps with the same leading dims (see :class:`EntityEncoder`)."""
-        return self.entity_side(ids, mask, padded)
+        return self.entity_side(ids, mask, padded, lengths)
 
     def score_candidates(self, m: Reps, e: Reps, checked: bool = False) -> torch.Tensor:
         """m [B, ...], e [B, K, ...] -> [B, K]; ``checked``: see :func:`scoring.score_candidates`."""
@@ -284,25 +308,28 @@ class Retriever(nn.Module):
         self, mention_ids: torch.Tensor, mention_mask: torch.Tensor, cand_ids: torch.Tensor | None = None,
         cand_mask: torch.Tensor | None = None, cand_reps: Reps | None = None,
         mention_padded: bool | None = None, cand_padded: bool | None = None,
+        mention_lengths: torch.Tensor | None = None, cand_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scores [B, K] of the candidates: token ids ``cand_ids``/``cand_mask`` [B, K, L] through the
         entity encoder, or ``cand_reps`` already encoded (vecs [B, K, ...], a frozen entity tower's
         cache: ``dist_nce.train.entity_cache``). ``mention_padded``/``cand_padded``: what
         :func:`host_checked` found on the host copies of the masks (the training step passes them, so
-        its forward reads nothing back from the GPU); None: checked here, on the device."""
+        its forward reads nothing back from the GPU); None: checked here, on the device.
+        ``mention_lengths``/``cand_lengths``: the rows' host lengths from :func:`host_checked`, with which
+        the towers run packed when ``config.pack_tokens`` (ignored otherwise)."""
         b = mention_ids.shape[0]
         if cand_reps is not None:
             if cand_reps.vecs.shape[0] != b or cand_reps.vecs.dim() < 3:
                 raise ValueError(f"expected cand_reps.vecs [B, K, ...] with B={b}, got {tuple(cand_reps.vecs.shape)}")
-            m = self.encode_mentions(mention_ids, mention_mask, mention_padded)
+            m = self.encode_mentions(mention_ids, mention_mask, mention_padded, mention_lengths)
             # the cache's reps were checked when it encoded them
             return self.score_candidates(m, Reps(cand_reps.vecs.to(m.vecs.dtype), cand_reps.mask),
                                          checked=mention_padded is not None)
         if cand_ids is None or cand_mask is None or cand_ids.dim() != 3 or cand_ids.shape[0] != b:
             got = None if cand_ids is None else tuple(cand_ids.shape)
             raise ValueError(f"expected cand_ids [B, K, L] with B={b}, got {got}")
-        return self.score_candidates(self.encode_mentions(mention_ids, mention_mask, mention_padded),
-                                     self.encode_entities(cand_ids, cand_mask, cand_padded),
+        return self.score_candidates(self.encode_mentions(mention_ids, mention_mask, mention_padded, mention_lengths),
+                                     self.encode_entities(cand_ids, cand_mask, cand_padded, cand_lengths),
                                      checked=mention_padded is not None and cand_padded is not None)
 
     def to_storage(self, reps: Reps) -> Reps:

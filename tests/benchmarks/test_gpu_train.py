@@ -89,3 +89,38 @@ def test_quick_run_trains_alike_and_reports_every_field():
     for name in ("zero2", "zero3"):
         target = out["targets"][name]
         assert target["losses_within_bf16_tolerance"] and target["ratio_to_plain"] == modes[name]["ratio_to_plain"]
+
+
+def test_real_token_flops_count_only_real_tokens():
+    """Full-length batches: the issue formula; KB lengths: each sequence at its own length."""
+    model = gpu_train.build_model(gpu_train.TINY_BERT, 0)
+    full = gpu_train.make_batches(1, gpu_train.QUICK, 1024, "cpu", 0)[0]
+    assert gpu_train.real_token_flops(model, full) == gpu_train.step_flops(model, gpu_train.QUICK)["flops_per_step"]
+    kb = gpu_train.make_batches(1, {**gpu_train.QUICK, "lengths": "kb"}, 1024, "cpu", 0)[0]
+    lengths = kb[4]["cand_lengths"]
+    assert torch.equal(kb[3].sum(-1).reshape(-1), lengths) and int(lengths.max()) == kb[2].shape[-1]
+    matmul, layers, d = 2 * (4 * 64 * 64 + 2 * 64 * 128), 2, 64
+    mention = 6 * matmul * 2 * 8 + 12 * layers * d * 2 * 8 ** 2
+    assert gpu_train.real_token_flops(model, kb) == mention + sum(
+        6 * matmul * int(n) + 12 * layers * d * int(n) ** 2 for n in lengths)
+
+
+@pytest.mark.slow
+def test_kb_lengths_run_adds_packed_modes_that_train_alike():
+    """Issue 37's rows at test size: candidates of the synthetic KILT KB's lengths, the padded and the packed
+    modes from the same start on the same batches, the packed within the bf16 tolerance of plain."""
+    out = gpu_train.run("cpu", quick=True, peak_tflops=1.0, profile=False, lengths="kb", log=lambda m: None)
+    json.dumps(out)
+    modes = out["modes"]
+    assert list(modes) == ["plain", "plain_packed", "zero2", "zero3", "zero2_packed", "zero3_packed"]
+    assert out["batch"]["lengths"] == "kb"
+    flops = out["flops"]
+    assert flops["flops_per_step"] < flops["full_length_flops_per_step"]
+    plain = modes["plain"]["losses"]
+    for name, e in modes.items():
+        assert "error" not in e and "skipped" not in e, (name, e.get("error") or e.get("skipped"))
+        assert e["mfu"] == pytest.approx(flops["flops_per_step"] / e["step_seconds"]["median"] / 1e12)
+        if name != "plain":
+            assert e["max_abs_loss_diff_vs_plain"] <= REL_TOL * plain[0], (name, e["losses"], plain)
+    assert ("towers packed" in modes["zero3_packed"]["kind"]) and "packed" not in modes["zero3"]["kind"]
+    assert set(out["targets"]) >= {"zero2_packed_mfu", "zero3_packed_over_zero2_packed"}

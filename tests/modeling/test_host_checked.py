@@ -71,7 +71,10 @@ def test_the_host_checked_step_equals_the_device_checked_one(base_encoder, prese
     else:
         data = batch([6, 6, 6], [[7] * 4] * 3)
     padded = host_checked(data[1], data[3])
-    assert padded == {"mention_padded": lengths == "padded", "cand_padded": lengths == "padded"}
+    assert {k: padded[k] for k in ("mention_padded", "cand_padded")} == \
+        {"mention_padded": lengths == "padded", "cand_padded": lengths == "padded"}
+    assert torch.equal(padded["mention_lengths"], data[1].sum(-1))
+    assert torch.equal(padded["cand_lengths"], data[3].sum(-1).reshape(-1))
     want = step(model, *data, padded=None)
     got = step(model, *data, padded=padded)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
@@ -92,13 +95,46 @@ def test_the_host_checked_step_reads_nothing_back(base_encoder, preset, m):
     assert reads(lambda: step(model, *data, padded=padded)) == {}
 
 
+@pytest.mark.parametrize("preset,m", PRESETS)
+@pytest.mark.parametrize("attention", ["padded", "nested"])
+def test_the_packed_step_equals_the_padded_one(base_encoder, preset, m, attention):
+    """RetrieverConfig.pack_tokens: both towers run on the real tokens only (modeling.packed). In float64
+    the scores, loss and every gradient are the padded step's to 1e-9 of their scale (in fp32 the other
+    GEMM shapes' summation orders leave up to ~8% of the scale on gradients that cancel to near zero);
+    with the CPU's padded attention nothing is read back."""
+    model = make(base_encoder, preset, m).double()
+    torch.manual_seed(0)
+    packing = Retriever(RetrieverConfig(preset=preset, m=m, pack_tokens=True, packed_attention=attention),
+                        copy.deepcopy(base_encoder), copy.deepcopy(base_encoder)).double()
+    packing.load_state_dict(model.state_dict())
+    *data, log_q = batch([5, 9, 2], [[3, 8, 5, 2], [6, 4, 1, 7], [2, 2, 3, 5]])
+    padded = host_checked(data[1], data[3])
+    want = step(model, *data, log_q.double(), padded=None)
+    got = step(packing, *data, log_q.double(), padded=padded)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-9 * float(want[1].abs().max()))
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        scale = float(want[2][name].abs().max())
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=0, atol=max(1e-9 * scale, 1e-15),
+                                   msg=lambda e: f"{name} (max |grad| {scale:.3g}): {e}")
+    if attention == "padded":
+        packing.float()
+        assert reads(lambda: step(packing, *data, log_q, padded=padded)) == {}
+
+
+def test_lengths_are_left_out_for_rows_that_are_not_a_run():
+    holed = torch.tensor([[True, False, True], [True, True, False]])
+    assert host_checked(holed) == {"mention_padded": True}
+
+
 def test_a_frozen_tower_step_passes_the_mention_side_alone(base_encoder):
     model = make(base_encoder, "dual", None)
     m_ids, m_mask, c_ids, c_mask, _ = batch([5, 9], [[3, 8], [6, 4]])
     with torch.no_grad():
         cached = model.encode_entities(c_ids, c_mask)
         padded = host_checked(m_mask)
-        assert padded == {"mention_padded": True}
+        assert padded.keys() == {"mention_padded", "mention_lengths"} and padded["mention_padded"]
         want = model(m_ids, m_mask, cand_reps=cached)
         assert reads(lambda: model(m_ids, m_mask, cand_reps=cached, **padded)) == {}
         torch.testing.assert_close(model(m_ids, m_mask, cand_reps=cached, **padded), want, rtol=0, atol=1e-6)
