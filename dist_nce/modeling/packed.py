@@ -6,10 +6,11 @@ BERT-style layer but attention works token by token (embeddings, projections, la
 feed-forward), so transformers' own modules run on [1, N] unchanged; attention is the one place that
 must keep the rows apart, and it does so here, by the rows' cumulative lengths (``cu_seqlens``).
 
-Why: the retriever's candidates are all lengths (short Wikipedia stubs beside full 128-token
-descriptions), and a padded batch pays the linear layers -- nearly all of the FLOPs -- for its
-padding. A training step's 8 x 64 candidates of mean length ~43 padded to 128 do ~3x the work of
-their real tokens. Packed, the work is the real tokens' (MosaicBERT's and NVIDIA's unpadded BERT).
+Why: the retriever's candidates are of many lengths, and a batch padded to its longest row pays the
+linear layers -- nearly all of the FLOPs -- for every padding position. Packed, the work is the real
+tokens' (MosaicBERT's and NVIDIA's unpadded BERT). How much that saves depends on the KB: 13% of the
+positions at the synthetic KILT KB's lengths (``benchmarks/kb_lengths.py``), more where short texts
+are common.
 
 Attention over the packed rows (``Packing.attention``):
 - ``nested``: sdpa over a nested jagged tensor of the rows: on CUDA in bf16/fp16 that is
