@@ -49,6 +49,7 @@ import copy
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -79,8 +80,13 @@ VARIANTS = {
     "e_compiled_layers_bf16w": ("bf16", "bf16", "layers", 1,
                                 "bf16 weights, no autocast, each layer compiled (dynamic=False), mask eager "
                                 "(the CUDA default)"),
+    "f_packed_bf16w": ("bf16", "bf16", None, 1, "bf16 weights, no autocast, eager, packed: only the real "
+                       "tokens, attention by row offsets (service.encode_pack; issue 37 item 2)"),
 }
+PACKED_VARIANTS = ("f_packed_bf16w",)
 DEFAULT_VARIANTS = ("c_eager_bf16w", "c_eager_bf16w_batch2x", "e_compiled_layers_bf16w")
+# lengths=kb (issue 37 item 2): the CUDA default against the same eager and packed
+KB_VARIANTS = ("c_eager_bf16w", "e_compiled_layers_bf16w", "f_packed_bf16w")
 MEASURED = ("a_eager_fp32w_autocast, b_compiled_fp32w_autocast, c_eager_bf16w at batch 512 and d_compiled_bf16w "
             "were measured on an H100 (torch 2.11, transformers 5.17): 48.0%, 36.7%, 58.6%, 39.0% of 733 TFLOP/s")
 KILT_ROWS = 5_903_530
@@ -127,6 +133,39 @@ class FullRows:
         out = copy.copy(self)
         out.ids = self.ids[:n]
         return out
+
+
+class KBRows(FullRows):
+    """:class:`FullRows` whose rows have the synthetic KILT KB's token lengths (:mod:`benchmarks.kb_lengths`,
+    scaled to ``T``): real tokens first, [SEP] last, zeros after."""
+
+    def __init__(self, n: int, T: int, vocab: int, seed: int = 0):
+        from benchmarks import kb_lengths
+
+        super().__init__(n, T, vocab, seed)
+        self._lengths = kb_lengths.sample(n, np.random.default_rng(seed + 1), T).astype(np.int32)
+        for i, n_real in enumerate(self._lengths):
+            self.ids[i, n_real - 1] = 102 if vocab > 2000 else 2
+            self.ids[i, n_real:] = 0
+
+    def lengths(self, rows: Any) -> np.ndarray:
+        return self._lengths[np.asarray(rows, dtype=np.int64)]
+
+    def head(self, n: int) -> "KBRows":
+        out = super().head(n)
+        out._lengths = self._lengths[:n]
+        return out
+
+
+def real_flops_per_entity(cfg: dict[str, Any], lengths: np.ndarray) -> dict[str, Any]:
+    """:data:`FLOP_FORMULA` over each row's real tokens (padding is not work), the mean over the rows."""
+    d, L, ff = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    params = L * (4 * d * d + 2 * d * ff)
+    t = lengths.astype(np.float64)
+    matmul, attention = float((2.0 * params * t).mean()), float((4.0 * t * t * d * L).mean())
+    return {"per_entity": matmul + attention, "matmul": matmul, "attention": attention, "matmul_params": params,
+            "real_tokens_mean": float(t.mean()),
+            "formula": FLOP_FORMULA + "; each row at its own real length, the mean over the rows"}
 
 
 def flops_per_entity(cfg: dict[str, Any], T: int) -> dict[str, float]:
@@ -233,15 +272,20 @@ def _rates(seconds: dict[str, Any], rows: int, flops: float, peak: float) -> dic
 
 def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = None, *,
         compile: bool = True, variants: Sequence[str] | None = None,
-        repeats: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+        repeats: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None,
+        lengths: str = "full") -> dict[str, Any]:
     """Measure the encode variants of the module docstring on ``device``; returns a JSON-able dict.
 
     ``quick``: a tiny BERT (2 layers, hidden 64), T = 32, batch 16, for CPU tests. ``peak_tflops``: the
     bf16 GEMM peak measured by the caller in the same run (else measured here, 8192^3). ``variants``: some
     of :data:`VARIANTS` by name (default :data:`DEFAULT_VARIANTS`); ``compile=False`` drops the compiled
     ones. A variant that fails (an out-of-memory, a compile error) is recorded with its error and the
-    others go on.
+    others go on. ``lengths``: ``full`` (every row T real tokens) or ``kb`` (:class:`KBRows`; default variants
+    :data:`KB_VARIANTS`; MFU over the real tokens; each variant's first pass over all the rows, compiles
+    included, beside the warm rounds).
     """
+    if lengths not in ("full", "kb"):
+        raise ValueError(f"lengths must be full or kb, got {lengths!r}")
     unknown = set(variants or ()) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
@@ -253,23 +297,27 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is fp32 (restored at the end)
     try:
-        return _run(dev, quick, peak_tflops, compile, tuple(variants or DEFAULT_VARIANTS), shape, seed, log)
+        chosen = tuple(variants or (KB_VARIANTS if lengths == "kb" else DEFAULT_VARIANTS))
+        return _run(dev, quick, peak_tflops, compile, chosen, shape, seed, log, lengths)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: bool, variants: tuple[str, ...],
-         shape: dict[str, int], seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+         shape: dict[str, int], seed: int, log: Callable[[str], None], lengths: str = "full") -> dict[str, Any]:
     t_start = time.perf_counter()
     cfg = TINY_BERT if quick else BERT_LARGE
     T, B = shape["T"], shape["batch"]
     rows = B * shape["batches"]
-    flops = flops_per_entity(cfg, T)
+    store = (KBRows if lengths == "kb" else FullRows)(rows, T, cfg["vocab_size"], seed)
+    flops = flops_per_entity(cfg, T) if lengths == "full" else \
+        real_flops_per_entity(cfg, store.lengths(np.arange(rows)))
     is_cuda = dev.type == "cuda"
     result: dict[str, Any] = {
         "benchmark": "gpu_encode (issue 23 item 3)", "device": str(dev), "quick": quick, **device_header(dev),
         "model": {"bert": cfg, "spec": "dual", "T": T, "init": "random (seeded)"},
-        "rows": {"per_timing": rows, "batch": B, "all_full_length": True, "store": "FullRows (in memory)"},
+        "rows": {"per_timing": rows, "batch": B, "all_full_length": lengths == "full", "lengths": lengths,
+                 "store": f"{type(store).__name__} (in memory)"},
         "rounds": {"warmup": shape["warmup"], "timed": shape["repeats"], "order": "interleaved A B C A B C ..."},
         "flops": flops, "tolerance": TOLERANCE, "variants": {}, "skipped": [],
     }
@@ -283,7 +331,6 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
     base = EntityEncoder(Encoder.from_config(cfg), ScoreSpec.preset("dual")).eval()
     linear = sum(m.weight.numel() for m in base.encoder.model.encoder.modules() if isinstance(m, torch.nn.Linear))
     assert linear == flops["matmul_params"], (linear, flops["matmul_params"])
-    store = FullRows(rows, T, cfg["vocab_size"], seed)
     log(f"gpu_encode: model built ({time.perf_counter() - t_start:.1f} s); {rows} rows of T={T} per timing")
 
     specs = {k: VARIANTS[k] for k in variants}
@@ -315,7 +362,12 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
             enc = copy.deepcopy(base)
             # the shard's prepare_encoder; the compile scope named (CUDA shards compile the layers)
             entry["attention"] = prepare_encoder(enc, precision, "auto", compiled is not None, dev,
-                                                 layers=compiled == "layers")
+                                                 layers=compiled == "layers", pack=name in PACKED_VARIANTS)
+            entry["packed"] = name in PACKED_VARIANTS
+            if lengths == "kb":  # the cold pass a shard's first refresh pays: every length bucket's compile
+                t0 = time.perf_counter()
+                encode(enc, precision.autocast, store, batch[name])
+                entry["first_pass_s"] = time.perf_counter() - t0
             sample = store.head(batch[name])
             t0 = time.perf_counter()
             encode(enc, precision.autocast, sample, batch[name])
@@ -366,7 +418,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
             num["tolerance_rel_l2"] = tol
             num["bf16w_within_tolerance"] = worst <= tol
         for name, eager in (("b_compiled_fp32w_autocast", a), ("d_compiled_bf16w", c), ("e_compiled_layers_bf16w", c),
-                            ("c_eager_bf16w_batch2x", c)):
+                            ("c_eager_bf16w_batch2x", c), ("f_packed_bf16w", c)):
             if name in got and eager in got:
                 num[f"{name}_vs_eager_rel_l2_max"] = float(
                     ((got[name] - got[eager]).norm(dim=1) / got[eager].norm(dim=1)).max())
@@ -384,6 +436,9 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
         for name, spread in timed.items():
             entries[name]["seconds"] = spread
             entries[name].update(_rates(spread, rows, flops["per_entity"], peak))
+            if "first_pass_s" in entries[name]:
+                entries[name]["first_pass_mfu"] = rows * flops["per_entity"] / entries[name]["first_pass_s"] / (
+                    peak * 1e12)
     log(f"gpu_encode: timed rounds done ({time.perf_counter() - t_start:.1f} s): " + "; ".join(
         f"{n} {e['entities_per_s']['median']:.0f}/s MFU {e['mfu']['median']:.1%}" for n, e in entries.items()
         if "entities_per_s" in e))
@@ -438,10 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 GEMM peak (default: measured here)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
     ap.add_argument("--variants", default=None, help=f"comma-separated, some of {','.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
+    ap.add_argument("--lengths", choices=["full", "kb"], default="full",
+                    help=f"kb: rows of the synthetic KILT KB's token lengths, variants {','.join(KB_VARIANTS)} "
+                         "by default, first pass and warm (issue 37 item 2)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     out = run(args.device, args.quick, args.peak_tflops, compile=not args.no_compile,
-              variants=args.variants.split(",") if args.variants else None)
-    print(json.dumps(out, indent=1, default=str))
+              variants=args.variants.split(",") if args.variants else None, lengths=args.lengths)
+    text = json.dumps(out, indent=1, default=str)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
     for name, e in out["variants"].items():
         if "entities_per_s" in e:
             print(f"{name:45s} {e['entities_per_s']['median']:10.1f} entities/s  MFU {e['mfu']['median']:.1%}  "

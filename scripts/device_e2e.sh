@@ -10,7 +10,7 @@
 # as two calls, the second while the machine is still warm (it keeps $WORK):
 #   E2E_SECONDS=540 E2E_ARGS="--stages bare_engine,train" bash scripts/device_e2e.sh
 #   E2E_ARGS="--stages mining,kilt_eval" bash scripts/device_e2e.sh
-# With TRAIN_KB=1 (or TRAIN_KB=only) the first call also measures the packed step (see below).
+# With KB_LENGTHS=1 (or KB_LENGTHS=only) a call also measures the packed step and encode (see below).
 # then, here: python -m benchmarks.gpu_e2e --assemble <dir> --partial <call 1 json> --partial <call 2 json>.
 set -u
 OUT=${OUT:-/tmp/e2e_out}
@@ -25,13 +25,17 @@ if [[ -z "${E2E_SKIP_INSTALL:-}" ]]; then
   tail -2 "$OUT/install.log"
 fi
 echo "install: $(( $(date +%s) - T0 )) s"
-# TRAIN_KB=1: first the retriever step at the synthetic KILT KB's candidate lengths, padded against packed
-# towers (issue 37 item 1: benchmarks/gpu_train.py --lengths kb, about 2 minutes); TRAIN_KB=only: that alone.
-if [[ -n "${TRAIN_KB:-}" ]]; then
-  timeout "${TRAIN_KB_SECONDS:-300}" "$PY" -m benchmarks.gpu_train --lengths kb --out "$OUT/gpu_train_kb.json" \
+# KB_LENGTHS=1: first issue 37's rows at the synthetic KILT KB's lengths, padded against packed (about 4
+# minutes): the retriever step (benchmarks/gpu_train.py --lengths kb) and the refresh's encode, cold and
+# warm (benchmarks/gpu_encode.py --lengths kb); KB_LENGTHS=only: those alone.
+if [[ -n "${KB_LENGTHS:-}" ]]; then
+  timeout "${KB_TRAIN_SECONDS:-240}" "$PY" -m benchmarks.gpu_train --lengths kb --out "$OUT/gpu_train_kb.json" \
     > "$OUT/gpu_train_kb.log" 2>&1
   echo "gpu_train --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
-  [[ "$TRAIN_KB" == "only" ]] && exit 0
+  timeout "${KB_ENCODE_SECONDS:-180}" "$PY" -m benchmarks.gpu_encode --lengths kb --out "$OUT/gpu_encode_kb.json" \
+    > "$OUT/gpu_encode_kb.log" 2>&1
+  echo "gpu_encode --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
+  [[ "$KB_LENGTHS" == "only" ]] && exit 0
 fi
 # shellcheck disable=SC2086
 timeout "${E2E_SECONDS:-480}" "$PY" -m benchmarks.gpu_e2e --work "$WORK" --out "$OUT/gpu_e2e.json" --keep-ray-logs \

@@ -55,6 +55,13 @@ class ServiceConfig:
         "are swapped in without recompiling. Needs a C++ compiler on CPUs. auto = whichever measured faster "
         "on the device: on CUDA (H100, BERT-large: layers compiled 66.5% of the bf16 peak, eager 61.3%; "
         "benchmarks/results/gpu_encode.json), off on CPUs.", default="auto")
+    encode_pack: bool = _help(
+        "Re-encode packed (modeling.packed): only each batch's real tokens go through the encoder, attention "
+        "by row offsets (FlashAttention varlen on CUDA; the encode attention over rows padded to the longest "
+        "elsewhere). Not with encode_compile true (auto then means off); same vectors within rounding. Off by "
+        "default: not measured on a GPU yet; on a 2-core CPU packed towers encoded in 0.81x the time, spreads "
+        "overlapping (benchmarks/results/packed.json).",
+        default=False)
     encode_attention: Literal["auto", "native", "model"] = _help(
         "Attention of re-encoding: auto = the native bf16 kernel (index/attention.py) when the encode runs "
         "in bf16 on a CPU with AVX512-BF16, else the model's own; native = that kernel or an error saying "
@@ -71,6 +78,10 @@ class ServiceConfig:
     def validate(self) -> None:
         # The loader has checked the ranges already; direct constructions reach here unchecked.
         check_fields(self, "service")
+        if self.encode_pack and self.encode_compile is True:
+            raise ValueError("service.encode_pack and service.encode_compile: true cannot both be on (a packed batch "
+                             "has a new token count each time, a compile per batch); set encode_compile to auto "
+                             "(off when packing) or false")
         if self.encode_weights == "bf16" and self.encode_dtype not in ("auto", "bf16"):
             raise ValueError(f"service.encode_weights bf16 runs the encode in bf16, but encode_dtype is "
                              f"{self.encode_dtype!r}; set encode_dtype auto or bf16, or encode_weights fp32")

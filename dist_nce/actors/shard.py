@@ -219,8 +219,10 @@ class EntityShard:
         fingerprint = fingerprint or state_fingerprint(state)
         if self._encoder is None:
             encoder = EntityEncoder.from_state(state)
-            self._attention = prepare_encoder(encoder, self._precision(), self.config.encode_attention,
-                                              compile_wanted(self.config.encode_compile, self.device), self.device)
+            self._attention = prepare_encoder(
+                encoder, self._precision(), self.config.encode_attention,
+                compile_wanted(self.config.encode_compile, self.device, self.config.encode_pack), self.device,
+                pack=self.config.encode_pack)
             self._encoder = encoder
         elif self._encoder_fp != fingerprint:  # same architecture: swap the weights in place (cast to their dtype)
             self._encoder.load_state(state)

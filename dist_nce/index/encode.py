@@ -103,9 +103,10 @@ def encode_precision(dtype: str, weights: str, device: torch.device) -> Precisio
     return Precision(torch.float32, autocast)
 
 
-def compile_wanted(setting: bool | str, device: torch.device) -> bool:
+def compile_wanted(setting: bool | str, device: torch.device, pack: bool = False) -> bool:
     """``ServiceConfig.encode_compile`` on ``device``: true, false, or ``auto`` = whichever measured faster
-    there: on CUDA, compiled layer by layer (:func:`prepare_encoder`); on a CPU, off.
+    there: on CUDA, compiled layer by layer (:func:`prepare_encoder`); on a CPU, off; off when the encode
+    is packed (``pack``: ``ServiceConfig.encode_pack``; every packed batch has its own token count).
 
     CUDA (benchmarks/results/gpu_encode.json, H100, BERT-large T = 128, batch 512, torch 2.11,
     transformers 5.17): each layer compiled 6127 entities/s (66.5% of the same run's bf16 GEMM
@@ -115,28 +116,34 @@ def compile_wanted(setting: bool | str, device: torch.device) -> bool:
     a minute; ``true`` opts in (64% against 59% of the CPU's bf16 peak, docs/benchmarks.md).
     """
     if setting == "auto":
-        return device.type == "cuda"
+        return device.type == "cuda" and not pack
     if isinstance(setting, bool):
-        return setting
+        return setting  # true with pack: prepare_encoder refuses (ServiceConfig.validate did already)
     raise ValueError(f"encode_compile must be true, false or auto; got {setting!r}")
 
 
 def prepare_encoder(encoder: EntityEncoder, precision: Precision, attention: str, compile: bool,
-                    device: torch.device, layers: bool | None = None) -> str:
+                    device: torch.device, layers: bool | None = None, pack: bool = False) -> str:
     """Ready an encoder built for encoding, in place, the way a shard runs it: on ``device``, its
     weights in ``precision.weights``, the attention of :func:`choose_attention`, compiled
-    (:func:`compile_encoder`) if ``compile``: layer by layer (``layers``; default: on CUDA) or whole.
-    Returns the attention implementation.
+    (:func:`compile_encoder`) if ``compile``: layer by layer (``layers``; default: on CUDA) or whole;
+    packed (``modeling.packed`` over that attention; :func:`encode_rows` then packs every batch) if
+    ``pack``, which excludes ``compile``. Returns the attention implementation.
 
     Call it outside inference mode (tensors made inside it cannot be updated in place later).
     ``EntityEncoder.load_state`` copies a refresh's weights into the held tensors, casting them
     to their dtype, so bf16 weights take later refreshes like fp32 ones (and a compiled graph
     sees them, its weights being graph inputs).
     """
+    if pack and compile:
+        raise ValueError("prepare_encoder: a packed encoder is not compiled (every batch has its own token count)")
     encoder.to(device=device, dtype=precision.weights)  # floating tensors only: ids buffers stay int64
     name = choose_attention(encoder, attention, device, precision.compute)
     if compile:
         compile_encoder(encoder, layers=device.type == "cuda" if layers is None else layers)
+    if pack:
+        encoder.encoder.use_packing("auto")
+        name = str(encoder.encoder.model.config._attn_implementation)
     return name
 
 
@@ -303,12 +310,15 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
     Returns Reps in ``storage_dtype`` on the CPU: vecs [n, d], [n, m, d] or [n, max_len, d]
     (see the module docstring), mask None or [n, m] / [n, max_len] bool. ``progress(k)`` is
     called with the number of rows finished after each batch. An encoder compiled with static
-    shapes (:func:`static_shapes`) gets batches padded to :func:`static_batch_shape`.
+    shapes (:func:`static_shapes`) gets batches padded to :func:`static_batch_shape`; a packed one
+    (:func:`prepare_encoder` ``pack``) gets each batch's rows with their lengths, and only their real
+    tokens go through it.
     """
     n = store.num_entities
     lengths = store.lengths(np.arange(n))
     width = _kept(encoder) or store.max_len  # positions per row when reps carry a mask
     static = static_shapes(encoder)
+    packing = encoder.encoder.packing is not None  # prepare_encoder(pack=True)
     min_len = _min_len(encoder.spec, "entity") if static else 1  # columns a score reads by position
     vecs = mask = None
     done = 0
@@ -324,8 +334,12 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
         # no mask for a batch without padding, on CUDA where it decides the attention kernel
         padded = device.type != "cuda" or int(lens.min()) < longest
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            reps = encode_batch(encoder, ids, real, padded, trim=False) if static else \
-                encode_batch(encoder, ids, real, padded)
+            if packing and int(lens.min()) >= 1:  # the host's lengths: real tokens only, nothing read back
+                reps = encoder(ids, real, bool(int(lens.min()) < longest), torch.from_numpy(lens.astype(np.int64)))
+            elif static:
+                reps = encode_batch(encoder, ids, real, padded, trim=False)
+            else:
+                reps = encode_batch(encoder, ids, real, padded)
         if static:
             reps = Reps(reps.vecs[:len(pos)], None if reps.mask is None else reps.mask[:len(pos)])
         reps = to_storage(_fixed_width(Reps(reps.vecs.float(), reps.mask), width), storage_dtype)

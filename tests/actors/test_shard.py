@@ -282,3 +282,20 @@ def test_searches_during_a_refresh_answer_from_the_old_version_until_the_swap(st
     assert versions == sorted(versions) and versions[-1] == 1 and 0 in versions
     for r in seen + [waited]:  # each answer is exactly one version's answer, never a mixture
         assert torch.equal(r.ids, ref[r.version].ids) and torch.equal(r.scores, ref[r.version].scores)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_packed_shard_encodes_like_a_padded_one(store_dir, states, tmp_path, dtype):
+    # service.encode_pack: a refresh through the shard with only the real tokens through the encoder (over
+    # the native kernel in bf16 where the CPU has it); the manifest says so; the same scores within rounding
+    padded = make_shard(store_dir, tmp_path / "padded", encode_dtype=dtype)
+    packed = make_shard(store_dir, tmp_path / "packed", encode_dtype=dtype, encode_pack=True)
+    assert padded.refresh(states[1], 0) == packed.refresh(states[1], 0) == 0
+    used = json.loads((tmp_path / "packed" / shard_dir_name(1, 3) / version_dir_name(0) / "manifest.json")
+                      .read_text())["encode_attention"]
+    assert used == ("dist_nce_packed_dist_nce_bf16" if dtype == "bf16" and attention_unavailable() is None
+                    else "dist_nce_packed_sdpa")
+    rows = torch.arange(30, 75).expand(5, -1)
+    tol = 1e-4 if dtype == "fp32" else 0.03
+    torch.testing.assert_close(packed.score_rows(QUERIES, rows, version=0), padded.score_rows(QUERIES, rows, version=0),
+                               rtol=tol, atol=tol)

@@ -64,3 +64,21 @@ def test_variants_can_be_picked_by_name():
     assert list(out["variants"]) == ["a_eager_fp32w_autocast"]
     assert out["variants"]["a_eager_fp32w_autocast"]["autocast"] == "bfloat16"
     assert "compiled variants (compile=False)" in out["skipped"]
+
+
+def test_kb_lengths_rows_compare_packed_with_padded_on_real_tokens():
+    """Issue 37 item 2 at test size: rows of the synthetic KILT KB's lengths, the eager padded encode and the
+    packed one (service.encode_pack) through encode_rows, each with its first pass; MFU over real tokens."""
+    out = gpu_encode.run("cpu", quick=True, peak_tflops=1.0, lengths="kb", compile=False,
+                         variants=["c_eager_bf16w", "f_packed_bf16w"], log=lambda msg: None)
+    json.dumps(out, default=str)
+    assert out["rows"]["lengths"] == "kb" and not out["rows"]["all_full_length"]
+    assert 1 <= out["flops"]["real_tokens_mean"] < 32
+    want = gpu_encode.real_flops_per_entity(gpu_encode.TINY_BERT, gpu_encode.KBRows(32, 32, 1000, 0).lengths(
+        range(32)))
+    assert out["flops"]["per_entity"] == pytest.approx(want["per_entity"])
+    packed, padded = out["variants"]["f_packed_bf16w"], out["variants"]["c_eager_bf16w"]
+    assert packed["packed"] and not padded["packed"] and packed["attention"].startswith("dist_nce_packed_")
+    for e in (packed, padded):
+        assert e["first_pass_s"] > 0 and e["first_pass_mfu"] > 0 and e["mfu"]["median"] > 0
+    assert out["numerics"]["f_packed_bf16w_vs_eager_rel_l2_max"] <= out["numerics"]["tolerance_rel_l2"]

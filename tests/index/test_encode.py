@@ -322,3 +322,38 @@ def test_a_bf16_trained_state_and_its_fp32_export_have_one_fingerprint():
     nan = dict(exported, b=exported["b"].clone())
     nan["b"][0] = float("nan")
     assert state_fingerprint(state(nan)) != state_fingerprint(state(exported))
+
+
+# --------------------------------------------------------------------------- packed encodes
+
+
+@pytest.mark.parametrize("preset,m", [("dual", None), ("multi", 3), ("som", None)])
+def test_a_packed_encoder_encodes_like_the_padded_path(tiny_model_dir, preset, m):
+    """service.encode_pack (issue 37 item 2): only each batch's real tokens through the encoder; the same
+    vectors (and SOM masks) as the padded path, fp32 to rounding and bf16 within its tolerance."""
+    state = entity_state(tiny_model_dir, preset=preset, m=m)
+    plain, packed = EntityEncoder.from_state(state), EntityEncoder.from_state(state)
+    assert prepare_encoder(packed, Precision(FP32, None), "model", False, CPU, pack=True) == "dist_nce_packed_sdpa"
+    want = encode_rows(plain, RAGGED, 8, CPU, None, "float32")
+    got = encode_rows(packed, RAGGED, 8, CPU, None, "float32")
+    torch.testing.assert_close(got.vecs, want.vecs, rtol=1e-5, atol=1e-5)
+    assert (got.mask is None) == (want.mask is None)
+    if want.mask is not None:
+        assert torch.equal(got.mask, want.mask)
+    low = encode_rows(packed, RAGGED, 8, CPU, BF16, "float32")
+    flat = (lambda r: r.vecs.reshape(-1, r.vecs.shape[-1]))
+    keep = flat(want).norm(dim=1) > 0  # SOM's padded positions are zeros in both
+    assert rel_error(flat(low)[keep], flat(want)[keep]) < bf16_tolerance(2)
+
+
+def test_packing_is_not_compiled():
+    assert compile_wanted("auto", CUDA, pack=True) is False and compile_wanted("auto", CUDA) is True
+    with pytest.raises(ValueError, match="encode_pack and service.encode_compile: true cannot both be on"):
+        from_dict(ServiceConfig, {"encode_pack": True, "encode_compile": True})
+    assert from_dict(ServiceConfig, {"encode_pack": True}).encode_pack is True
+    with pytest.raises(ValueError, match="a packed encoder is not compiled"):
+        prepare_encoder(EntityEncoder(Encoder.from_config({"model_type": "bert", "hidden_size": 16,
+                                                           "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                           "intermediate_size": 32, "vocab_size": 50}),
+                                      ScoreSpec.preset("dual")), Precision(FP32, None), "model", True, CPU,
+                        pack=True)
