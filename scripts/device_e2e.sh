@@ -27,12 +27,15 @@ fi
 echo "install: $(( $(date +%s) - T0 )) s"
 # KB_LENGTHS=1: first issue 37's rows at the synthetic KILT KB's lengths, padded against packed (about 4
 # minutes): the retriever step (benchmarks/gpu_train.py --lengths kb) and the refresh's encode, cold and
-# warm (benchmarks/gpu_encode.py --lengths kb); KB_LENGTHS=only: those alone.
+# warm (benchmarks/gpu_encode.py --lengths kb); KB_LENGTHS=only: those alone. KB_ARGS: more arguments for
+# both (the CPU rehearsal: E2E_SKIP_INSTALL=1 KB_LENGTHS=only KB_ARGS="--quick --device cpu").
 if [[ -n "${KB_LENGTHS:-}" ]]; then
-  timeout "${KB_TRAIN_SECONDS:-240}" "$PY" -m benchmarks.gpu_train --lengths kb --out "$OUT/gpu_train_kb.json" \
+  # shellcheck disable=SC2086
+  timeout "${KB_TRAIN_SECONDS:-240}" "$PY" -m benchmarks.gpu_train --lengths kb --out "$OUT/gpu_train_kb.json" ${KB_ARGS:-} \
     > "$OUT/gpu_train_kb.log" 2>&1
   echo "gpu_train --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
-  timeout "${KB_ENCODE_SECONDS:-180}" "$PY" -m benchmarks.gpu_encode --lengths kb --out "$OUT/gpu_encode_kb.json" \
+  # shellcheck disable=SC2086
+  timeout "${KB_ENCODE_SECONDS:-180}" "$PY" -m benchmarks.gpu_encode --lengths kb --out "$OUT/gpu_encode_kb.json" ${KB_ARGS:-} \
     > "$OUT/gpu_encode_kb.log" 2>&1
   echo "gpu_encode --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
   [[ "$KB_LENGTHS" == "only" ]] && exit 0
