@@ -10,7 +10,10 @@ The lent GPU machine takes at most 64 MiB of files a call, and MiniLM's weights 
   kept ids in ``others.safetensors``; a manifest of each tensor's shape and sha256;
 * ``prepared.tar.xz``: the prepared MiniLM stores (data/prepared/zeshel_minilm_{train,eval});
 * ``cells.tar.xz``: the MiniLM grid's finished retriever cells (summary.json, metrics.jsonl)
-  and the candidates of the two retrievers Table 2 reranks.
+  and the candidates of the two retrievers Table 2 reranks. With ``--grid-config`` (issue 36's
+  both-towers grids, run through Ray on the GPU: scripts/device_table1_both.sh) instead: the cells of
+  those grids already done under ``--grid`` (summary.json, metrics.jsonl), so that a lease runs only
+  the rest; not their shared starts, whose exported model the branches load (they rerun: one step).
 
 ``unpack`` (on the GPU machine, in the repository copy) rebuilds the full weights (unused rows
 zero: no token the data holds looks one up), checks them against the manifest, puts a stand-in
@@ -21,6 +24,9 @@ finds every retriever cell done and runs only Table 2, without a Ray head.
 
     .venv/bin/python scripts/device_table2.py pack .devcarry
     python3 scripts/device_table2.py unpack .devcarry /tmp/site      # there
+    .venv/bin/python scripts/device_table2.py pack .devcarry --grid runs/mini_paper_both \
+        --grid-config configs/mini_paper/minilm_both_towers_gpu.yaml \
+        --grid-config configs/mini_paper/minilm_staleness_gpu.yaml   # issue 36
 """
 from __future__ import annotations
 
@@ -61,7 +67,22 @@ def used_ids() -> list[int]:
     return sorted(ids)
 
 
-def pack(out: Path) -> None:
+def _done_cells(configs: list[str], grid: Path) -> list[Path]:
+    """The directories of the cells of ``configs`` done under ``grid``, shared starts left out."""
+    from dist_nce.core.config import load_config
+    from dist_nce.minipaper.cells import read_summary, zeshel_cells
+    from dist_nce.minipaper.config import MiniPaperConfig
+
+    dirs = {}
+    for path in configs:
+        for name, cell in zeshel_cells(load_config(MiniPaperConfig, ROOT / path, []), ROOT).items():
+            d = cell.dir(grid, ROOT)
+            if not name.endswith("-start") and read_summary(d) is not None:
+                dirs[d.name] = d
+    return sorted(dirs.values())
+
+
+def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) -> None:
     import numpy as np
     import torch
     from safetensors.torch import load_file, save_file
@@ -96,6 +117,17 @@ def pack(out: Path) -> None:
     with tarfile.open(out / "prepared.tar.xz", "w:xz") as tar:
         for d in STORES:
             tar.add(ROOT / d, arcname=d)
+    if grid_configs:
+        done = _done_cells(grid_configs, ROOT / grid)
+        with tarfile.open(out / "cells.tar.xz", "w:xz") as tar:
+            for d in done:
+                for f in ("summary.json", "metrics.jsonl"):
+                    if (d / f).exists():
+                        tar.add(d / f, arcname=str(grid / "cells" / d.name / f))
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        print(f"packed {out}: {size / 2**20:.1f} MiB; {len(done)} cells done under {grid} ({len(ids)} embedding "
+              "rows kept)")
+        return
     cfg = load_config(MiniPaperConfig, ROOT / CONFIG, [])
     zeshel = zeshel_cells(cfg, ROOT)
     grid = ROOT / GRID
@@ -158,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack")
     p.add_argument("out", type=Path)
+    p.add_argument("--grid-config", action="append", default=None,
+                   help="a mini-paper config run through Ray on the GPU (issue 36); repeatable")
+    p.add_argument("--grid", type=Path, default=GRID, help="its grid directory (relative to the repository)")
     u = sub.add_parser("unpack")
     u.add_argument("src", type=Path)
     u.add_argument("site", type=Path, help="a directory to put on PYTHONPATH (the stand-in package)")
     args = ap.parse_args(argv)
     if args.cmd == "pack":
-        pack(args.out)
+        pack(args.out, args.grid_config, args.grid)
     else:
         unpack(args.src, args.site)
     return 0
