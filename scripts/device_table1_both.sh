@@ -13,7 +13,8 @@
 # The grids run until GRID_SECONDS, Table 1 first, then the ablation's own cells; every cell done comes
 # back in $OUT/both.tgz with the logs. Here: tar xzf both.tgz, then pack again for the next lease, which
 # runs only what is left (the cells are keyed by their settings: tests/minipaper/test_both_towers_configs.py).
-#   GRID_SETS: extra --set flags for jobs/mini_paper.py (the CPU rehearsal shrinks the runs with it).
+#   GRID_SETS: extra --set flags for jobs/mini_paper.py (the CPU rehearsal shrinks the runs with it);
+#   CONFIGS: which of the two grids, in order (default: both).
 set -u
 OUT=${OUT:-/tmp/both_out}
 GRID=${GRID:-runs/mini_paper_both}
@@ -33,7 +34,7 @@ fi
 export PYTHONPATH="$PWD:/tmp/both_site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" scripts/device_table2.py unpack .devcarry /tmp/both_site || exit 1
 LEFT=$GRID_SECONDS
-for config in minilm_both_towers_gpu minilm_staleness_gpu; do
+for config in ${CONFIGS:-minilm_both_towers_gpu minilm_staleness_gpu}; do
   START=$(date +%s)
   # shellcheck disable=SC2086
   timeout "$LEFT" "$PY" jobs/mini_paper.py --config "configs/mini_paper/$config.yaml" --out "$GRID" \
