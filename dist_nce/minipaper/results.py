@@ -13,7 +13,10 @@ Metric names (fractions in [0, 1]; the report prints percent):
 * every trained retriever: ``bias/final`` and ``bias/final_se`` (the live monitor's last
   measurement, on the trained model), ``bias/mean`` over the run's measurements, and
   ``bias/cost``: a measurement's seconds over the seconds of the ``bias.every_steps`` training
-  steps between two (median logged step time), the monitor's share at the run's cadence.
+  steps between two (median logged step time), the monitor's share at the run's cadence;
+* every trained retriever: ``train/step_s`` (the median logged step time: the whole step, waits for
+  negatives and refreshes included) and ``train/steps_per_s`` (its inverse), what a fresher index costs
+  (issue 36's staleness ablation).
 
 Curves: ``{metric: {step: value}}`` from the trainer's dev evaluations (``dev/*`` every
 ``run.eval_every_steps``, ``dev_before`` at step 0, ``dev_after`` at the end) and the bias monitor.
@@ -70,6 +73,14 @@ def _bias(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
+def _speed(d: Path) -> dict[str, float]:
+    step_s = sorted(v["time/step_s"] for v in _metrics(d).values() if "time/step_s" in v)
+    if not step_s:
+        return {}
+    median = step_s[len(step_s) // 2]
+    return {"train/step_s": median, "train/steps_per_s": 1.0 / median if median > 0 else math.nan}
+
+
 def zeshel_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
     k = summary["config"]["zeshel"]["k"]
     row: dict[str, float] = {}
@@ -83,7 +94,7 @@ def zeshel_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
     for cut in dict.fromkeys((k, 1)):
         if f"recall@{cut}" in dev:
             row[f"heldout/R@{cut}"] = dev[f"recall@{cut}"]
-    return {**row, **_bias(d, summary)}
+    return {**row, **_bias(d, summary), **_speed(d)}
 
 
 def reranker_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
@@ -105,7 +116,7 @@ def aida_row(d: Path, summary: Mapping[str, Any]) -> dict[str, float]:
     before = summary.get("dev_before") or {}
     row.update({f"dev_before/{k.replace('recall@', 'R@')}": float(v) for k, v in before.items()
                 if isinstance(v, (int, float)) and k.startswith(("recall@", "accuracy"))})
-    return {**row, **_bias(d, summary)}
+    return {**row, **_bias(d, summary), **_speed(d)}
 
 
 ROWS = {"zeshel": zeshel_row, "reranker": reranker_row, "aida": aida_row}

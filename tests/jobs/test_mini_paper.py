@@ -78,7 +78,8 @@ def test_the_grid_runs_every_cell_and_writes_tables_and_plots(grid):
     assert [v.get("train/loss") for v in m0.values()] != [v.get("train/loss") for v in m1.values()]
     # metrics, curves (dev recall every 4 steps, the bias monitor) and the groups over the 2 seeds
     c = cells["zeshel-dual-hard-s0"]
-    assert {"val/R@16", "test/R@16", "val/R@1", "heldout/R@16", "bias/final", "bias/cost"} <= set(c["metrics"])
+    assert {"val/R@16", "test/R@16", "val/R@1", "heldout/R@16", "bias/final", "bias/cost", "train/steps_per_s"} \
+        <= set(c["metrics"])
     assert len(c["curves"]["dev/recall@16"]) >= 3 and len(c["curves"]["bias/norm"]) >= 2
     groups = {(g["architecture"], g["arm"]): g for g in result["zeshel"]["groups"]}
     assert groups[("dual", "hard")]["val/R@16"]["n"] == 2

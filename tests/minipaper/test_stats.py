@@ -61,3 +61,4 @@ def test_separation_chance_is_one_over_the_orderings_that_separate():
     assert sum(min(p[:3]) > max(p[3:]) for p in perms) / len(perms) == pytest.approx(1 / 20)
     with pytest.raises(ValueError, match="both sides"):
         separation_chance(0, 3)
+
