@@ -32,6 +32,13 @@ synchronisations (stream/device/event syncs and ``.item()``), aten ops, the busi
 ``targets``: issue 23's bars (ZeRO-2 <= 1.1x, ZeRO-3 <= 1.5x the plain step; losses within
 :data:`LOSS_REL_TOL` of plain's first loss, the bf16 tolerance tests/benchmarks/test_gpu_train.py justifies).
 
+``--lengths kb`` (issue 37 item 1): the candidates take the synthetic KILT KB's token lengths
+(:mod:`benchmarks.kb_lengths`; mentions fill their 32 tokens, as AIDA's do), each batch cut to its longest
+row, and every mode runs twice, padded and packed (``plain_packed``, ``zero2_packed``, ``zero3_packed``:
+``RetrieverConfig.pack_tokens``, FlashAttention varlen through nested tensors on CUDA). MFU then counts the
+real tokens only (:func:`real_token_flops`), and ``targets`` adds the issue's bars: the packed ZeRO-2 step
+at >= 50% MFU, the packed ZeRO-3 step within 1.2x of it.
+
 Where DeepSpeed's time goes and what changed: see :mod:`dist_nce.worker.engine`'s docstring (the JSONs'
 ``bf16.check_grad_overflow: false``, ``overlap_comm`` off at world size 1, ZeRO-3 ``leaf_module`` and
 ``memory_efficient_linear: false``, 2e8-element buckets, fused torch AdamW on CUDA; after the first H100 run: the
