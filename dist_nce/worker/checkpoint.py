@@ -176,6 +176,46 @@ def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any],
     return state
 
 
+def incomplete(directory: str | Path) -> str | None:
+    """Why the checkpoint directory cannot be resumed from (a part missing, cut short or unreadable), or None.
+
+    Why: a checkpoint is copied into Ray Train's storage file by file, so a process killed during the copy
+    leaves a directory with some files absent and the last one truncated. Without reading the tensors:
+    our JSON parses (each was written atomically), each rank of the plan left its RNG file, DeepSpeed's
+    ``torch.save`` files are whole zip archives (a cut one has no central directory at its end), and each
+    safetensors file is as long as its header says."""
+    import zipfile
+
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory, KIND, SCHEMA_VERSION)
+        json.loads((directory / STATE_FILE).read_text())
+        ranks = int(manifest.get("plan", {}).get("num_workers", 1))
+        for rank in range(ranks):
+            json.loads((directory / rng_file(rank)).read_text())
+    except (OSError, ValueError) as exc:  # ArtifactMismatch is a ValueError; JSONDecodeError too
+        return f"{type(exc).__name__}: {exc}"
+    tag = directory / DS_DIR / str(manifest.get("deepspeed_tag"))
+    if not tag.is_dir() or not any(tag.iterdir()):
+        return f"{tag}: no DeepSpeed checkpoint"
+    for f in sorted(tag.rglob("*.pt")):
+        if not zipfile.is_zipfile(f):
+            return f"{f}: not a whole torch.save archive"
+    for f in sorted(directory.glob("*.safetensors")):
+        size = f.stat().st_size
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            try:
+                header = json.loads(fh.read(n)) if 0 < n < size else None
+            except ValueError:
+                header = None
+        ends = [v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"]
+        if header is None or 8 + n + max(ends, default=0) > size:
+            return f"{f}: cut short"
+    return None
+
+
 def load_tensors(directory: str | Path, name: str) -> dict[str, torch.Tensor] | None:
     """The named tensors saved as ``name`` by :func:`save` (None when this checkpoint has none)."""
     path = Path(directory) / name

@@ -22,6 +22,74 @@ def storage_uri(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints a rerun resumes from
+RESUME_FROM = "resume_from"  # train_loop_config key: the checkpoint directory recover_cut_snapshot chose
+
+
+def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None] = print) -> str | None:
+    """The checkpoint directory a rerun of run ``name`` resumes from when Ray Train's snapshot of its
+    checkpoints was cut off; None when there is nothing to recover (no snapshot, a readable one, or a
+    storage that is not a local path).
+
+    Why: Ray Train (2.60, ``CheckpointManager._write_state_to_storage``) rewrites that snapshot in place
+    after every checkpoint, so a driver killed between the truncation and the write leaves it empty, and
+    the rerun's controller fails to parse it instead of resuming (seen in tests/jobs/test_chaos.py). Then
+    the snapshot is moved aside (``<snapshot>.cut``, kept) and the newest checkpoint directory that is
+    whole (:func:`dist_nce.worker.checkpoint.incomplete`) is resumed from, by step: the workers get it in
+    ``train_loop_config[RESUME_FROM]`` and load it while Ray Train has no checkpoint of this rerun
+    (:func:`resume_checkpoint`). With none whole, ValueError says so rather than restarting the run from
+    step 0 over its own storage."""
+    import json
+    from pathlib import Path
+
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.worker.checkpoint import KIND, incomplete
+
+    if "://" in storage_path:
+        return None
+    run_dir = Path(storage_path) / name
+    snapshot = run_dir / SNAPSHOT
+    if not snapshot.is_file():
+        return None
+    try:
+        json.loads(snapshot.read_text(encoding="utf-8"))
+        return None
+    except (ValueError, UnicodeDecodeError):
+        pass
+    found = []
+    for d in sorted(p for p in run_dir.iterdir() if p.is_dir()):  # the workers name them (step_00000016_...)
+        why = incomplete(d)
+        if why is None:
+            found.append((int(read_manifest(d, KIND)["step"]), d.name, d))
+        else:
+            log(f"{d}: not resumable ({why})")
+    if not found:
+        raise ValueError(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed) and no "
+                         f"whole checkpoint is left in {run_dir}; move {run_dir} away to start run.name={name} "
+                         "again from step 0, or use another run.name")
+    step, _, best = max(found)
+    snapshot.replace(snapshot.with_name(SNAPSHOT + ".cut"))
+    log(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed mid-write); kept as "
+        f"{SNAPSHOT}.cut; resuming from the newest whole checkpoint, {best.name} (step {step})")
+    return str(best)
+
+
+def resume_checkpoint(loop_config: dict[str, Any]) -> Callable[[], Any]:
+    """A worker's ``get_checkpoint``: Ray Train's latest checkpoint of this run, else the directory
+    :func:`recover_cut_snapshot` chose (``loop_config[RESUME_FROM]``), else None."""
+    import ray.train
+
+    fallback = loop_config.get(RESUME_FROM)
+
+    def get() -> Any:
+        got = ray.train.get_checkpoint()
+        if got is None and fallback:
+            return ray.train.Checkpoint.from_directory(fallback)
+        return got
+
+    return get
+
+
 def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, loop_config: dict[str, Any]):
     """A TorchTrainer running ``train_func`` on ``run.num_workers`` workers; gloo on CPUs, NCCL on GPUs;
     the group meets without a network listener when all workers are on this machine."""
@@ -31,6 +99,9 @@ def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, l
     from dist_nce.worker.process_group import LocalGroupTorchConfig
 
     run, gpu = cfg.run, use_gpu(cfg)
+    recovered = recover_cut_snapshot(storage_uri(run.storage_path), run.name)
+    if recovered is not None:  # Ray Train 2.60 refuses resume_from_checkpoint: the workers get it themselves
+        loop_config = {**loop_config, RESUME_FROM: recovered}
     return TorchTrainer(
         train_func,
         train_loop_config=loop_config,

@@ -45,6 +45,7 @@ def worker_main(config_cls: type, config: dict[str, Any], make_worker: Callable[
     import ray.train.torch
 
     from dist_nce.cluster.runtime import configure_process
+    from dist_nce.worker.launch import resume_checkpoint
 
     cfg = from_dict(config_cls, config["job"], source="train_loop_config.job")
     configure_process(threads=max(1, int(cfg.run.cpus_per_worker)))
@@ -55,7 +56,7 @@ def worker_main(config_cls: type, config: dict[str, Any], make_worker: Callable[
     os.environ["DS_ACCELERATOR"] = accelerator_for(device)
     ctx = ray.train.get_context()
     return make_worker(cfg, ctx.get_world_rank(), ctx.get_world_size(), device,
-                       report=ray.train.report, get_checkpoint=ray.train.get_checkpoint).run()
+                       report=ray.train.report, get_checkpoint=resume_checkpoint(config)).run()
 
 
 class WorkerScaffold:

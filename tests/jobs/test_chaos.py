@@ -178,10 +178,20 @@ def train_losses(metrics: Path) -> list[tuple[int, float]]:
 
 def latest_checkpoint(storage: Path) -> int | None:
     """The step of the newest checkpoint Ray Train registered (the one a rerun resumes from).
-    Directories of checkpoints written but not yet registered when the driver died do not count."""
+    Directories of checkpoints written but not yet registered when the driver died do not count.
+    A driver killed while Ray rewrote its snapshot leaves it empty: the rerun then resumes from the
+    newest whole checkpoint directory (worker.launch.recover_cut_snapshot), which this finds alike."""
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.worker.checkpoint import KIND, incomplete
+
     snapshots = list(storage.glob("*/checkpoint_manager_snapshot.json"))
     assert len(snapshots) == 1, snapshots
-    latest = json.loads(snapshots[0].read_text()).get("latest_checkpoint_result")
+    try:
+        latest = json.loads(snapshots[0].read_text()).get("latest_checkpoint_result")
+    except json.JSONDecodeError:
+        whole = [int(read_manifest(d, KIND)["step"]) for d in snapshots[0].parent.iterdir()
+                 if d.is_dir() and incomplete(d) is None]
+        return max(whole, default=None)
     return latest["metrics"]["step"] if latest else None
 
 
