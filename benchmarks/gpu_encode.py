@@ -159,17 +159,15 @@ class KBRows(FullRows):
 
 def real_flops_per_entity(cfg: dict[str, Any], lengths: np.ndarray) -> dict[str, Any]:
     """:data:`FLOP_FORMULA` over each row's real tokens (padding is not work), the mean over the rows."""
-    d, L, ff = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    params = L * (4 * d * d + 2 * d * ff)
     t = lengths.astype(np.float64)
-    matmul, attention = float((2.0 * params * t).mean()), float((4.0 * t * t * d * L).mean())
-    return {"per_entity": matmul + attention, "matmul": matmul, "attention": attention, "matmul_params": params,
+    rows = flops_per_entity(cfg, t)  # per row
+    return {**rows, **{k: float(rows[k].mean()) for k in ("per_entity", "matmul", "attention")},
             "real_tokens_mean": float(t.mean()),
             "formula": FLOP_FORMULA + "; each row at its own real length, the mean over the rows"}
 
 
-def flops_per_entity(cfg: dict[str, Any], T: int) -> dict[str, float]:
-    """:data:`FLOP_FORMULA` for a BERT config dict."""
+def flops_per_entity(cfg: dict[str, Any], T: Any) -> dict[str, Any]:
+    """:data:`FLOP_FORMULA` for a BERT config dict; ``T`` a length, or an array of them (per row)."""
     d, L, ff = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     params = L * (4 * d * d + 2 * d * ff)
     matmul, attention = 2.0 * params * T, 4.0 * T * T * d * L

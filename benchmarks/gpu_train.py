@@ -132,9 +132,7 @@ WEIGHT_DECAY, WARMUP_PROPORTION, GRAD_CLIP = 0.01, 0.1, 1.0  # BLINK's clip and 
 def packed_copy(model):
     """A copy of the retriever whose towers run packed (``RetrieverConfig.pack_tokens``: only the real tokens)."""
     model = copy.deepcopy(model)
-    model.config.pack_tokens = True
-    for encoder in (model.mention_encoder, model.entity_encoder):
-        encoder.use_packing("auto")
+    model.use_packing("auto")
     return model
 
 
@@ -179,6 +177,11 @@ def make_batches(n: int, shape: dict[str, Any], vocab: int, device: str, seed: i
     return out * (n // len(out))
 
 
+def _matmul_params(encoder) -> int:
+    """Weights of the encoder layers' Linear modules (:data:`MFU_FORMULA`'s matmul_params)."""
+    return sum(m.weight.numel() for m in encoder.model.encoder.modules() if isinstance(m, torch.nn.Linear))
+
+
 def real_token_flops(model, batch) -> int:
     """:data:`MFU_FORMULA` over the batch's real tokens only (padding is not work): per sequence of length
     l, 6 * matmul_params * l + 12 * layers * l^2 * d."""
@@ -186,7 +189,7 @@ def real_token_flops(model, batch) -> int:
     for enc, lengths in ((model.mention_encoder, batch[4]["mention_lengths"]),
                          (model.entity_encoder, batch[4]["cand_lengths"])):
         cfg = enc.model.config
-        matmul = sum(m.weight.numel() for m in enc.model.encoder.modules() if isinstance(m, torch.nn.Linear))
+        matmul = _matmul_params(enc)
         lengths = lengths.to(torch.int64)
         total += 6 * matmul * int(lengths.sum()) + 12 * cfg.num_hidden_layers * cfg.hidden_size * int(
             (lengths * lengths).sum())
@@ -200,7 +203,7 @@ def step_flops(model, shape: dict[str, Any]) -> dict[str, Any]:
                                ("entity", model.entity_encoder, shape["mentions"] * shape["candidates"],
                                 shape["cand_len"])):
         cfg = enc.model.config
-        matmul = sum(m.weight.numel() for m in enc.model.encoder.modules() if isinstance(m, torch.nn.Linear))
+        matmul = _matmul_params(enc)
         dense = 6 * matmul * seqs * t
         attention = 12 * cfg.num_hidden_layers * t * t * cfg.hidden_size * seqs
         parts[side] = {"matmul_params": matmul, "sequences": seqs, "tokens": seqs * t, "dense_flops": dense,

@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     padded = Retriever(RetrieverConfig(preset="dual"), Encoder.from_pretrained(model_dir),
                        Encoder.from_pretrained(model_dir)).train()
     packed = copy.deepcopy(padded)
-    packed.config.pack_tokens = True
-    for enc in (packed.mention_encoder, packed.entity_encoder):
-        enc.use_packing("auto")
+    packed.use_packing("auto")
 
     rows, results = [], {}
     for lengths in ("kb", "full"):

@@ -141,24 +141,26 @@ def _nested(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
 def _padded(module: nn.Module, base: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
             mask: torch.Tensor | None, dropout: float, scaling: float | None, **kwargs: Any) -> torch.Tensor:
     """q, k, v [N, H, D] -> [N, H, D] by the base implementation over the rows padded to L."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     rows, length = packing.lengths.numel(), packing.max_len
 
     def pad(t: torch.Tensor) -> torch.Tensor:  # [N, H, D] -> [R, H, L, D]
         out = t.new_zeros(rows * length, *t.shape[1:]).index_copy(0, packing.pad_index, t)
         return out.reshape(rows, length, *t.shape[1:]).transpose(1, 2)
 
-    fn = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _eager()
-    out, _ = fn(module, pad(q), pad(k), pad(v), mask, dropout=dropout, scaling=scaling, **kwargs)
+    out, _ = _base_attention(base)(module, pad(q), pad(k), pad(v), mask, dropout=dropout, scaling=scaling,
+                                   **kwargs)
     return out.reshape(rows * length, *out.shape[2:])[packing.pad_index]  # out: [R, L, H, D]
 
 
-@functools.lru_cache(maxsize=1)
-def _eager():
-    from transformers.models.bert.modeling_bert import eager_attention_forward
+def _base_attention(base: str):
+    """transformers' attention function of implementation ``base`` (eager's is not in its registry)."""
+    if base == "eager":
+        from transformers.models.bert.modeling_bert import eager_attention_forward
 
-    return eager_attention_forward
+        return eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[base]
 
 
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -167,11 +169,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      dist_nce_pad_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature. Packed call: query, key, value [1, H, N, D] ->
     ([1, N, H, D], None); any other call goes to the ``base`` implementation unchanged."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if dist_nce_packing is None:
-        fn = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _eager()
-        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _base_attention(base)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
     if query.shape[0] != 1 or query.shape[2] != dist_nce_packing.tokens:
         raise ValueError(f"packed attention: expected query [1, H, {dist_nce_packing.tokens}, D], got "
                          f"{tuple(query.shape)}")

@@ -251,8 +251,7 @@ class Retriever(nn.Module):
         self.mention_encoder = mention_encoder
         self.entity_side = EntityEncoder(entity_encoder, self.spec, config.trim_padding)
         if config.pack_tokens:
-            for encoder in (mention_encoder, entity_encoder):
-                encoder.use_packing(config.packed_attention)
+            self.use_packing(config.packed_attention)
         self.tokenizer = tokenizer
         side = self.spec.mention_side
         if side.reduction == "codes":
@@ -273,6 +272,13 @@ class Retriever(nn.Module):
                 raise ValueError(f"{entity_dir}: tokenizer vocabulary differs from {mention_dir}'s; "
                                  "both encoders must read the same token ids")
         return cls(config, Encoder.from_pretrained(mention_dir), Encoder.from_pretrained(entity_dir), tokenizer)
+
+    def use_packing(self, attention: str = "auto") -> None:
+        """Run both towers packed when the forward gets the rows' lengths (``config.pack_tokens``;
+        :meth:`Encoder.use_packing`)."""
+        for encoder in (self.mention_encoder, self.entity_encoder):
+            encoder.use_packing(attention)
+        self.config.pack_tokens, self.config.packed_attention = True, attention
 
     @property
     def entity_encoder(self) -> Encoder:

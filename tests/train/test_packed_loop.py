@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from tests.train.local_service import LocalService
-from tests.train.test_entity_cache import FROZEN, _Run
+from tests.train.test_entity_cache import FROZEN, _Run, process_group  # noqa: F401 (a fixture)
 from tests.train.tinyrun import tiny_config
-
-
-@pytest.fixture(scope="module")
-def process_group(dist_env):
-    if not torch.distributed.is_initialized():  # left in place, as DeepSpeed leaves its own
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
 
 
 @pytest.mark.slow
