@@ -33,7 +33,10 @@ def grid(tmp_path_factory, tiny_model_dir):
     z = [f"model.retriever.mention_model={tiny_model_dir}", f"data.prepared_dir={tmp / 'z_train'}",
          f"zeshel.eval_store={tmp / 'z_eval'}", f"zeshel.synthetic_dir={tmp / 'z_src'}", "optim.epochs=1",
          "run.eval_every_steps=4", "bias.every_steps=4", "bias.probe_mentions=4", "bias.draws=4",
-         "run.checkpoint_every_steps=0"]
+         "run.checkpoint_every_steps=0",
+         # one shard per cell: what runs here is the grid (cells, branches, seeds, tables, reuse), and each
+         # shard is a process of ~5 CPU-s; sharded serving is tested in tests/actors and by the AIDA jobs
+         "service.num_shards=1"]
     spec = {
         "seeds": [0, 1], "parallel": 3,
         "zeshel": {"config": "configs/zeshel/test_tiny.yaml", "set": z, "warmup": ["negatives.mode=random"],
@@ -46,7 +49,7 @@ def grid(tmp_path_factory, tiny_model_dir):
                  "set": [f"model.retriever.mention_model={tiny_model_dir}", f"data.prepared_dir={tmp / 'a_kb'}",
                          f"data.synthetic_dir={tmp / 'a_src'}", "optim.epochs=2", "run.num_workers=1",
                          "run.eval_every_steps=4", "bias.every_steps=4", "bias.probe_mentions=4", "bias.draws=4",
-                         "run.checkpoint_every_steps=0"],
+                         "run.checkpoint_every_steps=0", "service.num_shards=1"],
                  # one arm, the baseline every part needs: the AIDA part's cells, groups and curves
                  # (arm comparisons are the Zeshel part's code, tested with two arms here and in
                  # tests/minipaper)

@@ -118,16 +118,14 @@ def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tin
     snapshot = tmp / "ray" / "zeshel_reranker_test_tiny" / "checkpoint_manager_snapshot.json"
     assert json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]["step"] == 16
     snapshot.write_text("")
-    second = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets, "run.stop_after_steps=24")
+    second = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed at step 16" in second.stdout + second.stderr and "stopped at step 24" in second.stdout
+    assert "resumed at step 16" in second.stdout + second.stderr and "finished" in second.stdout
     assert "snapshot was cut off" in second.stdout + second.stderr, second.stdout[-3000:] + second.stderr[-3000:]
     assert snapshot.with_name(snapshot.name + ".cut").exists()
-    # ... and the snapshot Ray wrote since serves the next rerun as usual
-    third = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets)
-    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
-    assert "resumed at step 24" in third.stdout + third.stderr and "finished" in third.stdout
-    assert "snapshot was cut off" not in third.stdout + third.stderr
+    # ... and Ray Train wrote a whole snapshot of its own since, naming the last checkpoint: a next rerun
+    # resumes from it as usual (a readable snapshot is left to Ray: tests/worker/test_launch.py)
+    assert json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]["step"] == 32
 
     summary = json.loads((tmp / "rerank" / "summary.json").read_text())
     assert summary["done"] and summary["step"] == summary["plan"]["total_steps"] == 32
@@ -145,7 +143,7 @@ def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tin
         assert u["micro"] == pytest.approx(n["micro"] * recall["micro"])
         assert set(u["per_world"]) == set(retriever[split]["own_world"][f"recall@{K}"]["per_world"])
         assert 0.0 <= u["macro"] <= 1.0
-    assert "U.Acc macro" in third.stdout and (tmp / "rerank" / "reranker" / "manifest.json").exists()
+    assert "U.Acc macro" in second.stdout and (tmp / "rerank" / "reranker" / "manifest.json").exists()
     # BLINK's cross-encoder layout beside the directory holds the pooler head only (this config's is 'cls')
     assert summary["config"]["model"]["reranker"]["head"] == "cls"
     assert summary["blink_export"] is None and "only head 'pooler' has its layout" in summary["blink_skipped"]
