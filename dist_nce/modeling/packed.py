@@ -152,6 +152,7 @@ def _padded(module: nn.Module, base: str, q: torch.Tensor, k: torch.Tensor, v: t
     return out.reshape(rows * length, *out.shape[2:])[packing.pad_index]  # out: [R, L, H, D]
 
 
+@functools.lru_cache(maxsize=None)  # called in every layer's attention: look the function up once per name
 def _base_attention(base: str):
     """transformers' attention function of implementation ``base`` (eager's is not in its registry)."""
     if base == "eager":

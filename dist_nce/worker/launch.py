@@ -42,9 +42,6 @@ def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None
     import json
     from pathlib import Path
 
-    from dist_nce.core.artifacts import read_manifest
-    from dist_nce.worker.checkpoint import KIND, incomplete
-
     if "://" in storage_path:
         return None
     run_dir = Path(storage_path) / name
@@ -56,13 +53,7 @@ def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None
         return None
     except (ValueError, UnicodeDecodeError):
         pass
-    found = []
-    for d in sorted(p for p in run_dir.iterdir() if p.is_dir()):  # the workers name them (step_00000016_...)
-        why = incomplete(d)
-        if why is None:
-            found.append((int(read_manifest(d, KIND)["step"]), d.name, d))
-        else:
-            log(f"{d}: not resumable ({why})")
+    found = whole_checkpoints(run_dir, log)
     if not found:
         raise ValueError(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed) and no "
                          f"whole checkpoint is left in {run_dir}; move {run_dir} away to start run.name={name} "
@@ -72,6 +63,24 @@ def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None
     log(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed mid-write); kept as "
         f"{SNAPSHOT}.cut; resuming from the newest whole checkpoint, {best.name} (step {step})")
     return str(best)
+
+
+def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None) -> list[tuple[int, str, Any]]:
+    """(step, name, directory) of every checkpoint directory in ``run_dir`` that can be resumed from
+    (:func:`dist_nce.worker.checkpoint.incomplete`); the others are logged with the reason."""
+    from pathlib import Path
+
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.worker.checkpoint import KIND, incomplete
+
+    found = []
+    for d in sorted(p for p in Path(run_dir).iterdir() if p.is_dir()):  # the workers name them (step_00000016_...)
+        why = incomplete(d)
+        if why is None:
+            found.append((int(read_manifest(d, KIND)["step"]), d.name, d))
+        else:
+            log(f"{d}: not resumable ({why})")
+    return found
 
 
 def resume_checkpoint(loop_config: dict[str, Any]) -> Callable[[], Any]:

@@ -181,17 +181,14 @@ def latest_checkpoint(storage: Path) -> int | None:
     Directories of checkpoints written but not yet registered when the driver died do not count.
     A driver killed while Ray rewrote its snapshot leaves it empty: the rerun then resumes from the
     newest whole checkpoint directory (worker.launch.recover_cut_snapshot), which this finds alike."""
-    from dist_nce.core.artifacts import read_manifest
-    from dist_nce.worker.checkpoint import KIND, incomplete
+    from dist_nce.worker.launch import whole_checkpoints
 
     snapshots = list(storage.glob("*/checkpoint_manager_snapshot.json"))
     assert len(snapshots) == 1, snapshots
     try:
         latest = json.loads(snapshots[0].read_text()).get("latest_checkpoint_result")
     except json.JSONDecodeError:
-        whole = [int(read_manifest(d, KIND)["step"]) for d in snapshots[0].parent.iterdir()
-                 if d.is_dir() and incomplete(d) is None]
-        return max(whole, default=None)
+        return max((step for step, _, _ in whole_checkpoints(snapshots[0].parent)), default=None)
     return latest["metrics"]["step"] if latest else None
 
 

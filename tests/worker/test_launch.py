@@ -18,24 +18,13 @@ PLAN = {"num_workers": 1, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    import os
-
-    from dist_nce.cluster.runtime import single_process_dist_env
-
-    saved = {k: os.environ.get(k) for k in single_process_dist_env()}
-    os.environ.update(single_process_dist_env())
+def engine(dist_env):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     ds = load_deepspeed_config(DS, micro_batch=2, world_size=1, grad_clip=1.0)
     eng, _, _ = build_engine(model, ds, lr=1e-2, weight_decay=0.0, total_steps=4, warmup_proportion=0.0,
                              dist_init_required=True)
-    yield eng
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    return eng
 
 
 def write(engine, run_dir: Path, name: str, step: int) -> Path:
