@@ -29,6 +29,13 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # ... and exports Prometheus metrics from its controller and every worker (to each node's agent),
 # which nothing in the tests reads.
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+# What an idle local Ray costs, paid for each cluster the suite keeps up (measured here: 3.7 CPU-s a
+# minute doing nothing, 2.4 with these): the two workers Ray prestarts for a cluster's first driver (the
+# tests start the actors they use; the prestarted pair only idled, ~0.6 CPU-s a minute each) and the
+# dashboard agent's and head's node stats every 5 s, which nothing in the tests reads.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
+os.environ.setdefault("METRICS_RECORD_INTERVAL_S", "60")
 # The native kernels' build cache (dist_nce/kernels/build.py) is ~/.cache/dist_nce/native: tests that
 # give their processes a new HOME (a machine that never ran Ray) rebuilt every kernel there, about
 # 8 CPU-s per such test (process accounting: 15 compiler runs in tests/benchmarks/test_gpu_e2e.py).
@@ -119,11 +126,13 @@ def ray_local():
     yield ray.get_runtime_context().gcs_address
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """``ray start --head`` as the demo starts it (dist_nce.cluster.head.LocalHead), on a machine
     that has never run Ray: HOME is a new empty directory, so the token is made from nothing.
-    ``env`` is what a client needs (PATH, RAY_AUTH_MODE=token, that HOME)."""
+    ``env`` is what a client needs (PATH, RAY_AUTH_MODE=token, that HOME). Per module, not per
+    session: the two modules that use it have one test each, and a head kept for the session idled
+    for the rest of it (~14 min, ~45 CPU-s of its processes in one suite run, process accounting)."""
     from dist_nce.cluster.head import LocalHead
 
     home = tmp_path_factory.mktemp("fresh_home")

@@ -106,6 +106,29 @@ def pin_jit_builds() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
+def import_deepspeed():
+    """``import deepspeed``, without the mlflow import that DeepSpeed's autotuner makes; returns the module.
+
+    ``deepspeed.runtime.config`` imports ``deepspeed.autotuning``, whose module imports mlflow at
+    once when it is installed (the tracking extra, and the dev install) to log autotuning
+    experiments, which this project never runs: 0.6-0.8 CPU-s in every process that builds an
+    engine, each Ray Train worker of each run, even with tracking off. mlflow is hidden only while
+    DeepSpeed's modules load (the autotuner then records that it has none) and imports normally
+    afterwards; a process that already imported mlflow (tracking on) keeps it as it is.
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which DeepSpeed catches
+    try:
+        import deepspeed
+    finally:
+        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def skip_deepspeed_shm_op() -> None:
     """Keep DeepSpeed from compiling its CPU shared-memory op, which this project never calls.
 
@@ -115,6 +138,7 @@ def skip_deepspeed_shm_op() -> None:
     ``torch.distributed`` with or without it, so marking it incompatible changes no result and
     spares every fresh environment (each demo, each CI run) the build.
     """
+    import_deepspeed()
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 

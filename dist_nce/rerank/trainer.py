@@ -8,14 +8,14 @@ from typing import Any
 from dist_nce.core.config import to_dict
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import RerankPlan, TrainingSet
-from dist_nce.worker.launch import make_torch_trainer, use_gpu  # noqa: F401 (re-exported)
+from dist_nce.worker.launch import fit_and_release, make_torch_trainer, use_gpu  # noqa: F401 (re-exported)
 
 
 def fit(cfg: RerankJobConfig):
     """Train (or resume: same run.name and storage_path) on ``run.num_workers`` workers; the ray.train Result."""
     from dist_nce.rerank.loop import train_func
 
-    return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg)}).fit()
+    return fit_and_release(make_torch_trainer(train_func, cfg, {"job": to_dict(cfg)}))
 
 
 def describe_plan(cfg: RerankJobConfig, plan: RerankPlan, ts: TrainingSet, gpu: bool) -> str:

@@ -14,7 +14,7 @@ from dist_nce.actors.protocols import NegativeSource
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.plan import TrainPlan
-from dist_nce.worker.launch import make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
+from dist_nce.worker.launch import fit_and_release, make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
 
 
 def make_trainer(cfg: TrainJobConfig, service: NegativeSource):
@@ -26,7 +26,7 @@ def make_trainer(cfg: TrainJobConfig, service: NegativeSource):
 
 def fit(cfg: TrainJobConfig, service: NegativeSource):
     """Train (or resume: same run.name and storage_path); returns the ray.train Result."""
-    return make_trainer(cfg, service).fit()
+    return fit_and_release(make_trainer(cfg, service))
 
 
 def describe_plan(cfg: TrainJobConfig, plan: TrainPlan, ranges: list[tuple[int, int]], version: int,

@@ -217,11 +217,11 @@ def build_engine(
     optimizer gets the one-call clipping norm (:func:`foreach_grad_norm`) and, ZeRO-3, a step that
     leaves parameters which are their own partition gathered (:func:`keep_resident_parameters`).
     """
-    from dist_nce.cluster.runtime import pin_jit_builds, skip_deepspeed_shm_op
+    from dist_nce.cluster.runtime import import_deepspeed, pin_jit_builds, skip_deepspeed_shm_op
 
     pin_jit_builds()  # before deepspeed builds any JIT op
     skip_deepspeed_shm_op()  # before deepspeed.comm starts its backend
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     defer_muon_compile()
 

@@ -99,6 +99,27 @@ def resume_checkpoint(loop_config: dict[str, Any]) -> Callable[[], Any]:
     return get
 
 
+def fit_and_release(trainer):
+    """``trainer.fit()``; then the SIGINT handler that Ray Train put in place is the one before it again.
+
+    Called in the main thread, Ray Train 2.60's ``fit`` installs a SIGINT handler (Ctrl-C aborts the run)
+    that holds the run's TrainController actor, and leaves it installed: the controller and the
+    DatasetManager it holds, two processes, stayed alive until the next ``fit`` replaced the handler or
+    the driver exited (seen in every test process that trained in-process, idling the rest of the suite;
+    a notebook that trains keeps them too). Ctrl-C during ``fit`` still aborts the run.
+    """
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        return trainer.fit()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, loop_config: dict[str, Any]):
     """A TorchTrainer running ``train_func`` on ``run.num_workers`` workers; gloo on CPUs, NCCL on GPUs;
     the group meets without a network listener when all workers are on this machine."""

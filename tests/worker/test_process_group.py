@@ -17,9 +17,16 @@ def test_is_loopback():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_workers_meet_without_a_routable_listener(ray_local, tmp_path):
+    """... and the run's TrainController ends with ``fit_and_release`` (worker.launch), which every job's
+    fit goes through: Ray Train's SIGINT handler kept it alive after the run."""
+    import signal
+    import time
+
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.state import list_actors
 
+    from dist_nce.worker.launch import fit_and_release
     from dist_nce.worker.process_group import LocalGroupTorchConfig
 
     def _group_body(config: dict) -> None:  # nested: pickled by value for the workers
@@ -46,7 +53,17 @@ def test_two_workers_meet_without_a_routable_listener(ray_local, tmp_path):
     trainer = TorchTrainer(_group_body, train_loop_config={"out": str(tmp_path)}, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                            torch_config=LocalGroupTorchConfig(backend="gloo"),
                            run_config=RunConfig(name="pg", storage_path=str(tmp_path)))
-    assert trainer.fit().error is None
+    handler = signal.getsignal(signal.SIGINT)
+    assert fit_and_release(trainer).error is None
+    assert signal.getsignal(signal.SIGINT) is handler
+
+    def controllers():
+        return list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+
+    deadline = time.monotonic() + 60  # the actor's exit is asynchronous; ~1 s here
+    while controllers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not controllers()
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (seen["world"], seen["sum"], seen["iface"]) == (2, 3.0, "lo"), seen
