@@ -58,7 +58,8 @@ def test_two_workers_meet_without_a_routable_listener(ray_local, tmp_path):
     assert signal.getsignal(signal.SIGINT) is handler
 
     def controllers():
-        return list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        # this cluster's state API by its address: autodetection refuses to choose between local clusters
+        return list_actors(address=ray_local, filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
 
     deadline = time.monotonic() + 60  # the actor's exit is asynchronous; ~1 s here
     while controllers() and time.monotonic() < deadline:
