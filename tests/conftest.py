@@ -31,11 +31,15 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 # What an idle local Ray costs, paid for each cluster the suite keeps up (measured here: 3.7 CPU-s a
 # minute doing nothing, 2.4 with these): the two workers Ray prestarts for a cluster's first driver (the
-# tests start the actors they use; the prestarted pair only idled, ~0.6 CPU-s a minute each) and the
-# dashboard agent's and head's node stats every 5 s, which nothing in the tests reads.
+# tests start the actors they use; the prestarted pair only idled, ~0.6 CPU-s a minute each); the
+# dashboard agent's and head's node stats every 5 s, which nothing in the tests reads; and the log
+# monitor's search for new log files, every 0.1 s below 1,000 files, every 0.5 s with this threshold
+# (the log monitor of the cluster kept up for most of a suite run used 20 CPU-s; new workers' output
+# reaches the driver up to 0.4 s later).
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 os.environ.setdefault("METRICS_RECORD_INTERVAL_S", "60")
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # The native kernels' build cache (dist_nce/kernels/build.py) is ~/.cache/dist_nce/native: tests that
 # give their processes a new HOME (a machine that never ran Ray) rebuilt every kernel there, about
 # 8 CPU-s per such test (process accounting: 15 compiler runs in tests/benchmarks/test_gpu_e2e.py).
