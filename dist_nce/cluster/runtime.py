@@ -111,7 +111,7 @@ def import_deepspeed():
 
     ``deepspeed.runtime.config`` imports ``deepspeed.autotuning``, whose module imports mlflow at
     once when it is installed (the tracking extra, and the dev install) to log autotuning
-    experiments, which this project never runs: 0.6-0.8 CPU-s in every process that builds an
+    experiments, which this project never runs: 0.5-0.8 CPU-s in every process that builds an
     engine, each Ray Train worker of each run, even with tracking off. mlflow is hidden only while
     DeepSpeed's modules load (the autotuner then records that it has none) and imports normally
     afterwards; a process that already imported mlflow (tracking on) keeps it as it is.
