@@ -17,8 +17,9 @@ def test_is_loopback():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_workers_meet_without_a_routable_listener(ray_local, tmp_path):
-    """... and the run's TrainController ends with ``fit_and_release`` (worker.launch), which every job's
-    fit goes through: Ray Train's SIGINT handler kept it alive after the run."""
+    """Two Ray Train workers form the gloo group listening on loopback only. The same run checks
+    ``fit_and_release`` (worker.launch), which every job's fit goes through: the run's TrainController
+    ends after it, where Ray Train's SIGINT handler kept it alive."""
     import signal
     import time
 
