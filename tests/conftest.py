@@ -29,8 +29,8 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # ... and exports Prometheus metrics from its controller and every worker (to each node's agent),
 # which nothing in the tests reads.
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
-# What an idle local Ray costs, paid for each cluster the suite keeps up (measured here: 3.7 CPU-s a
-# minute doing nothing, 2.4 with these): the two workers Ray prestarts for a cluster's first driver (the
+# What an idle local Ray costs, paid for each cluster the suite keeps up (measured here over 40 s of doing
+# nothing: ~5.5 CPU-s a minute, ~3.5 with these): the two workers Ray prestarts for a cluster's first driver (the
 # tests start the actors they use; the prestarted pair only idled, ~0.6 CPU-s a minute each); the
 # dashboard agent's and head's node stats every 5 s, which nothing in the tests reads; and the log
 # monitor's search for new log files, every 0.1 s below 1,000 files, every 0.5 s with this threshold
