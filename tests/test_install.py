@@ -170,6 +170,26 @@ def test_every_install_path_runs_the_install_script():
     assert os.access(SCRIPT, os.X_OK), "the configs run the script directly"
 
 
+def test_the_installed_modules_have_their_bytecode():
+    """scripts/install.sh installs with pip's --no-compile and compiles site-packages itself, on every
+    core. The project's venv (``make venv``, which ``make test`` builds first on a fresh clone) is what
+    it made: its modules, deep ones included, have current .pyc files. Without them every process
+    the suite starts would compile what it imports (PYTHONDONTWRITEBYTECODE writes none)."""
+    import importlib.util
+
+    if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+        pytest.skip(f"not the project's venv ({sys.prefix}): scripts/install.sh did not make it")
+    modules = ["torch", "torch.nn.modules.linear", "transformers", "transformers.models.bert.modeling_bert",
+               "ray", "ray.train.v2.api.data_parallel_trainer", "deepspeed", "numpy", "pyarrow", "pip"]
+    stale = []
+    for name in modules:
+        source = importlib.util.find_spec(name).origin
+        cached = Path(importlib.util.cache_from_source(source))
+        if not cached.exists() or cached.stat().st_mtime < Path(source).stat().st_mtime:
+            stale.append(f"{name}: {cached}")
+    assert not stale, stale
+
+
 def test_require_faiss_returns_the_library():
     from dist_nce.cluster.runtime import require_faiss
 
