@@ -105,9 +105,9 @@ def ensure_tiny_bert(path: str | os.PathLike, log=print) -> bool:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         make_tiny_bert(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
         try:
+            if out.exists():
+                out.rmdir()  # empty when checked above; a concurrent build may have renamed its model in since
             os.rename(tmp, out)
         except OSError:
             if not (out / "config.json").exists():  # lost a race only if the winner finished

@@ -49,3 +49,25 @@ def test_a_foreign_directory_is_not_replaced(tmp_path):
     with pytest.raises(FileExistsError, match="holds no config.json"):
         ensure_tiny_bert(out, log=lambda _: None)
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_a_concurrent_build_that_finishes_first_wins_quietly(tmp_path, monkeypatch):
+    """Two jobs building the tiny model at once on a fresh checkout (pytest-xdist workers, a grid's parallel
+    cells): the one that renames second finds the winner's complete model in place and uses it."""
+    from dist_nce.core import models
+
+    out = tmp_path / TINY_BERT_DIR
+    out.mkdir(parents=True)  # an empty folder: replaced, as a missing one is created
+    real = models.make_tiny_bert
+
+    def build_while_another_job_finishes(tmp):
+        real(tmp)
+        winner = tmp_path / "winner"
+        real(winner)
+        os.rmdir(out)
+        os.rename(winner, out)  # the other job's rename lands between this one's check and its own
+
+    monkeypatch.setattr(models, "make_tiny_bert", build_while_another_job_finishes)
+    ensure_tiny_bert(out, log=lambda _: None)
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert [p.name for p in out.parent.iterdir()] == ["tiny_bert"]  # this job's temporary copy removed
