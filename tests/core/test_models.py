@@ -52,8 +52,9 @@ def test_a_foreign_directory_is_not_replaced(tmp_path):
 
 
 def test_a_concurrent_build_that_finishes_first_wins_quietly(tmp_path, monkeypatch):
-    """Two jobs building the tiny model at once on a fresh checkout (pytest-xdist workers, a grid's parallel
-    cells): the one that renames second finds the winner's complete model in place and uses it."""
+    """Two jobs building the tiny model at once on a fresh checkout (seen with two pytest-xdist workers
+    running README commands): the one that renames second finds the winner's complete model in place
+    and uses it, instead of failing on the folder it expected to be empty."""
     from dist_nce.core import models
 
     out = tmp_path / TINY_BERT_DIR
