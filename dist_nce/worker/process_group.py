@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import tempfile
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
+
+from dist_nce.core.scratch import scratch_file_path
+
+STORE_PREFIX = "dist_nce_group_"  # the FileStores' names in the temp directory
 
 
 def is_loopback(address: str) -> bool:
@@ -69,7 +71,8 @@ class LocalGroupBackend(_TorchBackend):
         backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU", 0)
                                               else "gloo")
         self._remove_store()  # a restarted group's predecessor: an aborted group is not shut down
-        store_path = self._store_path = os.path.join(tempfile.gettempdir(), f"dist_nce_group_{uuid.uuid4().hex}")
+        # A killed controller leaves its store file; the next group started on this machine removes it.
+        store_path = self._store_path = scratch_file_path(STORE_PREFIX)
 
         def set_env(addr: str, port: int) -> None:  # read by libraries that expect a launcher's env
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)

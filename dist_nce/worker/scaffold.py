@@ -19,13 +19,13 @@ named tensors to it). The Ray calls are constructor arguments, so one process ca
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from typing import Any, Callable
 
 import torch
 
 from dist_nce.core.config import from_dict, to_dict
+from dist_nce.core.scratch import scratch_dir
 from dist_nce.worker import checkpoint
 from dist_nce.worker.collectives import Collectives
 from dist_nce.worker.engine import build_engine, load_deepspeed_config
@@ -185,7 +185,9 @@ class WorkerScaffold:
         (named alike on every rank)."""
         from ray.train import Checkpoint
 
-        with tempfile.TemporaryDirectory(prefix=self.ckpt_prefix) as tmp:
+        # In /tmp, not under run.output_dir (which may be a network file system); a worker killed while
+        # it stages leaves the directory, which the next save on this machine removes (core.scratch).
+        with scratch_dir(self.ckpt_prefix) as tmp:
             checkpoint.save(self.engine, tmp, self.state, self.rank, self.plan.as_dict(), self.checkpoint_tensors())
             self.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
                         checkpoint_dir_name=f"step_{self.state.step:08d}{suffix}")

@@ -97,18 +97,28 @@ class _FakeLocalGroup:
 
 def test_a_groups_store_file_is_removed_on_restart_and_on_a_failed_shutdown(tmp_path, monkeypatch):
     """torch leaves the FileStore's file when a rank dies; Ray Train aborts a failed group without
-    shutting it down, and a shutdown with a dead worker raises: neither may leave the file in /tmp."""
+    shutting it down, and a shutdown with a dead worker raises: neither may leave the file in /tmp.
+    Nor may a killed controller, which never shuts its group down: the next group removes its file."""
+    import subprocess
+    import sys
+
     import ray
     from ray.train.torch.config import _TorchBackend
 
-    from dist_nce.worker.process_group import LocalGroupBackend, LocalGroupTorchConfig
+    from dist_nce.core.scratch import host_tag
+    from dist_nce.worker.process_group import STORE_PREFIX, LocalGroupBackend, LocalGroupTorchConfig
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()
+    orphan = tmp_path / f"{STORE_PREFIX}{host_tag()}_{killed.pid}_{'0' * 32}"
+    orphan.write_bytes(b"store")
     monkeypatch.setattr(ray, "get", lambda refs: refs)  # the fake group's joins return nothing to wait on
     backend, config, group = LocalGroupBackend(), LocalGroupTorchConfig(backend="gloo"), _FakeLocalGroup()
     backend.on_start(group, config)
     first = group.joined[0]["store_path"]
     assert {j["store_path"] for j in group.joined} == {first} and first.startswith(str(tmp_path))
+    assert not orphan.exists()
     open(first, "w").close()  # what torch's FileStore left when a rank was killed
     backend.on_start(group, config)  # Ray Train restarts the group (the failed one was aborted)
     second = group.joined[-1]["store_path"]

@@ -4,6 +4,7 @@ for the same resources the cluster check counts."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -92,3 +93,48 @@ def test_both_trainers_request_custom_resources_per_worker(cls, path):
     assert worker_resources(cfg.run, gpu=True) == {"CPU": 0.5, "GPU": 0.25, "trainer": 1}
     # the pre-flight check counts exactly what the TorchTrainer will ask for
     assert workers_request(cfg.run, gpu=True).each == worker_resources(cfg.run, gpu=True)
+
+
+@pytest.mark.parametrize("worker_cls", ["dist_nce.train.loop:Worker", "dist_nce.rerank.loop:RerankWorker"])
+def test_a_checkpoint_is_staged_in_scratch_and_a_killed_workers_staging_is_removed(monkeypatch, tmp_path,
+                                                                                    worker_cls):
+    """Both trainers stage a checkpoint in a scratch directory of their own prefix (gone once Ray Train
+    has it), and the first save on a machine removes what a killed worker left there mid-save."""
+    import importlib
+    import subprocess
+    import sys
+    import tempfile
+
+    from dist_nce.core.scratch import host_tag
+    from dist_nce.worker import checkpoint
+
+    module, name = worker_cls.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own temp directory
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{cls.ckpt_prefix}{host_tag()}_{dead.pid}_k1ll"
+    (left / "deepspeed").mkdir(parents=True)
+    (left / "deepspeed" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
+
+    def fake_save(engine, directory, state, rank, plan, tensors=None):
+        (Path(directory) / "manifest.json").write_text("{}")
+
+    reported = []
+
+    def report(metrics, checkpoint=None, checkpoint_dir_name=None):
+        staged = Path(checkpoint.path)
+        reported.append((staged, sorted(p.name for p in staged.iterdir()), checkpoint_dir_name))
+
+    monkeypatch.setattr(checkpoint, "save", fake_save)
+    worker = cls.__new__(cls)
+    worker.engine, worker.rank, worker.report = None, 0, report
+    worker.state, worker.plan = SimpleNamespace(step=7), SimpleNamespace(as_dict=dict)
+    worker.checkpoint_tensors = dict
+    worker.save_checkpoint({"step": 7, "loss": 1.0})
+
+    (staged, files, dir_name), = reported
+    assert files == ["manifest.json"] and dir_name == "step_00000007"
+    assert staged.parent == tmp_path and staged.name.startswith(f"{cls.ckpt_prefix}{host_tag()}_{os.getpid()}_")
+    assert not staged.exists()  # removed once reported
+    assert not left.exists()
