@@ -10,8 +10,9 @@ Ray Train controller was killed.
 So scratch names carry the machine and the id of the process that made them
 (``<prefix><host>_<pid>_<random>``), and whoever makes the next one under the same prefix removes
 those of its machine whose process is gone. Never removed: an entry of another user, a symbolic link,
-an entry of a live process, one made on another machine (a /tmp shared between containers that do
-not see each other's processes), or one without that pattern (made by another program or version).
+an entry of a live process, one made on another machine or in another process-id namespace (a /tmp
+shared between containers that do not see each other's processes), or one without that pattern (made
+by another program or version).
 """
 from __future__ import annotations
 
@@ -28,8 +29,13 @@ from typing import Iterator
 
 
 def host_tag() -> str:
-    """Eight hex digits naming this machine (its hostname) in scratch names."""
-    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    """Eight hex digits naming this machine (its hostname) and, on Linux, the process-id namespace in
+    which the process ids of scratch names mean something (containers with the host's hostname)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha1(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
 
 
 def _alive(pid: int) -> bool:

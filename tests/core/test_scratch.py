@@ -74,3 +74,13 @@ def test_scratch_file_path_names_a_new_file_and_reaps_first(tmp_path):
 
 def test_a_missing_temp_directory_is_not_an_error(tmp_path):
     assert remove_orphans(PREFIX, tmp_path / "absent") == []
+
+
+def test_another_process_id_namespace_has_another_tag(monkeypatch, tmp_path):
+    """A container with this machine's hostname but its own process ids (a /tmp shared with the host)
+    names its entries differently, so neither side removes the other's live entries as orphans."""
+    here = host_tag()
+    theirs = make_dir(tmp_path, f"{PREFIX}{here}_{dead_pid()}_a")
+    monkeypatch.setattr(os, "readlink", lambda path: "pid:[4026532999]" if path == "/proc/self/ns/pid" else path)
+    assert host_tag() != here
+    assert remove_orphans(PREFIX, tmp_path) == [] and theirs.exists()
