@@ -11,6 +11,7 @@ to parse, which fails the test as well.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,12 +47,32 @@ def _key(item: Any) -> str:
     return "/".join(item.nested_key) if item.nested_key else item.key
 
 
-def wandb_run(run_dir: Path) -> dict[str, Any]:
-    """One offline run directory: its id, config, history rows ({step: {key: value}}), summary
-    updates and logged artifacts (name, type, file paths)."""
+def complete_records(path: Path, wait_s: float = 60.0) -> list[Any]:
+    """The records of a ``.wandb`` file once W&B has written all of it: up to its exit record.
+
+    ``run.finish()`` returns before wandb-core closes the run's stream, and the core writes the file
+    out when it closes it (seen: a read right after ``finish`` found no run record; 50 ms later the
+    file was whole). So wait for the exit record, which ``finish`` sends last."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except Exception as e:  # noqa: BLE001 (a half-written file: a cut chunk, or not even the header yet)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{path}: still not a whole .wandb file after {wait_s} s: {e}") from e
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path}: no exit record after {wait_s} s ({len(records)} records)"
+        time.sleep(0.1)
+
+
+def wandb_run(run_dir: Path, wait_s: float = 60.0) -> dict[str, Any]:
+    """One finished offline run directory: its id, config, history rows ({step: {key: value}}),
+    summary updates and logged artifacts (name, type, file paths); ``wait_s``: for the file to be whole."""
     (file,) = run_dir.glob("run-*.wandb")
     out: dict[str, Any] = {"id": None, "config": {}, "history": {}, "summary": {}, "artifacts": []}
-    for rec in wandb_records(file):
+    for rec in complete_records(file, wait_s):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["id"] = rec.run.run_id
@@ -71,9 +92,9 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def wandb_runs(wandb_dir: Path) -> list[dict[str, Any]]:
+def wandb_runs(wandb_dir: Path, wait_s: float = 60.0) -> list[dict[str, Any]]:
     """Every offline run under ``<dir>/wandb``, oldest first (one per process that opened it)."""
-    return [wandb_run(d) for d in sorted((wandb_dir / "wandb").glob("offline-run-*"))]
+    return [wandb_run(d, wait_s) for d in sorted((wandb_dir / "wandb").glob("offline-run-*"))]
 
 
 def mlflow_history(client: Any, run_id: str) -> dict[int, dict[str, float]]:

@@ -243,7 +243,13 @@ class WandbRun:
         self.run.log({k: float(v) for k, v in values.items()}, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns before wandb-core has closed the run's stream, which is when it writes the
+        # run's file out (offline: the only copy), and Ray Train ends its workers with ray.kill, which
+        # runs no atexit hook (W&B's own teardown): wait for W&B here.
+        wandb.teardown()
 
 
 def _finish_wandb(cfg: WandbConfig, record: dict[str, Any], params: dict[str, Any], scores: dict[str, float],

@@ -156,7 +156,9 @@ def test_a_tracked_run_reads_back_as_its_metrics_jsonl(setup, tiny_model_dir, tr
     want = {k: param_text(v) for k, v in params_of(to_dict(cfg)).items()}
     assert run.data.params == want and "optim.lr" in want
 
-    (wb,) = wandb_runs(out)  # W&B's dir defaults to run.output_dir
+    # W&B's dir defaults to run.output_dir. Whole at once: the worker waited for W&B to write it (Ray
+    # Train ends a worker with ray.kill, and no later W&B teardown would come).
+    (wb,) = wandb_runs(out, wait_s=0)
     assert wb["id"] == record["wandb"]["id"] and record["wandb"]["project"] == "tiny"
     assert wb["history"] == jsonl
     assert {k: v for k, v in wb["config"].items() if not k.startswith("_")} == params_of(to_dict(cfg))
