@@ -82,6 +82,18 @@ def holds_file_in(pid: int, prefix: str) -> bool:
     return False
 
 
+def scratch_of(pids) -> list[str]:
+    """What ``pids`` made in the temp directory through dist_nce.core.scratch (checkpoint staging
+    directories, process-group store files) and is still there."""
+    from dist_nce.core.scratch import host_tag
+    from dist_nce.worker.process_group import STORE_PREFIX
+    from dist_nce.worker.scaffold import WorkerScaffold
+
+    starts = tuple(f"{prefix}{host_tag()}_{pid}_" for prefix in (WorkerScaffold.ckpt_prefix, STORE_PREFIX)
+                   for pid in pids)
+    return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(starts))
+
+
 def processes_of(session: int, temp_dir: str) -> dict[int, bytes]:
     """Every process of a job: in its session (field 6 of stat), naming its Ray temp dir on
     its command line, or a ``ray::`` process holding a file inside that temp dir."""
@@ -380,6 +392,8 @@ def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
     record["first_output"] = job.output
     record["losses_before_rerun"] = train_losses(metrics)
     record["checkpoint_before_rerun"] = latest_checkpoint(storage)
+    killed = {*record.get("driver", {}).get("processes", {}), record.get("worker", {}).get("pid")}
+    record["scratch_before_rerun"] = scratch_of(killed)
 
     # the same command again: resumes
     rerun = Job(args, run_dir / "rerun.log")
@@ -391,6 +405,7 @@ def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
     record["rerun_output"] = rerun.output
     record["rerun_left"], _ = wait_until_gone(rerun.proc.pid, rerun.temp_dir)
     rerun.remove_temp_dir()
+    record["scratch_after_rerun"] = scratch_of(killed)
     record["losses"] = train_losses(metrics)
     record["summary"] = json.loads((run_dir / "out" / "summary.json").read_text())
     print("chaos:", json.dumps({k: record[k] for k in ("shard", "worker", "rerun_seconds")}, default=str))
@@ -443,6 +458,15 @@ def test_a_killed_driver_leaves_no_process(chaos):
     # ... and none of it was left ORPHAN_GRACE seconds later
     assert not driver["left"], f"orphans {driver['gone_after_s']} s after the driver was killed: {driver['left']}"
     assert not chaos["rerun_left"], f"processes left by the rerun: {chaos['rerun_left']}"
+
+
+def test_the_rerun_removes_what_the_killed_processes_left_in_tmp(chaos):
+    """The killed driver took its Ray Train controller down with its process group's store file in
+    /tmp (and a killed worker may leave a half-staged checkpoint there): the rerun's first group and
+    checkpoint on this machine remove them (dist_nce.core.scratch)."""
+    before = chaos["scratch_before_rerun"]
+    assert any(name.startswith("dist_nce_group_") for name in before), before
+    assert chaos["scratch_after_rerun"] == [], (before, chaos["scratch_after_rerun"])
 
 
 def test_the_rerun_resumes_and_matches_an_undisturbed_run(chaos, undisturbed):
