@@ -158,8 +158,11 @@ def test_a_stopped_head_does_not_drain_for_30_s_unless_asked(tmp_path, monkeypat
     from dist_nce.cluster import head as head_mod
 
     monkeypatch.delenv(head_mod.DRAIN_VAR, raising=False)
-    assert head_mod.LocalHead(env={"HOME": str(tmp_path)})._start_env[head_mod.DRAIN_VAR] == "0"
-    assert head_mod.LocalHead(env={"HOME": str(tmp_path), head_mod.DRAIN_VAR: "12"})._start_env[
-        head_mod.DRAIN_VAR] == "12"
+
+    def start_env(**env: str) -> dict:  # never started: its temp dir under tmp_path, not an rh_* left in /tmp
+        return head_mod.LocalHead(env={"HOME": str(tmp_path), **env}, temp_dir=str(tmp_path / "t"))._start_env
+
+    assert start_env()[head_mod.DRAIN_VAR] == "0"
+    assert start_env(**{head_mod.DRAIN_VAR: "12"})[head_mod.DRAIN_VAR] == "12"
     monkeypatch.setenv(head_mod.DRAIN_VAR, "7")
-    assert head_mod.LocalHead(env={"HOME": str(tmp_path)})._start_env[head_mod.DRAIN_VAR] == "7"
+    assert start_env()[head_mod.DRAIN_VAR] == "7"
