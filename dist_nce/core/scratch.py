@@ -82,9 +82,10 @@ def remove_orphans(prefix: str, where: str | os.PathLike | None = None) -> list[
     return removed
 
 
-def scratch_name(prefix: str) -> str:
-    """``<prefix><host>_<pid>_``: the start of a scratch entry's name made by this process."""
-    return f"{prefix}{host_tag()}_{os.getpid()}_"
+def scratch_name(prefix: str, pid: int | None = None) -> str:
+    """``<prefix><host>_<pid>_``: the start of the scratch entries' names made by process ``pid`` on this
+    machine (default: this process)."""
+    return f"{prefix}{host_tag()}_{os.getpid() if pid is None else pid}_"
 
 
 @contextlib.contextmanager

@@ -85,12 +85,11 @@ def holds_file_in(pid: int, prefix: str) -> bool:
 def scratch_of(pids) -> list[str]:
     """What ``pids`` made in the temp directory through dist_nce.core.scratch (checkpoint staging
     directories, process-group store files) and is still there."""
-    from dist_nce.core.scratch import host_tag
+    from dist_nce.core.scratch import scratch_name
     from dist_nce.worker.process_group import STORE_PREFIX
     from dist_nce.worker.scaffold import WorkerScaffold
 
-    starts = tuple(f"{prefix}{host_tag()}_{pid}_" for prefix in (WorkerScaffold.ckpt_prefix, STORE_PREFIX)
-                   for pid in pids)
+    starts = tuple(scratch_name(prefix, pid) for prefix in (WorkerScaffold.ckpt_prefix, STORE_PREFIX) for pid in pids)
     return sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(starts))
 
 

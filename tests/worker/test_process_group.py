@@ -105,13 +105,13 @@ def test_a_groups_store_file_is_removed_on_restart_and_on_a_failed_shutdown(tmp_
     import ray
     from ray.train.torch.config import _TorchBackend
 
-    from dist_nce.core.scratch import host_tag
+    from dist_nce.core.scratch import scratch_name
     from dist_nce.worker.process_group import STORE_PREFIX, LocalGroupBackend, LocalGroupTorchConfig
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     killed = subprocess.Popen([sys.executable, "-c", "pass"])
     killed.wait()
-    orphan = tmp_path / f"{STORE_PREFIX}{host_tag()}_{killed.pid}_{'0' * 32}"
+    orphan = tmp_path / f"{scratch_name(STORE_PREFIX, killed.pid)}{'0' * 32}"
     orphan.write_bytes(b"store")
     monkeypatch.setattr(ray, "get", lambda refs: refs)  # the fake group's joins return nothing to wait on
     backend, config, group = LocalGroupBackend(), LocalGroupTorchConfig(backend="gloo"), _FakeLocalGroup()

@@ -105,7 +105,7 @@ def test_a_checkpoint_is_staged_in_scratch_and_a_killed_workers_staging_is_remov
     import sys
     import tempfile
 
-    from dist_nce.core.scratch import host_tag
+    from dist_nce.core.scratch import scratch_name
     from dist_nce.worker import checkpoint
 
     module, name = worker_cls.split(":")
@@ -113,7 +113,7 @@ def test_a_checkpoint_is_staged_in_scratch_and_a_killed_workers_staging_is_remov
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's own temp directory
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    left = tmp_path / f"{cls.ckpt_prefix}{host_tag()}_{dead.pid}_k1ll"
+    left = tmp_path / f"{scratch_name(cls.ckpt_prefix, dead.pid)}k1ll"
     (left / "deepspeed").mkdir(parents=True)
     (left / "deepspeed" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
 
@@ -135,6 +135,6 @@ def test_a_checkpoint_is_staged_in_scratch_and_a_killed_workers_staging_is_remov
 
     (staged, files, dir_name), = reported
     assert files == ["manifest.json"] and dir_name == "step_00000007"
-    assert staged.parent == tmp_path and staged.name.startswith(f"{cls.ckpt_prefix}{host_tag()}_{os.getpid()}_")
+    assert staged.parent == tmp_path and staged.name.startswith(scratch_name(cls.ckpt_prefix))
     assert not staged.exists()  # removed once reported
     assert not left.exists()
