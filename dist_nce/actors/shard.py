@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from dist_nce.actors.config import ServiceConfig
-from dist_nce.cluster.runtime import configure_process, ray_runtime_env_vars
+from dist_nce.cluster.runtime import actor_runtime_env, configure_process
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.encode import (Precision, compile_wanted, encode_precision, encode_rows, prepare_encoder,
                                    state_fingerprint, store_fingerprint)
@@ -515,7 +515,7 @@ def actor_options(config: ServiceConfig) -> dict[str, Any]:
         "max_restarts": config.max_restarts,
         "max_task_retries": config.max_task_retries,
         "max_concurrency": config.max_concurrency,  # the default group: searches, status
-        "runtime_env": {"env_vars": ray_runtime_env_vars()},
+        "runtime_env": actor_runtime_env(),
         # Shards hold large embedding matrices and encode in parallel: spread them over nodes.
         "scheduling_strategy": "SPREAD",
     }

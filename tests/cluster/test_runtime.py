@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,14 +95,20 @@ def get_node(*args, **kwargs):
 
 node_mod.time, services.get_node = Clock(), get_node
 runtime.STARTUP_BACKOFF_S = 0.0
-init_ray(num_cpus=1)
+init_ray(num_cpus=1, runtime_env={"env_vars": {"DIST_NCE_CALLERS_VAR": "mine"}})
 node_mod.time, services.get_node = real_time, real_get_node
 servers = ray_servers()
+NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "DIST_NCE_CALLERS_VAR")
+worker_env, worker_actor_env = ray.get(ray.remote(num_cpus=0)(
+    lambda: ({k: os.environ.get(k) for k in NAMES}, runtime.actor_runtime_env())).remote())
+job_env = {"runtime_env": ray.get_runtime_context().runtime_env, "worker": worker_env,
+           "driver": {k: os.environ.get(k) for k in NAMES},
+           "actor_runtime_env": {"driver": runtime.actor_runtime_env(), "worker": worker_actor_env}}
 # Only this cluster's sockets: the processes init_ray started descend from this one, so other
 # programs on the machine (another Ray, a server) cannot make the check fail or pass.
 new = sorted(listening(socket_inodes(descendants(os.getpid()))))
 ray.shutdown()
-print(json.dumps({"listening": new, "failed_starts": len(failed), "servers": servers}))
+print(json.dumps({"listening": new, "failed_starts": len(failed), "servers": servers, "env": job_env}))
 """
 
 # 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc/net prints them
@@ -111,7 +118,10 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 @pytest.fixture(scope="module")
 def local_start():
     """SCRIPT's report: one local Ray started by init_ray after a start that timed out."""
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+                                                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -122,6 +132,30 @@ def test_a_local_start_that_times_out_is_stopped_and_tried_again(local_start):
     assert report["failed_starts"] == 1 and "trying again (2/3)" in stderr, stderr[-2000:]
     # the timed-out start's GCS and raylet were stopped: one of each is left, the running node's
     assert report["servers"] == {"gcs_server": 1, "raylet": 1}, report
+
+
+@pytest.mark.ray
+def test_a_local_rays_workers_get_the_settings_from_the_node_not_from_a_runtime_env(local_start):
+    """Workers of a job with a runtime env start through Ray's setup_worker.py (an extra interpreter and
+    its imports): a local node started by init_ray carries the settings itself, the caller's own
+    variables included, and this process's environment is as it was."""
+    env = local_start[0]["env"]
+    assert env["runtime_env"] == {}, env
+    assert env["worker"] == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": "mine"}, env
+    assert env["driver"] == {"OMP_NUM_THREADS": None, "TOKENIZERS_PARALLELISM": None,
+                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": None}, env
+    # ... and so do the shards started there, by the driver or by a worker (a Serve replica)
+    assert env["actor_runtime_env"] == {"driver": {}, "worker": {}}, env
+
+
+def test_actors_started_under_a_plain_ray_init_get_the_settings_as_their_runtime_env(monkeypatch):
+    from dist_nce.cluster import runtime
+
+    monkeypatch.delenv(runtime.NODE_SETTINGS_MARK, raising=False)
+    monkeypatch.setattr(runtime, "_local_node", None)
+    assert runtime.actor_runtime_env() == {"env_vars": runtime.ray_runtime_env_vars()}
+    assert runtime.actor_runtime_env()["env_vars"]["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.ray
