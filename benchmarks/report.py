@@ -697,6 +697,24 @@ def som_grid(data: dict) -> str:
     return "\n".join([*lines, "", _run_line(data)]) + "\n"
 
 
+def ray_start(data: dict) -> str:
+    """An actor's start on a local Ray: the workers' settings in the node's environment or in the job's runtime env."""
+    names = {"node_env": "settings in the node's environment (`init_ray`)",
+             "runtime_env": "the same settings as the job's runtime env"}
+    lines = [f"{data['actors']} trivial actors on a fresh local Ray (`num_cpus=0`), {data['rounds']} rounds, the two "
+             "ways alternating, each in a new process. Seconds from the first creation to the last answer and CPU "
+             "seconds per actor process (user + system, Ray's `setup_worker.py` included); median (min-max).", ""]
+    rows = [[names[m], f"{data['methods'][m]['start_s']['median']:.2f} ({data['methods'][m]['start_s']['min']:.2f}-"
+                       f"{data['methods'][m]['start_s']['max']:.2f})",
+             f"{data['methods'][m]['cpu_s_per_actor']['median']:.2f} ({data['methods'][m]['cpu_s_per_actor']['min']:.2f}-"
+             f"{data['methods'][m]['cpu_s_per_actor']['max']:.2f})"] for m in ("node_env", "runtime_env")]
+    c = data["methods"]["compare"]
+    rows.append(["node / runtime env", *(f"{c[k]['x_median']:.2f}x" + ("" if c[k]["distinct"] else " (overlap)")
+                                         for k in ("start_s", "cpu_s_per_actor"))])
+    lines += _table(["actors started with", "start s", "CPU s per actor"], rows)
+    return "\n".join([*lines, "", _run_line(data)]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale, "refresh": refresh,
                                                 "train_step": train_step, "link": link,
                                                 "scoring": scoring, "search": search, "ingest": ingest,
@@ -706,7 +724,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"mining": mining, "scale": scale,
                                                 "gpu_e2e": gpu_e2e,
                                                 "import_rss": import_rss, "monitor": monitor,
                                                 "som_grid": som_grid, "serve_load": serve_load,
-                                                "packed": packed}
+                                                "packed": packed, "ray_start": ray_start}
 
 
 def sources(name: str) -> tuple[str, ...]:

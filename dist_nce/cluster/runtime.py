@@ -294,9 +294,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
                                     undo=ray.shutdown)
     # A local node passes its own environment on to every process it starts, so the workers' settings
     # go there instead of into the job's runtime env. A worker whose job has a runtime env starts
-    # through Ray's setup_worker.py: one more interpreter, ~0.4 CPU-s of imports, then an exec of the
-    # real worker (~0.5 CPU-s more per actor in all, measured with 6 actors). The rest of a caller's
-    # runtime env still goes to ray.init.
+    # through Ray's setup_worker.py (one more interpreter and its imports, then an exec of the real
+    # worker) and cannot be one the node prestarted: benchmarks/ray_start.py measured 0.90 CPU-s per
+    # actor process that way against 0.52, and 6 actors ready in 2.98 s against 1.45. The rest of a
+    # caller's runtime env still goes to ray.init.
     runtime_env = {k: v for k, v in runtime_env.items() if k != "env_vars"} or None
     # address="local": without it ray.init joins any cluster a `ray start` left on this machine.
     # The dashboard (on loopback, a free port) also serves the state API that Ray Train's

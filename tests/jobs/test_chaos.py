@@ -47,6 +47,13 @@ JOB = "jobs/aida_finetune.py"
 SETTINGS = ["refresh.mode=sync", "refresh.every_steps=0", "run.checkpoint_every_steps=3", "run.max_failures=2",
             "run.evaluate_before=false", "run.export=false", "service.encode_batch_size=1"]
 TOTAL_STEPS = 24  # configs/aida/test_tiny.yaml: 6 epochs x 4 steps
+STEPS_PER_EPOCH, CHECKPOINT_EVERY = 4, 3  # the same config; SETTINGS
+
+
+def checkpointed(done: int) -> bool:
+    """Whether the trainer saves a checkpoint once ``done`` steps are done (WorkerScaffold.checkpoint_due:
+    every run.checkpoint_every_steps and at every epoch's end)."""
+    return done % CHECKPOINT_EVERY == 0 or done % STEPS_PER_EPOCH == 0
 RUN_TIMEOUT = 900  # seconds for one run of the job on a loaded 2-core machine
 ORPHAN_GRACE = 30  # seconds within which every process of a killed driver must be gone
 
@@ -359,8 +366,20 @@ def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
             timeout=300)
         watcher.stop()
         watcher = None
-        # (b) a Ray Train worker, while the group trains
-        job.wait_for("step 13", lambda: max((s for s, _ in train_losses(metrics)), default=-1) >= 13)
+        # (b) a Ray Train worker, while the group trains, after the shard's restart and at a step with no
+        # checkpoint after it or after the next one: a step's checkpoint is saved after its loss is logged, so
+        # killed there the group would resume exactly where it stopped and replay nothing.
+        after = record["shard"]["steps_logged"]
+
+        def unsaved_step():
+            last = max((s for s, _ in train_losses(metrics)), default=-1)
+            if last >= after and not checkpointed(last + 1) and not checkpointed(last + 2):
+                return True
+            if last >= TOTAL_STEPS - 2:  # the restarted group must still train two steps past it
+                pytest.fail(f"no step without a checkpoint was left to kill a worker at (at step {last}): {record}")
+            return False
+
+        job.wait_for("a step without a checkpoint after it", unsaved_step, poll=0.02)
         workers = titled(session, b"ray::RayTrainWorker")
         assert len(workers) == 2, workers
         os.kill(workers[-1], signal.SIGKILL)
@@ -438,8 +457,8 @@ def test_each_kill_hit_what_it_aimed_at(chaos):
     assert shard["error"] in ("ACTOR_DIED", "ACTOR_UNAVAILABLE", "WORKER_DIED"), shard
     assert shard["pid"] not in shard["restarted_as"], shard
     worker = chaos["worker"]
-    # the group restarted from a checkpoint at or before the step the worker died in
-    assert worker["restart_step"] % 3 == 0 and worker["restart_step"] <= worker["last_logged_step"] + 1, worker
+    # the group restarted from a checkpoint before the step the worker died in, and trained that step again
+    assert checkpointed(worker["restart_step"]) and worker["restart_step"] <= worker["last_logged_step"], worker
     assert worker["resumed_line"], "the restarted worker group did not say it resumed"
     assert f"resumed at step {worker['restart_step']}" in chaos["first_output"]
     driver = chaos["driver"]
