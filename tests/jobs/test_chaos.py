@@ -48,14 +48,14 @@ SETTINGS = ["refresh.mode=sync", "refresh.every_steps=0", "run.checkpoint_every_
             "run.evaluate_before=false", "run.export=false", "service.encode_batch_size=1"]
 TOTAL_STEPS = 24  # configs/aida/test_tiny.yaml: 6 epochs x 4 steps
 STEPS_PER_EPOCH, CHECKPOINT_EVERY = 4, 3  # the same config; SETTINGS
+RUN_TIMEOUT = 900  # seconds for one run of the job on a loaded 2-core machine
+ORPHAN_GRACE = 30  # seconds within which every process of a killed driver must be gone
 
 
 def checkpointed(done: int) -> bool:
     """Whether the trainer saves a checkpoint once ``done`` steps are done (WorkerScaffold.checkpoint_due:
     every run.checkpoint_every_steps and at every epoch's end)."""
     return done % CHECKPOINT_EVERY == 0 or done % STEPS_PER_EPOCH == 0
-RUN_TIMEOUT = 900  # seconds for one run of the job on a loaded 2-core machine
-ORPHAN_GRACE = 30  # seconds within which every process of a killed driver must be gone
 
 
 # ---------------------------------------------------------------------------- processes
