@@ -175,6 +175,7 @@ def test_the_installed_modules_have_their_bytecode():
     core. The project's venv (``make venv``, which ``make test`` builds first on a fresh clone) is what
     it made: its modules, deep ones included, have current .pyc files. Without them every process
     the suite starts would compile what it imports (PYTHONDONTWRITEBYTECODE writes none)."""
+    import importlib.machinery
     import importlib.util
 
     if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
@@ -183,7 +184,11 @@ def test_the_installed_modules_have_their_bytecode():
                "ray", "ray.train.v2.api.data_parallel_trainer", "deepspeed", "numpy", "pyarrow", "pip"]
     stale = []
     for name in modules:
-        source = importlib.util.find_spec(name).origin
+        # pip through the path finder alone: setuptools' distutils hook (on sys.meta_path) answers a lookup of
+        # "pip" by switching itself off for the rest of the process, and a later `import setuptools` in this
+        # pytest worker (torch.compile's C++ build) then fails its own check on the stdlib's distutils.
+        spec = importlib.machinery.PathFinder.find_spec(name) if name == "pip" else importlib.util.find_spec(name)
+        source = spec.origin
         cached = Path(importlib.util.cache_from_source(source))
         if not cached.exists() or cached.stat().st_mtime < Path(source).stat().st_mtime:
             stale.append(f"{name}: {cached}")
