@@ -255,18 +255,23 @@ def actor_runtime_env() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def environment(values: Mapping[str, str]):
-    """``os.environ`` with ``values`` set inside the block, as it was after it."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
+def environment(values: Mapping[str, str | None]):
+    """``os.environ`` with ``values`` set (None: unset) inside the block, as it was after it: for a
+    process started or a library called there that reads them."""
+
+    def apply(changes: Mapping[str, str | None]) -> None:
+        for k, v in changes.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    before = {k: os.environ.get(k) for k in values}
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(before)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: Any):

@@ -23,14 +23,14 @@ steps below the one its resumed run is at.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from dist_nce.cluster.runtime import environment
 from dist_nce.core.artifacts import atomic_write_json
 from dist_nce.worker.tracking_config import MlflowConfig, TrackingConfig, WandbConfig
 
@@ -87,19 +87,6 @@ def read_record(output_dir: str | Path) -> dict[str, Any]:
 def _record(output_dir: str | Path, tracker: str, entry: dict[str, Any]) -> None:
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(output_dir) / RECORD, {**read_record(output_dir), tracker: entry})
-
-
-@contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    """Environment variables set (None: unset) for one call into a library that reads them."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _allow_file_store(uri: str) -> None:
@@ -159,7 +146,7 @@ class MlflowRun:
         self.changed = sorted(k for k, v in texts.items() if k in have and have[k] != v)
         # setup_mlflow has no run id argument; mlflow.start_run resumes the run MLFLOW_RUN_ID names.
         # Params are immutable in MLflow: a resumed run gets only the ones it lacks.
-        with _env(MLFLOW_RUN_ID=previous.info.run_id if previous else None):
+        with environment({"MLFLOW_RUN_ID": previous.info.run_id if previous else None}):
             # rank_zero_only=False: only rank 0 gets here, and the local backend has no Train context.
             self.mlflow = setup_mlflow(config=new,
                                        tracking_uri=cfg.tracking_uri, experiment_name=cfg.experiment,
@@ -222,7 +209,7 @@ def _open_wandb(cfg: WandbConfig, config: dict[str, Any], output_dir: str, run_n
     directory = cfg.dir or output_dir
     Path(directory).mkdir(parents=True, exist_ok=True)
     # Ray's API-key check reads WANDB_MODE from the environment, not the mode argument.
-    with _env(WANDB_MODE=cfg.mode):
+    with environment({"WANDB_MODE": cfg.mode}):
         return setup_wandb(config=config, rank_zero_only=False, project=cfg.project, entity=cfg.entity,
                            group=cfg.group, name=cfg.name or run_name, tags=list(cfg.tags), mode=cfg.mode,
                            dir=directory, id=run_id, resume="allow",
