@@ -51,3 +51,15 @@ def test_durations_are_read_from_a_junit_report(tmp_path):
         '<testcase classname="tests.core.test_config.TestRanges" name="c" time="1.25"/>'
         '</testsuite></testsuites>')
     assert file_seconds(str(tmp_path / "j.xml")) == {"tests/core/test_config.py": 1.2, "tests/jobs/test_chaos.py": 120.5}
+
+
+def test_the_readme_states_the_suites_minutes_from_the_durations_file():
+    """README.md's time for `make test` is the durations file's seconds over the Makefile's pytest processes."""
+    seconds = sum(json.loads(DURATIONS.read_text()).values())
+    workers = int(re.search(r"^TEST_WORKERS \?= (\d+)$", (REPO / "Makefile").read_text(), re.M).group(1))
+    said = re.search(r"`make\s+test`.*?takes\s+about\s+(\d+)\s+minutes\s+on\s+2\s+cores",
+                     (REPO / "README.md").read_text(), re.S)
+    assert said, "README.md no longer says how long `make test` takes"
+    minutes = seconds / workers / 60
+    assert abs(int(said.group(1)) - minutes) <= 1, \
+        f"README.md says about {said.group(1)} minutes; tests/durations.json sums to {minutes:.1f} per process"
