@@ -15,6 +15,7 @@ for every field, defaults included, before the dataclass's own cross-field
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -281,6 +282,23 @@ def load_config(cls: type[T], path: str | os.PathLike, overrides: list[str] | No
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     data = _deep_merge(dict(data), parse_overrides(overrides))
     return from_dict(cls, data, source=path)
+
+
+def absolute_paths(cfg: T, fields: tuple[str, ...], base: str | None = None) -> T:
+    """A copy of ``cfg`` whose local paths at the dotted ``fields`` are absolute (relative to ``base``, default
+    the cwd): Ray Train workers and job drivers run in other directories. URIs (``s3://...``) and unset
+    paths are left alone."""
+    out = copy.deepcopy(cfg)
+    base = base or os.getcwd()
+    for dotted in fields:
+        *parents, name = dotted.split(".")
+        holder = out
+        for p in parents:
+            holder = getattr(holder, p)
+        value = getattr(holder, name)
+        if value and "://" not in value and not os.path.isabs(value):
+            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
+    return out
 
 
 def to_dict(obj: Any) -> Any:

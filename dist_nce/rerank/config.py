@@ -6,13 +6,12 @@ so the two jobs read alike.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, plain_name
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, ConfigError, Range, absolute_paths, plain_name
 from dist_nce.modeling.reranker import RerankerConfig
 from dist_nce.train.config import DeepSpeedConfig, OptimConfig, WorkerRunConfig
 from kb.zeshel import ZESHEL_SPLITS
@@ -105,18 +104,8 @@ PATH_FIELDS = ("data.train_store", "data.eval_store", "data.candidates_dir", "mo
 
 
 def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> RerankJobConfig:
-    """A copy whose local paths are absolute (Ray Train workers run in another directory)."""
-    out = copy.deepcopy(cfg)
-    base = base or os.getcwd()
-    for dotted in PATH_FIELDS:
-        *parents, name = dotted.split(".")
-        holder = out
-        for p in parents:
-            holder = getattr(holder, p)
-        value = getattr(holder, name)
-        if value and "://" not in value and not os.path.isabs(value):
-            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
-    return out
+    """A copy whose local paths (PATH_FIELDS) are absolute (Ray Train workers run in another directory)."""
+    return absolute_paths(cfg, PATH_FIELDS, base)
 
 
 def check_inputs(cfg: RerankJobConfig) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dist_nce.actors.config import ServiceConfig
-from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, plain_name
+from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, absolute_paths, plain_name
 from dist_nce.modeling.retriever import RetrieverConfig
 from dist_nce.worker.tracking_config import TrackingConfig
 
@@ -294,18 +294,6 @@ PATH_FIELDS = ("data.prepared_dir", "data.kilt_knowledge_source", "data.aida_dir
 
 
 def with_absolute_paths(cfg: TrainJobConfig, base: str | None = None) -> TrainJobConfig:
-    """A copy of ``cfg`` whose local paths are absolute (relative to ``base``, default the cwd).
+    """A copy of ``cfg`` whose local paths (PATH_FIELDS) are absolute (relative to ``base``, default the cwd).
     URIs (``s3://...``) and unset paths are left alone."""
-    import copy
-
-    out = copy.deepcopy(cfg)
-    base = base or os.getcwd()
-    for dotted in PATH_FIELDS:
-        *parents, name = dotted.split(".")
-        holder = out
-        for p in parents:
-            holder = getattr(holder, p)
-        value = getattr(holder, name)
-        if value and "://" not in value and not os.path.isabs(value):
-            setattr(holder, name, os.path.normpath(os.path.join(base, value)))
-    return out
+    return absolute_paths(cfg, PATH_FIELDS, base)

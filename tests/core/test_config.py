@@ -3,7 +3,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from dist_nce.core.config import ConfigError, from_dict, load_config, to_dict
+from dist_nce.core.config import ConfigError, absolute_paths, from_dict, load_config, to_dict
 
 
 @dataclass
@@ -47,3 +47,23 @@ def test_wrong_type_and_literal():
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(Outer, "/nonexistent/x.yaml")
+
+
+@dataclass
+class _Where:
+    store: str = ""
+    uri: str = ""
+
+
+@dataclass
+class _Job:
+    data: _Where = field(default_factory=_Where)
+    out: str = ""
+
+
+def test_absolute_paths_resolves_local_paths_and_leaves_uris_and_unset_ones(tmp_path):
+    cfg = _Job(_Where("data/../kb", "s3://bucket/kb"), "")
+    got = absolute_paths(cfg, ("data.store", "data.uri", "out"), str(tmp_path))
+    assert got.data.store == str(tmp_path / "kb") and got.data.uri == "s3://bucket/kb" and got.out == ""
+    assert cfg.data.store == "data/../kb"  # a copy: the caller's config is unchanged
+    assert absolute_paths(_Job(_Where(str(tmp_path))), ("data.store",), "/elsewhere").data.store == str(tmp_path)
