@@ -57,7 +57,7 @@ def test_the_readme_states_the_suites_minutes_from_the_durations_file():
     """README.md's time for `make test` is the durations file's seconds over the Makefile's pytest processes."""
     seconds = sum(json.loads(DURATIONS.read_text()).values())
     workers = int(re.search(r"^TEST_WORKERS \?= (\d+)$", (REPO / "Makefile").read_text(), re.M).group(1))
-    said = re.search(r"`make\s+test`.*?takes\s+about\s+(\d+)\s+minutes\s+on\s+2\s+cores",
+    said = re.search(r"`make\s+test`.*?takes?\s+about\s+(\d+)\s+minutes\s+on\s+2\s+cores",
                      (REPO / "README.md").read_text(), re.S)
     assert said, "README.md no longer says how long `make test` takes"
     minutes = seconds / workers / 60
