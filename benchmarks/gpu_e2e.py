@@ -52,6 +52,12 @@ CONFIG = "configs/aida/one_gpu_dual_p50.yaml"
 TARGETS = {"step_ratio_to_engine": 1.15, "negatives_wait_fraction": 0.02}
 STAGES = ("bare_engine", "train", "mining", "kilt_eval")
 WARM_STEPS = 10  # steps left out of the step-time figures: compile, allocator and cache warm-up
+# The parts of a logged step (dist_nce/train/loop.py train_step), in order; together they are the step
+# but for the bookkeeping between them. mine_submit: encoding the mentions of the batch P steps ahead
+# and sending them to the shards, after the optimizer step; time/mine_encode_s (logged since this split)
+# is the encode's share of it, so it is reported beside the parts, not as one of them.
+STEP_PARTS = {"refresh_publish": "time/refresh_s", "negatives_wait": "time/negatives_wait_s",
+              "batch": "time/batch_s", "compute": "time/compute_s", "mine_submit": "time/mine_submit_s"}
 # The CPU rehearsal: the same config at tiny size (tiny BERT, 3,000 entities, shards and worker on CPUs).
 TINY_SETS = [
     "data.synthetic_entities=3000", "data.synthetic_train=160", "data.synthetic_dev=40", "data.synthetic_test=10",
@@ -110,7 +116,27 @@ def step_records(lines: list[dict], warm: int = WARM_STEPS) -> dict[str, Any]:
         "refresh_publish_s": spread([r["time/refresh_s"] for r in steps if r.get("time/refresh_s", 0) > 1e-3]),
         "refresh_wait_s_total": sum(r.get("time/refresh_wait_s", 0.0) for r in steps),
         "versions_seen": sorted({int(r["index/version"]) for r in steps if "index/version" in r}),
+        "parts": step_parts(steps),
     }
+
+
+def step_parts(steps: list[dict]) -> dict[str, Any] | None:
+    """Where the steps' time went: each part of :data:`STEP_PARTS` as a share of the summed step time and
+    its median seconds, ``rest`` what no part holds, and ``mine_encode`` (the mention encode inside
+    mine_submit) where it was logged. Steps logged without every part (an older run) are left out."""
+    full = [r for r in steps if all(k in r for k in STEP_PARTS.values())]
+    total = sum(r["time/step_s"] for r in full)
+    if not full or total <= 0:
+        return None
+    out: dict[str, Any] = {"steps": len(full)}
+    for name, key in STEP_PARTS.items():
+        out[name] = {"share": sum(r[key] for r in full) / total, "median_s": statistics.median(r[key] for r in full)}
+    rest = [r["time/step_s"] - sum(r[k] for k in STEP_PARTS.values()) for r in full]
+    out["rest"] = {"share": sum(rest) / total, "median_s": statistics.median(rest)}
+    encoded = [r["time/mine_encode_s"] for r in full if "time/mine_encode_s" in r]
+    out["mine_encode"] = ({"share": sum(encoded) / total, "median_s": statistics.median(encoded)}
+                          if len(encoded) == len(full) else None)
+    return out
 
 
 def refresh_records(shard_dir: Path) -> list[dict[str, Any]]:

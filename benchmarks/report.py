@@ -550,6 +550,19 @@ def gpu_e2e(data: dict) -> str:
     if r:
         lines.append(f"- Job step / bare engine step: {r['ratio']:.2f}x ({r['ratio_without_refresh_in_flight']:.2f}x "
                      f"without a refresh in flight); target <= {r['target']}x: {'met' if r['met'] else 'NOT met'}.")
+    parts = steps.get("parts")
+    if parts:
+        what = {"compute": "forward, backward and optimizer", "mine_submit": "encoding and sending the batch P steps "
+                "ahead after the optimizer step", "negatives_wait": "waiting for negatives", "batch": "batch assembly",
+                "refresh_publish": "publishing weights for a refresh", "rest": "the rest"}
+        enc = parts.get("mine_encode")
+        engine_s = ((eng.get("engine") or {}).get("step_seconds") or {}).get("median")
+        lines.append("- Where the job's step time goes (share of all steps' time, median ms): " + "; ".join(
+            f"{what[k]} {100 * parts[k]['share']:.1f}% ({1e3 * parts[k]['median_s']:.1f}"
+            + (f"; the bare engine's step {1e3 * engine_s:.1f}" if k == "compute" and engine_s else "") + ")"
+            + (f", of which the mention encode {1e3 * enc['median_s']:.1f}" if k == "mine_submit" and enc else "")
+            for k in ("compute", "mine_submit", "negatives_wait", "batch", "refresh_publish", "rest"))
+            + ("." if enc else " (the encode's own share was not logged in this run)."))
     w = checks.get("negatives_wait_fraction")
     if w:
         lines.append(f"- The trainer's wait for negatives: {100 * w['fraction']:.2f}% of step time with a refresh in "

@@ -227,7 +227,8 @@ class Worker(WorkerScaffold):
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         refresh_wait0 = self.publisher.wait_s
-        submit0 = self.prefetcher.submit_s if self.prefetcher else 0.0  # P = 0 submits inside get()
+        # P = 0 submits inside get()
+        submit0, encode0 = (self.prefetcher.submit_s, self.prefetcher.encode_s) if self.prefetcher else (0.0, 0.0)
         if refresh_due(self.cfg.refresh, self.cfg.model.freeze_entity_encoder, self.plan, step):
             self.publisher.publish(step)
             if self.publisher.wait and self.prefetcher is not None:
@@ -274,6 +275,7 @@ class Worker(WorkerScaffold):
             "time/compute_s": t4 - t3, "time/refresh_s": t1 - t0,
             "time/refresh_wait_s": self.publisher.wait_s - refresh_wait0,
             "time/mine_submit_s": (self.prefetcher.submit_s - submit0) if self.prefetcher else 0.0,
+            "time/mine_encode_s": (self.prefetcher.encode_s - encode0) if self.prefetcher else 0.0,
             "index/version": mined.version, "index/staleness": self.state.book.staleness(step, mined.version),
             "index/published": self.state.book.version,
             "kb/version": self.kb.kb_version, "kb/removed_gold_skipped": skipped,

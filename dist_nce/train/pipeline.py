@@ -137,6 +137,9 @@ class NegativePrefetcher:
         self._pending: deque[tuple[StepRequest, Any]] = deque()
         self._next = 0
         self.submit_s = 0.0  # time spent encoding + submitting (on the worker, not waiting)
+        # Of submit_s, the mention encode: on a GPU it includes waiting for the step's queued work (its
+        # read-back to the host), so the rest of submit_s is the request and the Ray calls alone.
+        self.encode_s = 0.0
 
     def start(self, step: int, restored: StepNegatives | None = None) -> None:
         self._pending.clear()
@@ -166,7 +169,9 @@ class NegativePrefetcher:
         req = self.request(step)
         if req.step != step:
             raise AssertionError(f"request for step {step} says step {req.step}")
+        t1 = self.clock()
         reps = self.encode(req.mentions)
+        self.encode_s += self.clock() - t1
         future = self.service.draw(self.sampling, reps, req.gold, req.seed, req.query_keys)
         self._pending.append((req, future))
         self.submit_s += self.clock() - t0

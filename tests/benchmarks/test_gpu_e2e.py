@@ -36,6 +36,23 @@ def test_step_records_split_steps_by_refresh_in_flight_and_leave_out_warm_ones()
     assert gpu_e2e.step_records(lines[:3], warm=3) == {"steps": 0}
 
 
+def test_step_parts_share_the_step_time_and_name_the_rest():
+    def line(step, encode=None):
+        r = {"step": step, "time/step_s": 0.30, "time/refresh_s": 0.01, "time/negatives_wait_s": 0.02,
+             "time/batch_s": 0.03, "time/compute_s": 0.20, "time/mine_submit_s": 0.03}
+        return r if encode is None else {**r, "time/mine_encode_s": encode}
+
+    parts = gpu_e2e.step_records([line(s, encode=0.01) for s in range(4)], warm=0)["parts"]
+    assert parts["steps"] == 4
+    assert parts["compute"]["share"] == pytest.approx(0.2 / 0.3) and parts["compute"]["median_s"] == pytest.approx(0.2)
+    assert parts["rest"]["median_s"] == pytest.approx(0.01) and parts["rest"]["share"] == pytest.approx(0.01 / 0.3)
+    assert sum(v["share"] for k, v in parts.items() if k in (*gpu_e2e.STEP_PARTS, "rest")) == pytest.approx(1.0)
+    assert parts["mine_encode"]["median_s"] == pytest.approx(0.01)  # inside mine_submit, beside the parts
+    # a run logged before the encode had its own time: the parts without it; one without every part: none
+    assert gpu_e2e.step_parts([line(s) for s in range(4)])["mine_encode"] is None
+    assert gpu_e2e.step_parts([{"step": 0, "time/step_s": 0.3, "time/compute_s": 0.2}]) is None
+
+
 def test_encoder_flops_is_the_matmul_and_attention_count():
     # one layer, hidden 4, 10 matmul parameters: 2 * 10 * T + 4 * 1 * T^2 * 4 per sequence
     assert gpu_e2e.encoder_flops(10, 1, 4, [3, 5]) == (2 * 10 * 3 + 16 * 9) + (2 * 10 * 5 + 16 * 25)
@@ -89,6 +106,10 @@ def test_the_one_gpu_config_end_to_end_at_tiny_size_on_a_cpu(tmp_path):
     row = result["mining"]["rows"][0]
     assert row["service_vs_kernel"]["x_median"] > 0
     assert set(result["checks"]) == {"step_ratio_to_engine", "negatives_wait_fraction"}
+    # the job logged every part of its steps, the mention encode inside the mining submit included
+    parts = result["train"]["steps"]["parts"]
+    assert parts["steps"] == 6 and parts["compute"]["median_s"] > 0
+    assert 0 < parts["mine_encode"]["median_s"] <= parts["mine_submit"]["median_s"], parts
 
 
 def test_the_committed_result_is_what_its_committed_sources_assemble_to(tmp_path):

@@ -80,6 +80,23 @@ def test_only_get_blocks_and_the_wait_is_what_it_measures():
     assert wait == pytest.approx(0.25)
 
 
+def test_submitting_times_the_encode_apart_from_the_request_and_the_call():
+    service, weights = FakeService(), Weights()
+    now = [0.0]
+
+    def encode(idx):  # 0.5 s on the clock, as a device read-back would take
+        now[0] += 0.5
+        return weights.encode(idx)
+
+    def slow_request(step):
+        now[0] += 0.25
+        return request(step)
+
+    pf = NegativePrefetcher(service, SAMPLING, encode, slow_request, 4, depth=2, clock=lambda: now[0])
+    pf.start(0)  # two submits
+    assert pf.encode_s == pytest.approx(1.0) and pf.submit_s == pytest.approx(1.5)
+
+
 def test_reset_drops_in_flight_requests_and_remines_them():
     service, weights = FakeService(), Weights()
     pf = NegativePrefetcher(service, SAMPLING, weights.encode, request, 10, depth=3)
