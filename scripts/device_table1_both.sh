@@ -14,7 +14,9 @@
 # back in $OUT/both.tgz with the logs. Here: tar xzf both.tgz, then pack again for the next lease, which
 # runs only what is left (the cells are keyed by their settings: tests/minipaper/test_both_towers_configs.py).
 #   GRID_SETS: extra --set flags for jobs/mini_paper.py (the CPU rehearsal shrinks the runs with it);
-#   CONFIGS: which of the two grids, in order (default: both).
+#   CONFIGS: which of the two grids, in order (default: both);
+#   HIDE_FAISS=1 (the CPU rehearsal): `import faiss` fails in every process of the run, as on the GPU
+#   machine, which has none.
 set -u
 OUT=${OUT:-/tmp/both_out}
 GRID=${GRID:-runs/mini_paper_both}
@@ -33,6 +35,12 @@ fi
 "$PY" -c "import ray, deepspeed" 2>/dev/null || { echo "no Ray or DeepSpeed here: run STAGE=install first" >&2; exit 1; }
 export PYTHONPATH="$PWD:/tmp/both_site${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" scripts/device_table2.py unpack .devcarry /tmp/both_site || exit 1
+if [[ -n "${HIDE_FAISS:-}" ]]; then  # first on the path, for the job, the Ray head and every worker
+  mkdir -p "$OUT/no_faiss/faiss"
+  echo 'raise ImportError("faiss is hidden (HIDE_FAISS=1): the GPU machine has none")' > "$OUT/no_faiss/faiss/__init__.py"
+  export PYTHONPATH="$OUT/no_faiss:$PYTHONPATH"
+  "$PY" -c "import faiss" 2>/dev/null && { echo "HIDE_FAISS: faiss still imports" >&2; exit 1; }
+fi
 LEFT=$GRID_SECONDS
 for config in ${CONFIGS:-minilm_both_towers_gpu minilm_staleness_gpu}; do
   START=$(date +%s)

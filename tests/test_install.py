@@ -219,8 +219,13 @@ def test_without_faiss_the_torch_backend_runs_and_a_faiss_backend_gives_install_
     q = torch.randn(3, 8)
     top = ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="torch", device="cpu")).topk(q, 5, torch.full((3,), -1))
     assert torch.equal(torch.as_tensor(top.ids), (q @ ents.t()).topk(5).indices)
-    with pytest.raises(ImportError, match=r"pip install -e '\.\[cpu\]' \(faiss-cpu\) or pip install -e '\.\[gpu\]'"):
+    advice = r"pip install -e '\.\[cpu\]' \(faiss-cpu\) or pip install -e '\.\[gpu\]'"
+    with pytest.raises(ImportError, match=advice):
         ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="flat", device="cpu"))
+    # on a CUDA device the index first asks whether faiss sees the GPU: the same advice, not a bare ImportError
+    # (faiss_gpu "on" takes that path here)
+    with pytest.raises(ImportError, match=advice):
+        ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="flat", device="cpu", faiss_gpu="on"))
 
 
 def test_jobs_fail_clearly_on_a_faiss_left_behind_by_uninstalling_its_twin(monkeypatch):

@@ -155,8 +155,7 @@ def has_cuda() -> bool:
 
 
 def faiss_has_gpu() -> bool:
-    import faiss
-
+    faiss = require_faiss()  # a faiss backend on a CUDA device asks this first: give the install advice
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
