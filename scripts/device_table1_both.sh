@@ -41,6 +41,10 @@ if [[ -n "${HIDE_FAISS:-}" ]]; then  # first on the path, for the job, the Ray h
   export PYTHONPATH="$OUT/no_faiss:$PYTHONPATH"
   "$PY" -c "import faiss" 2>/dev/null && { echo "HIDE_FAISS: faiss still imports" >&2; exit 1; }
 fi
+# A shard on this GPU against one on its CPU, for every call the service makes (benchmarks/gpu.py, section
+# shard; seconds): a failure is in $OUT/gpu_shard.json before any cell meets it.
+"$PY" -m benchmarks.gpu --sections shard --force --out "$OUT" > "$OUT/gpu_shard.log" 2>&1
+echo "gpu shard check exit: $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/grid.txt"
 LEFT=$GRID_SECONDS
 for config in ${CONFIGS:-minilm_both_towers_gpu minilm_staleness_gpu}; do
   START=$(date +%s)

@@ -41,3 +41,25 @@ def test_operators_per_chunk_are_a_small_constant_and_never_sync(seed):
                  for a, b in ((4096, 2048), (2048, 1024))]
     assert per_chunk[0] == per_chunk[1] and per_chunk[0] <= 30, per_chunk  # a constant, and small
     assert counts[4096]["host_syncs"] == counts[1024]["host_syncs"] <= 3  # at the end only, not per chunk
+
+
+def test_shard_section_compares_every_call_of_the_service_and_fails_on_a_difference(tmp_path, monkeypatch):
+    """On a CPU both shards are CPU shards (the GPU run puts one on the device): the section runs every call the
+    service makes of a shard, for dual and multi-8, and a shard that answers differently fails it."""
+    assert gpu.main(["--quick", "--device", "cpu", "--sections", "shard", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "gpu_shard.json").read_text())
+    calls = ("topk", "gumbel_topk", "score_rows", "lse_grad_all", "lse_grad_rows")
+    assert data["passed"] and all(data[f"{a}_{c}_on_host"] for a in ("dual", "multi8") for c in calls)
+    assert data["dual_topk_ids_equal"] == 1.0 and data["multi8_lse_grad_rows_max_diff"] == 0.0
+
+    from dist_nce.index.live import LiveIndex
+
+    plain, seen = LiveIndex.score_rows, []
+
+    def off_on_the_device(self, queries, rows):  # the device's shard is asked first: 0.01 off there
+        seen.append(1)
+        return plain(self, queries, rows) + (0.01 if len(seen) % 2 else 0.0)
+    monkeypatch.setattr(LiveIndex, "score_rows", off_on_the_device)
+    assert gpu.main(["--quick", "--device", "cpu", "--sections", "shard", "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "gpu_shard.json").read_text())
+    assert not data["passed"] and data["dual_score_rows_max_diff"] > 0.009

@@ -71,8 +71,8 @@ def lse_grad_all(spec: ScoreSpec, q: Reps, entities: Reps, chunk_rows: int = 409
     ``autograd``: take the gradient by autograd even where :func:`closed_form` applies (the reference).
     """
     batch = q.vecs.shape[0]
-    out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
-                  torch.zeros(q.vecs.shape, dtype=torch.float64))
+    out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64, device=q.vecs.device),
+                  torch.zeros(q.vecs.shape, dtype=torch.float64, device=q.vecs.device))
     n = entities.vecs.shape[0]
     closed = closed_form(spec) and not autograd
     for a in range(0, n, chunk_rows):
@@ -135,8 +135,8 @@ def _lse_grad_hard(q: Reps, block: Reps, gone: Tensor | None, dtype: torch.dtype
         alive = torch.ones(rows, dtype=torch.bool, device=evecs.device)
         alive[gone.to(evecs.device)] = False
     step = max(1, (1 << 23) // max(queries.shape[0] * evecs.shape[1], 1))
-    out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64),
-                  torch.zeros((batch, n_q, dim), dtype=torch.float64))
+    out = LseGrad(torch.full((batch,), float("-inf"), dtype=torch.float64, device=vecs.device),
+                  torch.zeros((batch, n_q, dim), dtype=torch.float64, device=vecs.device))
     for a in range(0, rows, step):
         pick = slice(a, a + step) if order is None else order[a:a + step]
         ev = evecs[pick].to(dtype)

@@ -116,6 +116,9 @@ class LiveIndex:
         """This shard's (lse, grad) of log-sum-exp s(x, .) over its live rows (``rows`` None) or
         over the rows it owns of global ``rows`` [B, S, K] (``dist_nce.bias.gradbias``)."""
         q = Reps(queries) if isinstance(queries, Tensor) else queries
+        # The service sends host tensors; a GPU shard's rows are on its device, and it answers on the
+        # host, as its searches do.
+        q = Reps(q.vecs.to(self.device), None if q.mask is None else q.mask.to(self.device))
         dtype = torch.promote_types(self.compute, torch.float32)  # gradients of half scores are too coarse
         parts = []
         for p in self.pieces:
@@ -124,7 +127,8 @@ class LiveIndex:
                 parts.append(lse_grad_all(self.spec, q, p.entities, self.config.chunk_rows or 4096, dtype,
                                           None if dead is None else dead.to(p.device)))
             else:
-                local = rows - p.row_start
+                local = rows.to(p.device) - p.row_start
                 local = torch.where((local >= 0) & (local < p.num_rows), local, torch.full_like(local, -1))
                 parts.append(lse_grad_rows(self.spec, q, p.entities, local, dtype))
-        return parts[0] if len(parts) == 1 else merge_lse(parts)
+        out = parts[0] if len(parts) == 1 else merge_lse(parts)
+        return LseGrad(out.lse.cpu(), out.grad.cpu())
