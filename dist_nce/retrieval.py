@@ -184,8 +184,11 @@ def ranked_source_ids(store: EntityStore, rows: np.ndarray) -> list[list[str]]:
 
 
 def default_index_config(retriever: Retriever) -> IndexConfig:
-    """Exact search: faiss flat for inner-product presets (dual, multi-m), torch otherwise."""
-    return IndexConfig(backend="flat" if is_inner_product(retriever.spec) else "torch")
+    """Exact search: faiss flat for inner-product presets (dual, multi-m) where faiss is installed, the exact
+    torch backend otherwise (the same ranking: a GPU machine with torch alone evaluates and links too)."""
+    from dist_nce.cluster.runtime import faiss_installed
+
+    return IndexConfig(backend="flat" if is_inner_product(retriever.spec) and faiss_installed() else "torch")
 
 
 def build_local_index(

@@ -226,6 +226,12 @@ def test_without_faiss_the_torch_backend_runs_and_a_faiss_backend_gives_install_
     # (faiss_gpu "on" takes that path here)
     with pytest.raises(ImportError, match=advice):
         ShardIndex(spec, Reps(ents), 0, IndexConfig(backend="flat", device="cpu", faiss_gpu="on"))
+    # the in-process search of evaluation and linking (`auto`) takes the exact torch backend; with faiss, flat
+    from dist_nce.retrieval import default_index_config
+
+    assert default_index_config(types.SimpleNamespace(spec=spec)).backend == "torch"
+    monkeypatch.delitem(sys.modules, "faiss")
+    assert default_index_config(types.SimpleNamespace(spec=spec)).backend == "flat"
 
 
 def test_jobs_fail_clearly_on_a_faiss_left_behind_by_uninstalling_its_twin(monkeypatch):

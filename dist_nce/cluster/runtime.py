@@ -85,6 +85,15 @@ def configure_process(threads: int | None = 1, faiss: bool = True) -> None:
             pass
 
 
+def faiss_installed() -> bool:
+    """Whether faiss imports (a broken one, the remnant of an uninstalled twin, still raises)."""
+    try:
+        require_faiss()
+    except FaissMissing:
+        return False
+    return True
+
+
 class FaissMissing(ImportError):
     """``import faiss`` failed: no faiss in this environment (:func:`require_faiss`)."""
 

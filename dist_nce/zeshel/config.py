@@ -60,7 +60,8 @@ class ZeshelConfig:
     candidates_dir: Optional[str] = _help("Where candidates_<split>.json go (default <run.output_dir>/candidates).",
                                           default=None)
     eval_backend: Literal["auto", "torch", "flat"] = _help(
-        "In-process index of the evaluation: auto = faiss flat for dual/multi, exact torch otherwise.",
+        "In-process index of the evaluation: auto = faiss flat for dual/multi where faiss is installed, "
+        "exact torch otherwise (the same ranking).",
         default="auto")
     eval_batch_size: int = _help("Mentions per encoder batch in the evaluation.", AT_LEAST_1, default=128)
     eval_device: str = _help("Device of the evaluation (auto: cuda if available).", default="auto")

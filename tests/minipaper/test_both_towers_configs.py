@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dist_nce.core.config import load_config
+from dist_nce.index.exact import auto_chunk_rows
 from dist_nce.minipaper.cells import zeshel_cells
 from dist_nce.minipaper.config import MiniPaperConfig
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
@@ -49,12 +50,16 @@ def test_the_base_differs_from_the_frozen_grids_in_the_entity_tower_and_the_gpu_
     cpu = flat(asdict(load_config(ZeshelRetrieverConfig, REPO / "configs/zeshel/retriever_minilm_cpu.yaml")))
     gpu = flat(asdict(load_config(ZeshelRetrieverConfig, REPO / "configs/zeshel/retriever_minilm_gpu.yaml")))
     differ = {k for k in cpu if cpu[k] != gpu[k]}
-    # service.index.backend: torch there, faiss flat here; the same exact sampler over the same fp32 rows
-    # draws the hard negatives in both, and both top-k searches are exact
+    # service.index.backend, zeshel.eval_backend: torch there, faiss here (none on the GPU machine); the same
+    # exact sampler over the same fp32 rows draws the hard negatives in both, and every top-k search is exact
     assert differ == {"model.freeze_entity_encoder", "model.entity_cache", "refresh.mode", "refresh.every_steps",
                       "refresh.at_epoch_start", "service.num_cpus", "service.num_gpus", "service.index.backend",
-                      "run.name", "run.output_dir", "run.use_gpu", "run.cpus_per_worker", "run.gpus_per_worker"}, differ
+                      "service.index.chunk_rows", "zeshel.eval_backend", "run.name", "run.output_dir", "run.use_gpu",
+                      "run.cpus_per_worker", "run.gpus_per_worker"}, differ
     assert (cpu["service.index.backend"], gpu["service.index.backend"]) == ("flat", "torch")
+    # the chunk the CPU's auto gives (on a GPU auto pads this small KB to millions of rows)
+    assert (cpu["service.index.chunk_rows"], gpu["service.index.chunk_rows"]) == (0, auto_chunk_rows("cpu", 8, 128))
+    assert (cpu["zeshel.eval_backend"], gpu["zeshel.eval_backend"]) == ("auto", "torch")
     assert cpu["service.index.gumbel"] == gpu["service.index.gumbel"] == "auto"
     # and the grids on top: the same common overrides, start, arms and seeds
     frozen, _ = grid("minilm_cpu.yaml")
@@ -83,9 +88,10 @@ def test_the_staleness_ablation_shares_the_grids_cells_and_varies_the_refresh_on
 
 def test_every_cell_runs_without_faiss():
     """The lent GPU machine has no faiss and its carry brings none (MiniLM alone is 52.5 of the 64 MiB): a cell
-    on a faiss backend (flat, ivf, hnsw) would stop at its shard's start. scripts/device_table1_both.sh runs
-    these two grids there."""
+    on a faiss backend (flat, ivf, hnsw) would stop at its shard's start, or in its evaluation after training.
+    scripts/device_table1_both.sh runs these two grids there."""
     for name in ("minilm_both_towers_gpu.yaml", "minilm_staleness_gpu.yaml"):
         _, cells = grid(name)
         for cell in cells.values():
-            assert resolved(cell).service.index.backend == "torch", (name, cell.name)
+            run = resolved(cell)
+            assert (run.service.index.backend, run.zeshel.eval_backend) == ("torch", "torch"), (name, cell.name)
