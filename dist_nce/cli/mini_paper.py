@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.reranker.enabled and "reranker" in parts:
             parts.remove("reranker")
         cells = planned_cells(cfg, parts)
-        check_cells(cells)
+        cpus = head_cpus(cfg, parts, check_cells(cells))
     except ConfigError as e:
         return error(e)
     out = Path(args.out).resolve()
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = " (+ the reranker cells once the retrievers are done)" if "reranker" in parts else ""
         print(f"{args.config}: config and inputs OK: {len(cells)} cells{extra} (dry run: nothing run)")
         return 0
-    return run_grid(cfg, parts, cells, out, args.config)
+    return run_grid(cfg, parts, cells, out, args.config, cpus)
 
 
 def planned_cells(cfg: MiniPaperConfig, parts: list[str]) -> dict:
@@ -83,19 +83,43 @@ def planned_cells(cfg: MiniPaperConfig, parts: list[str]) -> dict:
     return {c.name: c for pair in itertools.zip_longest(*lists) for c in pair if c is not None}
 
 
-def check_cells(cells: dict) -> None:
-    """Every cell's base config with its overrides loads (paths made by other cells aside)."""
+def check_cells(cells: dict) -> dict:
+    """Every cell's base config with its overrides loads (paths made by other cells aside); returns
+    each cell's loaded config by name."""
     from dist_nce.minipaper.cells import AIDA_JOB, RETRIEVER_JOB
     from dist_nce.train.config import TrainJobConfig
     from dist_nce.zeshel.config import ZeshelRetrieverConfig
 
     kinds = {RETRIEVER_JOB: ZeshelRetrieverConfig, AIDA_JOB: TrainJobConfig}
+    loaded = {}
     for c in cells.values():
         sets = [s for s in c.sets if not s.startswith("model.init_from=")]  # made by the shared start
         try:
-            load_config(kinds[c.job], ROOT / c.config, sets)
+            loaded[c.name] = load_config(kinds[c.job], ROOT / c.config, sets)
         except ConfigError as e:
             raise ConfigError(f"cell {c.name}: {e}") from None
+    return loaded
+
+
+def head_cpus(cfg: MiniPaperConfig, parts: list[str], runs: dict) -> int:
+    """Logical CPUs of the grid's Ray head: ``parallel`` times the most any cell asks Ray for (its
+    shards and its training workers live for its whole run), and at least two a cell. A head sized
+    below that starts the next cells' shards and leaves their workers waiting for CPUs that only a
+    finished cell frees (``runs``: :func:`check_cells`' configs; Table 2's rerankers from their config)."""
+    import math
+
+    from dist_nce.cluster.fit import Request, service_request, workers_request
+    from dist_nce.rerank.config import RerankJobConfig
+
+    def cpus(*requests: Request) -> float:
+        return sum(r.count * r.each.get("CPU", 0.0) for r in requests)
+
+    need = [2.0] + [cpus(service_request(r.service), workers_request(r.run, True)) for r in runs.values()]
+    if "reranker" in parts:
+        rerank = load_config(RerankJobConfig, ROOT / cfg.reranker.config, cfg.reranker.set)
+        if rerank.run.backend != "local":
+            need.append(cpus(workers_request(rerank.run, True)))
+    return math.ceil(cfg.parallel * max(need) - 1e-9)
 
 
 def dry_run_jobs(cells: dict, out: Path) -> list[str]:
@@ -221,7 +245,8 @@ def needs_ray(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path) ->
     return load_config(RerankJobConfig, ROOT / cfg.reranker.config, cfg.reranker.set).run.backend != "local"
 
 
-def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, config_path: str) -> int:
+def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, config_path: str,
+             head_cpus: int) -> int:
     from dist_nce.cluster.head import LocalHead
     from dist_nce.cluster.runtime import ray_env
     from dist_nce.core.artifacts import atomic_write_json, write_manifest
@@ -242,11 +267,13 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
 
     # SIGTERM (ray job stop, kill) unwinds like Ctrl-C: the cells stop and the Ray head with them.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # Two logical CPUs a cell (a 1-CPU worker + shards) so that `parallel` of them fit together.
-    # No head when every cell left to run trains in its own process (local reranker cells on a
-    # machine without Ray: what the GPU machine that ran the MiniLM Table 2 is).
+    # Room for `parallel` cells at once (head_cpus). No head when every cell left to run trains in its
+    # own process (local reranker cells on a machine without Ray: what the GPU machine that ran the
+    # MiniLM Table 2 is).
     ray_needed = needs_ray(cfg, parts, cells, out)
-    with (LocalHead(num_cpus=2 * cfg.parallel) if ray_needed else contextlib.nullcontext()) as head:
+    if ray_needed:
+        log(f"[mini-paper] Ray head with {head_cpus} logical CPUs: {cfg.parallel} cells at once")
+    with (LocalHead(num_cpus=head_cpus) if ray_needed else contextlib.nullcontext()) as head:
         env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address} if head else ray_env()
         if not ray_needed:
             log("[mini-paper] no Ray head: every cell left to run is a local (run.backend=local) reranker cell")

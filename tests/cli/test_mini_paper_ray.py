@@ -1,10 +1,11 @@
-"""jobs/mini_paper.py starts its Ray head only when a cell left to run needs one (``needs_ray``)."""
+"""jobs/mini_paper.py starts its Ray head only when a cell left to run needs one (``needs_ray``), with room for
+``parallel`` cells at once (``head_cpus``)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from dist_nce.cli.mini_paper import ROOT, needs_ray, planned_cells
+from dist_nce.cli.mini_paper import ROOT, check_cells, head_cpus, needs_ray, planned_cells
 from dist_nce.core.config import load_config
 from dist_nce.minipaper.config import MiniPaperConfig
 
@@ -30,3 +31,25 @@ def test_no_head_when_only_local_reranker_cells_are_left(tmp_path):
     assert not needs_ray(cfg, parts, cells, tmp_path / "done")
     ray_rerankers = load_config(MiniPaperConfig, ROOT / CONFIG, ["reranker.set=[run.backend=ray]"])
     assert needs_ray(ray_rerankers, parts, cells, tmp_path / "done")
+
+
+def _head(config: str, *sets: str) -> tuple[MiniPaperConfig, int]:
+    cfg = load_config(MiniPaperConfig, ROOT / config, list(sets))
+    parts = ["zeshel", "reranker"] if cfg.reranker.enabled else ["zeshel"]
+    return cfg, head_cpus(cfg, parts, check_cells(planned_cells(cfg, parts)))
+
+
+def test_the_head_holds_parallel_cells_of_the_most_demanding_kind():
+    # the frozen-tower grid: a cell asks for 0.5 (shard) + 1 (worker) CPUs: two a cell, as before
+    cfg, cpus = _head("configs/mini_paper/minilm_cpu.yaml")
+    assert (cfg.parallel, cpus) == (2, 4)
+    # issue 36's GPU grid: 2 (shard) + 2 (worker) a cell, three at once; a head of 2 x 3 = 6 held one cell and
+    # the next one's shard, whose worker then waited for the first cell to end
+    cfg, cpus = _head("configs/mini_paper/minilm_both_towers_gpu.yaml")
+    assert (cfg.parallel, cpus) == (3, 12)
+    cfg, cpus = _head("configs/mini_paper/minilm_both_towers_gpu.yaml", "parallel=1")
+    assert cpus == 4
+    # Table 2's rerankers count when they train through Ray (backend local: in the job's own process)
+    _, local = _head(CONFIG)
+    _, ray_rerankers = _head(CONFIG, "reranker.set=[run.backend=ray, run.cpus_per_worker=3]")
+    assert (local, ray_rerankers) == (2, 3)
