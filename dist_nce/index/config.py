@@ -74,8 +74,8 @@ class IndexConfig:
     chunk_rows: int = _help(
         "entities per block on the exact path; blocks follow a global grid, so keep it equal across shards "
         "for bit-identical Gumbel samples (SOM: a block materialises chunk_rows x T x d). 0 = auto: 8192 on "
-        "a CPU, on a GPU a [B, chunk] fp32 score chunk of ~512 MB, divided by the vectors per entity row (T for "
-        "SOM, m for multi-m) (index.exact.auto_chunk_rows)", 0, AT_LEAST_0)
+        "a CPU, on a GPU a [B, chunk] fp32 score chunk of ~512 MB and at most 2 GB of entity vectors, divided by "
+        "the vectors per entity row (T for SOM, m for multi-m) (index.exact.auto_chunk_rows)", 0, AT_LEAST_0)
     nlist: int = _help("IVF lists", 1024, AT_LEAST_1)
     nprobe: int = _help("IVF lists probed per query", 32, AT_LEAST_1)
     ivf_train_rows: int = _help("rows IVF k-means trains on (0 = all)", 0, AT_LEAST_0)

@@ -95,21 +95,32 @@ def _exclude_(scores: Tensor, parts: list[tuple[int, int, int]], dead: Tensor | 
 # bytes of one score chunk on a GPU: large enough that the per-chunk launches are noise next
 # to the GEMM, small enough to sit beside 12 GB of KILT embeddings and the trainer
 _GPU_CHUNK_BYTES = 1 << 29
+# bytes of the entity rows a chunk may copy on a GPU: a chunk a shard holds only in part is copied into
+# its full padded layout, every call. Four times the score chunk: the KILT benchmark's grids (1M rows of
+# 1024 bf16 at B = 128) stay as they were measured.
+_GPU_ENTITY_CHUNK_BYTES = 1 << 31
 _CPU_CHUNK_ROWS = 8192
 
 
-def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int, vectors_per_row: int = 1) -> int:
+def auto_chunk_rows(device: torch.device | str, batch: int, block_rows: int, vectors_per_row: int = 1,
+                    vector_bytes: int | None = None) -> int:
     """``index.chunk_rows: 0`` (auto): 8192 rows on a CPU (the chunk stays in cache); on a GPU
     the power of two that keeps a [B, chunk] float32 score chunk near 512 MB (1M rows at
-    B = 128, 128k at B = 1024), between 64k and 4M rows. Divided by ``vectors_per_row`` (T for
+    B = 128, 128k at B = 1024) and, given ``vector_bytes`` (one stored entity vector), the chunk's
+    entity vectors within 2 GB, between 64k and 4M rows. Divided by ``vectors_per_row`` (T for
     SOM, m for multi-m) and rounded up to a multiple of ``block_rows``: a shard's partial blocks
     are zero-padded to the full grid and scored, which for SOM's 32 token vectors per row made
-    a 500-row world cost 8192 rows of GEMM. It depends on the device type, B and the entity
-    reps' shape only, so the shards and the flat search of one call use the same grid."""
+    a 500-row world cost 8192 rows of GEMM, and a training batch of 8 mentions made each of two
+    GPU shards of 500k BERT-base rows copy and score a 4M-row chunk (6.4 GB) every call. It
+    depends on the device type, B and the entity reps' shape and dtype only, so the shards and
+    the flat search of one call use the same grid."""
     if torch.device(device).type != "cuda":
         rows = _CPU_CHUNK_ROWS
     else:
-        rows = 1 << max(16, min(22, (_GPU_CHUNK_BYTES // (4 * max(batch, 1))).bit_length() - 1))
+        bits = (_GPU_CHUNK_BYTES // (4 * max(batch, 1))).bit_length() - 1
+        if vector_bytes:
+            bits = min(bits, (_GPU_ENTITY_CHUNK_BYTES // max(int(vector_bytes), 1)).bit_length() - 1)
+        rows = 1 << max(16, min(22, bits))
     rows = max(1, rows // max(int(vectors_per_row), 1))
     return -(-rows // block_rows) * block_rows
 
@@ -159,8 +170,10 @@ def exact_search_pieces(spec: ScoreSpec, queries: Reps, pieces: Sequence[Piece],
     pieces = [p for p in pieces if p.reps.vecs.shape[0]] or list(pieces[:1])
     dead = dead.cpu() if dead is not None and dead.numel() else None  # the chunk loops look it up on the host
     if not chunk_rows:
-        per_row = pieces[0].reps.vecs.shape[1] if pieces and pieces[0].reps.vecs.ndim == 3 else 1
-        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows, per_row)
+        ents = pieces[0].reps.vecs if pieces else None  # a shard that owns no rows has no piece
+        per_row = ents.shape[1] if ents is not None and ents.ndim == 3 else 1
+        chunk_rows = auto_chunk_rows(q.vecs.device, q.vecs.shape[0], block_rows, per_row,
+                                     None if ents is None else ents.shape[-1] * ents.element_size())
     if (seed is None or sampler == "block") and kernel in ("auto", "triton"):
         why = _fused_usable(spec, q, pieces, chunk_rows, block_rows, kernel)
         if why is None:

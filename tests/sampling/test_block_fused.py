@@ -175,6 +175,15 @@ def test_chunk_grid_is_chosen_for_the_device():
     assert auto_chunk_rows("cuda", 1024, 128) == 1 << 17
     assert auto_chunk_rows("cuda", 1, 128) == 1 << 22 and auto_chunk_rows("cuda", 1 << 20, 128) == 1 << 16
     assert auto_chunk_rows("cuda", 1024, 48) % 48 == 0
+    # and the entity rows a chunk copies stay within 2 GB: a training batch of 8 BERT-base bf16 queries gets
+    # 1M rows, not 4M (each GPU shard of a 1M-row KB copied and scored 4M padded rows every call); the KILT
+    # benchmark's grids (1024 bf16 at B = 128 and 1024) are unchanged
+    assert auto_chunk_rows("cuda", 8, 128) == 1 << 22
+    assert auto_chunk_rows("cuda", 8, 128, vector_bytes=768 * 2) == 1 << 20
+    assert auto_chunk_rows("cuda", 8, 128, vector_bytes=384 * 4) == 1 << 20
+    assert [auto_chunk_rows("cuda", b, 128, vector_bytes=1024 * 2) for b in (128, 1024)] == [1 << 20, 1 << 17]
+    assert auto_chunk_rows("cuda", 1, 128, vector_bytes=1 << 20) == 1 << 16  # never below 64k rows
+    assert auto_chunk_rows("cpu", 8, 128, vector_bytes=768 * 2) == 8192
     # chunk_rows 0 (the default) searches on the auto grid: the same answer as naming it
     e, q, gold = _data(n=9000, batch=4)
     kw = dict(seed=3, query_keys=torch.arange(4), sampler="block", block_rows=128, kernel="torch")
