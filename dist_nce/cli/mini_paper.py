@@ -246,7 +246,7 @@ def needs_ray(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path) ->
 
 
 def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, config_path: str,
-             head_cpus: int) -> int:
+             cpus: int) -> int:
     from dist_nce.cluster.head import LocalHead
     from dist_nce.cluster.runtime import ray_env
     from dist_nce.core.artifacts import atomic_write_json, write_manifest
@@ -272,8 +272,8 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
     # MiniLM Table 2 is).
     ray_needed = needs_ray(cfg, parts, cells, out)
     if ray_needed:
-        log(f"[mini-paper] Ray head with {head_cpus} logical CPUs: {cfg.parallel} cells at once")
-    with (LocalHead(num_cpus=head_cpus) if ray_needed else contextlib.nullcontext()) as head:
+        log(f"[mini-paper] Ray head with {cpus} logical CPUs: {cfg.parallel} cells at once")
+    with (LocalHead(num_cpus=cpus) if ray_needed else contextlib.nullcontext()) as head:
         env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address} if head else ray_env()
         if not ray_needed:
             log("[mini-paper] no Ray head: every cell left to run is a local (run.backend=local) reranker cell")
