@@ -206,12 +206,13 @@ def test_without_faiss_the_torch_backend_runs_and_a_faiss_backend_gives_install_
     only) it goes on, the exact torch backend searches, and building a faiss index fails with the advice."""
     import torch
 
-    from dist_nce.cluster.runtime import configure_process
+    from dist_nce.cluster.runtime import configure_process, require_faiss
     from dist_nce.index.config import IndexConfig
     from dist_nce.index.search import ShardIndex
     from dist_nce.modeling.retriever import RetrieverConfig
     from dist_nce.modeling.scoring import Reps
 
+    installed = require_faiss()  # imported once: importing it again would wrap its classes twice
     monkeypatch.setitem(sys.modules, "faiss", None)  # `import faiss` raises ImportError
     configure_process(threads=None)
     spec = RetrieverConfig(preset="dual").spec()
@@ -230,7 +231,7 @@ def test_without_faiss_the_torch_backend_runs_and_a_faiss_backend_gives_install_
     from dist_nce.retrieval import default_index_config
 
     assert default_index_config(types.SimpleNamespace(spec=spec)).backend == "torch"
-    monkeypatch.delitem(sys.modules, "faiss")
+    monkeypatch.setitem(sys.modules, "faiss", installed)
     assert default_index_config(types.SimpleNamespace(spec=spec)).backend == "flat"
 
 
