@@ -317,10 +317,14 @@ class EntityShard:
         from kb.store import EntityStore
 
         store = EntityStore(self.store_dir, kb_version=kb_version)
+        # an encoder compiled with static shapes fills a delta's batches up to the refresh's own batch:
+        # its graphs, whatever the delta's size (encode_rows' fill_to)
+        fill = min(self.config.encode_batch_size, max(1, self.store.num_entities))
         out, done = [], self._progress[0]
         for a, b in ranges:
             reps = encode_rows(encoder, store.slice(a, b), self.config.encode_batch_size, self.device, autocast,
-                               self.storage_dtype, progress=lambda k, base=done: self._set_progress(base + k))
+                               self.storage_dtype, progress=lambda k, base=done: self._set_progress(base + k),
+                               fill_to=fill)
             out.append((a, b, reps))
             done += b - a
         return out

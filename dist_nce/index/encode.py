@@ -301,7 +301,7 @@ def encode_batch(encoder: EntityEncoder, ids: torch.Tensor, real: torch.Tensor, 
 @torch.inference_mode()
 def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, device: torch.device,
                 autocast: torch.dtype | None, storage_dtype: str,
-                progress: Callable[[int], None] | None = None) -> Reps:
+                progress: Callable[[int], None] | None = None, fill_to: int | None = None) -> Reps:
     """Entity reps of every row of ``store`` (an ``EntityStore`` or a slice), in row order.
 
     ``store`` needs only ``num_entities``, ``max_len``, ``lengths(rows)`` and ``token_ids(rows)``.
@@ -313,6 +313,11 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
     shapes (:func:`static_shapes`) gets batches padded to :func:`static_batch_shape`; a packed one
     (:func:`prepare_encoder` ``pack``) gets each batch's rows with their lengths, and only their real
     tokens go through it.
+
+    ``fill_to`` (static shapes only; default ``min(batch_size, n)``): the rows every batch is filled
+    up to, and batches then hold at most that many. A shard passes its main refresh's batch when it
+    encodes a KB delta's few rows, so a delta of any size reuses the refresh's graphs instead of
+    compiling its own (one more (batch, length) family per distinct delta size, past dynamo's limit).
     """
     n = store.num_entities
     lengths = store.lengths(np.arange(n))
@@ -320,15 +325,18 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
     static = static_shapes(encoder)
     packing = encoder.encoder.packing is not None  # prepare_encoder(pack=True)
     min_len = _min_len(encoder.spec, "entity") if static else 1  # columns a score reads by position
+    if fill_to is not None and fill_to < 1:
+        raise ValueError(f"encode_rows: fill_to must be >= 1, got {fill_to}")
+    fill = min(batch_size, n) if fill_to is None else fill_to
     vecs = mask = None
     done = 0
-    for pos in length_sorted_batches(lengths, batch_size):
+    for pos in length_sorted_batches(lengths, min(batch_size, fill) if static and fill_to else batch_size):
         longest = max(int(lengths[pos].max()), 1)
         tokens, lens = store.token_ids(pos), lengths[pos]
         if static:  # a handful of shapes: fill the batch up with copies of its first row, round the length up
-            rows, longest = static_batch_shape(len(pos), max(longest, min_len), min(batch_size, n), store.max_len)
-            fill = np.zeros(rows - len(pos), dtype=np.int64)
-            tokens, lens = np.concatenate([tokens, tokens[fill]]), np.concatenate([lens, lens[fill]])
+            rows, longest = static_batch_shape(len(pos), max(longest, min_len), fill, store.max_len)
+            first = np.zeros(rows - len(pos), dtype=np.int64)
+            tokens, lens = np.concatenate([tokens, tokens[first]]), np.concatenate([lens, lens[first]])
         ids = torch.from_numpy(tokens[:, :longest]).to(device)
         real = torch.arange(longest, device=device)[None, :] < torch.from_numpy(lens).to(device)[:, None]
         # no mask for a batch without padding, on CUDA where it decides the attention kernel

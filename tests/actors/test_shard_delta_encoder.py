@@ -89,3 +89,41 @@ def test_other_weights_are_not_used_for_a_delta(store, tmp_path, tiny_model_dir,
         shard.apply_delta([states[1]], 1, 1, [rows])
     assert shard.apply_delta([states[0]], 1, 1, [rows]) == 1
     assert shard.status()["encoder_held"] == state_fingerprint(states[0])
+
+
+def test_a_static_shape_shard_encodes_every_delta_in_its_refresh_batch(store, tmp_path, tiny_model_dir, states,
+                                                                       monkeypatch):
+    """A GPU shard's layers are compiled for static shapes (index/encode.py compile_encoder): a delta of
+    k rows used to run in batches of k, a new graph family per delta size (past dynamo's limit of 8,
+    eager). Its batches are now filled up to the refresh's batch (8 here), in deltas and in the full
+    refresh that re-encodes the appended ranges, and the answers are the uncompiled shard's."""
+    import torch
+
+    import dist_nce.actors.shard as shard_module
+    from tests.index.test_encode import spy_compile
+
+    real = shard_module.prepare_encoder
+    monkeypatch.setattr(shard_module, "prepare_encoder", lambda *a, **kw: real(*a, **{**kw, "layers": True}))
+    seen = spy_compile(monkeypatch)  # records the (batch, length, d) every compiled layer sees
+    static = make_shard(str(store), tmp_path / "static", rows=(0, N), shard=0, encode_compile=True)
+    plain = make_shard(str(store), tmp_path / "plain", rows=(0, N), shard=0, encode_compile=False)
+    for shard in (static, plain):
+        assert shard.refresh(states[0], 0) == 0
+    assert seen and {shape[0] for shape, _ in seen} == {8}
+    seen.clear()
+    for version, ids in ((1, range(5000, 5003)), (2, range(6000, 6011))):  # 3 rows, then 11 (8 + 3)
+        rows = add_rows(store, tmp_path, tiny_model_dir, list(ids))
+        for shard in (static, plain):
+            assert shard.apply_delta(states[0], version, version, [rows]) == version
+    from dist_nce.index.encode import transformer_layers
+
+    layers = len(transformer_layers(static._encoder))
+    assert len(seen) == 3 * layers and {shape[0] for shape, _ in seen} == {8}  # 1 batch + 2 batches
+    seen.clear()
+    for shard in (static, plain):  # a full refresh: the shard's rows, then each appended range
+        assert shard.refresh(states[1], 3) == 3
+    assert {shape[0] for shape, _ in seen} == {8}
+    for q in (QUERIES, QUERIES * 2):
+        x, y = static.topk(q, 8, GOLD), plain.topk(q, 8, GOLD)
+        assert x.version == y.version == 3 and x.ids.tolist() == y.ids.tolist()
+        torch.testing.assert_close(x.scores, y.scores, rtol=1e-5, atol=1e-5)

@@ -286,6 +286,15 @@ def test_a_static_shape_encoder_sees_a_handful_of_shapes_and_encodes_like_the_pl
     torch.testing.assert_close(encode_rows(compiled, few, 8, CPU, None, "float32").vecs,
                                encode_rows(plain, few, 8, CPU, None, "float32").vecs, rtol=1e-5, atol=1e-5)
     assert {s[:2] for s, _ in seen} == {(3, 32)}
+    # fill_to (a shard encoding a KB delta): batches filled up to the refresh's batch, whatever the rows
+    for rows, fill_to, want_batches in ((few, 8, {8}), (RAGGED, 8, {8}), (RAGGED, 4, {4})):
+        seen.clear()
+        torch.testing.assert_close(encode_rows(compiled, rows, 8, CPU, None, "float32", fill_to=fill_to).vecs,
+                                   encode_rows(plain, rows, 8, CPU, None, "float32").vecs, rtol=1e-5, atol=1e-5)
+        assert {shape[0] for shape, _ in seen} == want_batches
+        assert len(seen) == -(-rows.num_entities // min(8, fill_to)) * layers
+    with pytest.raises(ValueError, match="fill_to"):
+        encode_rows(compiled, few, 8, CPU, None, "float32", fill_to=0)
 
 
 def test_a_layer_compiled_encoder_compiles_one_graph_per_length_bucket(tiny_model_dir):
