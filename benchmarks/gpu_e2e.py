@@ -55,7 +55,9 @@ WARM_STEPS = 10  # steps left out of the step-time figures: compile, allocator a
 # The parts of a logged step (dist_nce/train/loop.py train_step), in order; together they are the step
 # but for the bookkeeping between them. mine_submit: encoding the mentions of the batch P steps ahead
 # and sending them to the shards, after the optimizer step; time/mine_encode_s (logged since this split)
-# is the encode's share of it, so it is reported beside the parts, not as one of them.
+# is the encode's share of it, so it is reported beside the parts, not as one of them; so is
+# time/compute_device_s (a GPU's own time for compute, logged on CUDA since it was added): compute's host
+# clock stops when the optimizer's kernels are queued, and what is left of them is waited for in mine_submit.
 STEP_PARTS = {"refresh_publish": "time/refresh_s", "negatives_wait": "time/negatives_wait_s",
               "batch": "time/batch_s", "compute": "time/compute_s", "mine_submit": "time/mine_submit_s"}
 # The CPU rehearsal: the same config at tiny size (tiny BERT, 3,000 entities, shards and worker on CPUs).
@@ -122,8 +124,10 @@ def step_records(lines: list[dict], warm: int = WARM_STEPS) -> dict[str, Any]:
 
 def step_parts(steps: list[dict]) -> dict[str, Any] | None:
     """Where the steps' time went: each part of :data:`STEP_PARTS` as a share of the summed step time and
-    its median seconds, ``rest`` what no part holds, and ``mine_encode`` (the mention encode inside
-    mine_submit) where it was logged. Steps logged without every part (an older run) are left out."""
+    its median seconds, ``rest`` what no part holds, and, where every step logged them, ``mine_encode``
+    (the mention encode inside mine_submit) and ``compute_device`` (the GPU's own time for compute, which
+    may run past compute's host clock into mine_submit). Steps logged without every part (an older run)
+    are left out."""
     full = [r for r in steps if all(k in r for k in STEP_PARTS.values())]
     total = sum(r["time/step_s"] for r in full)
     if not full or total <= 0:
@@ -133,9 +137,10 @@ def step_parts(steps: list[dict]) -> dict[str, Any] | None:
         out[name] = {"share": sum(r[key] for r in full) / total, "median_s": statistics.median(r[key] for r in full)}
     rest = [r["time/step_s"] - sum(r[k] for k in STEP_PARTS.values()) for r in full]
     out["rest"] = {"share": sum(rest) / total, "median_s": statistics.median(rest)}
-    encoded = [r["time/mine_encode_s"] for r in full if "time/mine_encode_s" in r]
-    out["mine_encode"] = ({"share": sum(encoded) / total, "median_s": statistics.median(encoded)}
-                          if len(encoded) == len(full) else None)
+    for name, key in (("mine_encode", "time/mine_encode_s"), ("compute_device", "time/compute_device_s")):
+        beside = [r[key] for r in full if key in r]
+        out[name] = ({"share": sum(beside) / total, "median_s": statistics.median(beside)}
+                     if len(beside) == len(full) else None)
     return out
 
 

@@ -145,3 +145,15 @@ def test_unknown_or_missing_result_is_named(tmp_path):
 def test_a_page_without_a_result_block_is_stale():
     """--check fails when a committed result has no block on the page, not only when a block is stale."""
     assert report.stale_blocks("no blocks here\n") == [f"{name} (missing)" for name in report.names()]
+
+
+def test_the_gpu_e2e_block_names_the_gpus_own_compute_time_when_the_run_logged_it():
+    """A run logged before time/compute_device_s renders as before; one that logged it shows it inside compute."""
+    data = json.loads((REPO / "benchmarks" / "results" / "gpu_e2e.json").read_text())
+    assert data["train"]["steps"]["parts"].get("compute_device") is None
+    before = report.gpu_e2e(copy.deepcopy(data))
+    assert "the GPU's own time" not in before
+    data["train"]["steps"]["parts"]["compute_device"] = {"share": 0.8, "median_s": 0.1987}
+    after = report.gpu_e2e(data)
+    assert "the GPU's own time for it 198.7; the bare engine's step" in after
+    assert after.replace("; the GPU's own time for it 198.7", "") == before

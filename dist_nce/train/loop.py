@@ -42,6 +42,7 @@ from dist_nce.train.pipeline import (
 )
 from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
+from dist_nce.worker.device_time import DeviceSpan
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 
@@ -247,6 +248,8 @@ class Worker(WorkerScaffold):
             check_log_q(host.log_q)
         batch = host.to(self.device)
         t3 = time.perf_counter()
+        span = DeviceSpan(self.device)
+        span.start()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.entity_cache is not None:
             scores = self.engine(batch.mention_ids, batch.mention_mask, **padded,
@@ -259,6 +262,7 @@ class Worker(WorkerScaffold):
             loss = loss * 0.0
         self.engine.backward(loss)
         self.engine.step()
+        span.stop()
         t4 = time.perf_counter()
         if self.prefetcher is not None:
             self.prefetcher.advance(step)
@@ -268,6 +272,9 @@ class Worker(WorkerScaffold):
         # one read back for the three logged values
         logged, gold_score, negative_score = torch.stack([loss.detach().float(), s[:, 0].mean(),
                                                           s[:, 1:].mean()]).tolist()
+        # after that read-back, so the span's events are done: the GPU's own time for the forward, backward
+        # and optimizer step (compute_s stops when the host has queued them)
+        device_s = span.seconds()
         return {
             "train/loss": logged, "train/lr": lr,
             "train/gold_score": gold_score, "train/negative_score": negative_score,
@@ -279,6 +286,7 @@ class Worker(WorkerScaffold):
             "index/version": mined.version, "index/staleness": self.state.book.staleness(step, mined.version),
             "index/published": self.state.book.version,
             "kb/version": self.kb.kb_version, "kb/removed_gold_skipped": skipped,
+            **({} if device_s is None else {"time/compute_device_s": device_s}),
         }
 
     def progress_postfix(self, metrics: dict[str, float]) -> dict[str, Any]:

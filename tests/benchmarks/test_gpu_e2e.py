@@ -37,17 +37,21 @@ def test_step_records_split_steps_by_refresh_in_flight_and_leave_out_warm_ones()
 
 
 def test_step_parts_share_the_step_time_and_name_the_rest():
-    def line(step, encode=None):
+    def line(step, encode=None, device=None):
         r = {"step": step, "time/step_s": 0.30, "time/refresh_s": 0.01, "time/negatives_wait_s": 0.02,
              "time/batch_s": 0.03, "time/compute_s": 0.20, "time/mine_submit_s": 0.03}
-        return r if encode is None else {**r, "time/mine_encode_s": encode}
+        r = r if encode is None else {**r, "time/mine_encode_s": encode}
+        return r if device is None else {**r, "time/compute_device_s": device}
 
-    parts = gpu_e2e.step_records([line(s, encode=0.01) for s in range(4)], warm=0)["parts"]
+    parts = gpu_e2e.step_records([line(s, encode=0.01, device=0.21 + s / 100) for s in range(4)], warm=0)["parts"]
     assert parts["steps"] == 4
     assert parts["compute"]["share"] == pytest.approx(0.2 / 0.3) and parts["compute"]["median_s"] == pytest.approx(0.2)
     assert parts["rest"]["median_s"] == pytest.approx(0.01) and parts["rest"]["share"] == pytest.approx(0.01 / 0.3)
     assert sum(v["share"] for k, v in parts.items() if k in (*gpu_e2e.STEP_PARTS, "rest")) == pytest.approx(1.0)
     assert parts["mine_encode"]["median_s"] == pytest.approx(0.01)  # inside mine_submit, beside the parts
+    # the GPU's own time for compute (past its host clock), beside the parts too; not every step has it: none
+    assert parts["compute_device"] == {"share": pytest.approx(0.9 / 1.2), "median_s": pytest.approx(0.225)}
+    assert gpu_e2e.step_parts([line(0, device=0.2), line(1)])["compute_device"] is None
     # a run logged before the encode had its own time: the parts without it; one without every part: none
     assert gpu_e2e.step_parts([line(s) for s in range(4)])["mine_encode"] is None
     assert gpu_e2e.step_parts([{"step": 0, "time/step_s": 0.3, "time/compute_s": 0.2}]) is None
@@ -110,6 +114,7 @@ def test_the_one_gpu_config_end_to_end_at_tiny_size_on_a_cpu(tmp_path):
     parts = result["train"]["steps"]["parts"]
     assert parts["steps"] == 6 and parts["compute"]["median_s"] > 0
     assert 0 < parts["mine_encode"]["median_s"] <= parts["mine_submit"]["median_s"], parts
+    assert parts["compute_device"] is None  # a CPU has no device clock (dist_nce/worker/device_time.py)
 
 
 def test_the_committed_result_is_what_its_committed_sources_assemble_to(tmp_path):
