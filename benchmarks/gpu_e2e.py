@@ -56,8 +56,9 @@ WARM_STEPS = 10  # steps left out of the step-time figures: compile, allocator a
 # but for the bookkeeping between them. mine_submit: encoding the mentions of the batch P steps ahead
 # and sending them to the shards, after the optimizer step; time/mine_encode_s (logged since this split)
 # is the encode's share of it, so it is reported beside the parts, not as one of them; so is
-# time/compute_device_s (a GPU's own time for compute, logged on CUDA since it was added): compute's host
-# clock stops when the optimizer's kernels are queued, and what is left of them is waited for in mine_submit.
+# time/compute_device_s (logged on CUDA since it was added: the GPU's wall time from compute's first kernel
+# to its last, dist_nce/worker/device_time.py): compute's host clock stops when the optimizer's kernels are
+# queued, and what is left of them is waited for in mine_submit.
 STEP_PARTS = {"refresh_publish": "time/refresh_s", "negatives_wait": "time/negatives_wait_s",
               "batch": "time/batch_s", "compute": "time/compute_s", "mine_submit": "time/mine_submit_s"}
 # The CPU rehearsal: the same config at tiny size (tiny BERT, 3,000 entities, shards and worker on CPUs).
@@ -125,8 +126,8 @@ def step_records(lines: list[dict], warm: int = WARM_STEPS) -> dict[str, Any]:
 def step_parts(steps: list[dict]) -> dict[str, Any] | None:
     """Where the steps' time went: each part of :data:`STEP_PARTS` as a share of the summed step time and
     its median seconds, ``rest`` what no part holds, and, where every step logged them, ``mine_encode``
-    (the mention encode inside mine_submit) and ``compute_device`` (the GPU's own time for compute, which
-    may run past compute's host clock into mine_submit). Steps logged without every part (an older run)
+    (the mention encode inside mine_submit) and ``compute_device`` (the GPU's wall time for compute's
+    kernels, which may run past compute's host clock into mine_submit). Steps logged without every part (an older run)
     are left out."""
     full = [r for r in steps if all(k in r for k in STEP_PARTS.values())]
     total = sum(r["time/step_s"] for r in full)

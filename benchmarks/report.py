@@ -559,7 +559,7 @@ def gpu_e2e(data: dict) -> str:
         engine_s = ((eng.get("engine") or {}).get("step_seconds") or {}).get("median")
         lines.append("- Where the job's step time goes (share of all steps' time, median ms): " + "; ".join(
             f"{what[k]} {100 * parts[k]['share']:.1f}% ({1e3 * parts[k]['median_s']:.1f}"
-            + (f"; the GPU's own time for it {1e3 * dev['median_s']:.1f}" if k == "compute" and dev else "")
+            + (f"; on the GPU, first kernel to last, {1e3 * dev['median_s']:.1f}" if k == "compute" and dev else "")
             + (f"; the bare engine's step {1e3 * engine_s:.1f}" if k == "compute" and engine_s else "") + ")"
             + (f", of which the mention encode {1e3 * enc['median_s']:.1f}" if k == "mine_submit" and enc else "")
             for k in ("compute", "mine_submit", "negatives_wait", "batch", "refresh_publish", "rest"))

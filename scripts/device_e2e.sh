@@ -10,7 +10,8 @@
 # as two calls, the second while the machine is still warm (it keeps $WORK):
 #   E2E_SECONDS=540 E2E_ARGS="--stages bare_engine,train" bash scripts/device_e2e.sh
 #   E2E_ARGS="--stages mining,kilt_eval" bash scripts/device_e2e.sh
-# With KB_LENGTHS=1 (or KB_LENGTHS=only) a call also measures the packed step and encode (see below).
+# KB_LENGTHS=only makes a call of its own that measures the packed step and encode (see below); KB_LENGTHS=1
+# adds them before the benchmark, which fits one call only with a short E2E_SECONDS (checked below).
 # then, here: python -m benchmarks.gpu_e2e --assemble <dir> --partial <call 1 json> --partial <call 2 json>.
 set -u
 OUT=${OUT:-/tmp/e2e_out}
@@ -19,6 +20,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 T0=$(date +%s)
+# A device call ends at CALL_LIMIT seconds (the lent machine's 600): a call whose timeouts add up past it
+# (less a minute for the install and the copies back) would be cut before its last stage wrote anything.
+if [[ -n "${KB_LENGTHS:-}" && "${KB_LENGTHS}" != "only" ]]; then
+  PLANNED=$(( ${KB_TRAIN_SECONDS:-240} + ${KB_ENCODE_SECONDS:-180} + ${E2E_SECONDS:-480} ))
+  if (( PLANNED > ${CALL_LIMIT:-600} - 60 )); then
+    echo "device_e2e.sh: KB_LENGTHS=1 plans ${PLANNED} s (KB_TRAIN_SECONDS + KB_ENCODE_SECONDS + E2E_SECONDS)," \
+      "past the call's ${CALL_LIMIT:-600} s less 60: run KB_LENGTHS=only as a call of its own" >&2
+    exit 2
+  fi
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 if [[ -z "${E2E_SKIP_INSTALL:-}" ]]; then
   bash .gpu_carry/install.sh > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }

@@ -152,8 +152,8 @@ def test_the_gpu_e2e_block_names_the_gpus_own_compute_time_when_the_run_logged_i
     data = json.loads((REPO / "benchmarks" / "results" / "gpu_e2e.json").read_text())
     assert data["train"]["steps"]["parts"].get("compute_device") is None
     before = report.gpu_e2e(copy.deepcopy(data))
-    assert "the GPU's own time" not in before
+    assert "on the GPU, first kernel to last" not in before
     data["train"]["steps"]["parts"]["compute_device"] = {"share": 0.8, "median_s": 0.1987}
     after = report.gpu_e2e(data)
-    assert "the GPU's own time for it 198.7; the bare engine's step" in after
-    assert after.replace("; the GPU's own time for it 198.7", "") == before
+    assert "on the GPU, first kernel to last, 198.7; the bare engine's step" in after
+    assert after.replace("; on the GPU, first kernel to last, 198.7", "") == before

@@ -81,3 +81,23 @@ def test_the_install_command_installs_a_carry_offline_into_a_fresh_environment(t
                           cwd=tmp_path).stdout.split()
     assert said[:2] == ["plain", "xz"] and said[2].startswith(str(REPO))
     assert (fresh_site / "dist_nce_checkout.pth").read_text().strip() == str(REPO)
+
+
+def test_the_e2e_script_refuses_a_call_its_timeouts_do_not_fit(tmp_path):
+    """scripts/device_e2e.sh with KB_LENGTHS=1 adds the two kb benchmarks' timeouts to the job benchmark's:
+    at their defaults (240 + 180 + 480 s) a 600 s device call would cut the last stage before it wrote
+    anything, so the script stops first and names the call of its own to make; shorter timeouts that fit
+    go on to the benchmarks (here a Python that fails at once)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "E2E_SKIP_INSTALL": "1", "PYTHON": "false",
+           "WORK": str(tmp_path / "work"), "KB_LENGTHS": "1"}
+    script = [str(REPO / "scripts" / "device_e2e.sh")]
+    refused = subprocess.run(["bash", *script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "plans 900 s" in refused.stderr and "KB_LENGTHS=only" in refused.stderr
+    assert not (tmp_path / "out" / "gpu_train_kb.log").exists()  # nothing ran
+    fits = {**env, "KB_TRAIN_SECONDS": "100", "KB_ENCODE_SECONDS": "100", "E2E_SECONDS": "300"}
+    ran = subprocess.run(["bash", *script], cwd=tmp_path, env=fits, capture_output=True, text=True, timeout=60)
+    assert "plans" not in ran.stderr and "gpu_train --lengths kb exit: 1" in ran.stdout
+    assert (tmp_path / "out" / "gpu_train_kb.log").exists()
+    only = {**env, "KB_LENGTHS": "only"}  # a call of its own: the kb benchmarks alone, whatever E2E_SECONDS
+    alone = subprocess.run(["bash", *script], cwd=tmp_path, env=only, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 0 and "plans" not in alone.stderr and "gpu_e2e exit" not in alone.stdout

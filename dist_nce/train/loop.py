@@ -272,8 +272,8 @@ class Worker(WorkerScaffold):
         # one read back for the three logged values
         logged, gold_score, negative_score = torch.stack([loss.detach().float(), s[:, 0].mean(),
                                                           s[:, 1:].mean()]).tolist()
-        # after that read-back, so the span's events are done: the GPU's own time for the forward, backward
-        # and optimizer step (compute_s stops when the host has queued them)
+        # after that read-back, so the span's events are done: the device's wall time from the forward's first
+        # kernel to the optimizer step's last (compute_s stops when the host has queued them)
         device_s = span.seconds()
         return {
             "train/loss": logged, "train/lr": lr,

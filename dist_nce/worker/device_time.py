@@ -1,13 +1,17 @@
-"""The device's own time for a span of a training step, without a host synchronisation.
+"""How long the device took over a span of a training step, read without a host synchronisation.
 
 A step's host clock stops when the optimizer step's kernels are queued, not when they finish: on a GPU
 the rest of the step's work is then waited for by whatever reads the device next (the next batch's
-mention encode for mining, the logged loss). So ``time/compute_s`` alone cannot tell the step's own
-GPU work from what else shares the GPU (the shards' mining and refresh kernels) or from the host.
-:class:`DeviceSpan` records a CUDA event at each end of the span on the current stream and reads their
-distance only once both have completed (after the step's one read-back), so it adds no wait. Work
-the engine puts on other streams (ZeRO's overlapped communication) is counted only where the
-current stream waits for it.
+mention encode for mining, the logged loss). :class:`DeviceSpan` records a CUDA event at each end of
+the span on the current stream and reads their distance only once both have completed (after the
+step's one read-back), so it adds no wait.
+
+The distance is the device's wall time from reaching the span's first kernel to finishing its last,
+not its busy time: it also holds the gaps in which the GPU waited for the host to queue kernels, and
+the time it gave to other processes' kernels (the shards' mining and refresh). Read it against the
+host's span: a device span well past the host's means the host ran ahead and the GPU was the limit; one
+about equal to the host's means the GPU kept up and the host was. Work the engine puts on other
+streams (ZeRO's overlapped communication) is counted only where the current stream waits for it.
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def test_step_parts_share_the_step_time_and_name_the_rest():
     assert parts["rest"]["median_s"] == pytest.approx(0.01) and parts["rest"]["share"] == pytest.approx(0.01 / 0.3)
     assert sum(v["share"] for k, v in parts.items() if k in (*gpu_e2e.STEP_PARTS, "rest")) == pytest.approx(1.0)
     assert parts["mine_encode"]["median_s"] == pytest.approx(0.01)  # inside mine_submit, beside the parts
-    # the GPU's own time for compute (past its host clock), beside the parts too; not every step has it: none
+    # the GPU's wall time for compute (past its host clock), beside the parts too; not every step has it: none
     assert parts["compute_device"] == {"share": pytest.approx(0.9 / 1.2), "median_s": pytest.approx(0.225)}
     assert gpu_e2e.step_parts([line(0, device=0.2), line(1)])["compute_device"] is None
     # a run logged before the encode had its own time: the parts without it; one without every part: none

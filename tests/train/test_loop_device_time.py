@@ -1,4 +1,4 @@
-"""The training step logs the device's own time for its forward, backward and optimizer step
+"""The training step logs the device's wall time for its forward, backward and optimizer step
 (time/compute_device_s, dist_nce/worker/device_time.py) where there is one: the span opens before the
 forward, closes after the optimizer step, and is read after the step's one read-back. A CPU run logs none."""
 from __future__ import annotations

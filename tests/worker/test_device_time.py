@@ -1,4 +1,4 @@
-"""DeviceSpan: a GPU's own time for a span of the step, read without waiting (CUDA events)."""
+"""DeviceSpan: the GPU's wall time over a span of the step, read without waiting (CUDA events)."""
 from __future__ import annotations
 
 import pytest
