@@ -103,3 +103,19 @@ def profiled(fn: Callable[[], Any], device: torch.device | str):
         fn()
         sync(device)
     return prof
+
+
+def result_writer(out: str | os.PathLike | None) -> Callable[[dict], None]:
+    """What a benchmark calls with its result so far after each part it finishes: written to ``out``
+    (atomically, ``"complete": false``; nothing when ``out`` is None), so a device call cut at its time
+    limit still brings back the parts it measured. The final write, ``"complete": true``, replaces it.
+    Values JSON cannot hold are written as ``str``, as the final write does."""
+    import json
+
+    from dist_nce.core.artifacts import atomic_write_text
+
+    def write(result: dict) -> None:
+        if out is not None:
+            atomic_write_text(out, json.dumps({**result, "complete": False}, indent=1, default=str))
+
+    return write

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import interleaved
-from benchmarks.gpu_common import bf16_peak, device_header, profiled, sync, timed
+from benchmarks.gpu_common import bf16_peak, device_header, profiled, result_writer, sync, timed
 from dist_nce.index.encode import compile_wanted, encode_precision, encode_rows, prepare_encoder
 from dist_nce.modeling.encoder import Encoder
 from dist_nce.modeling.retriever import EntityEncoder
@@ -271,7 +271,7 @@ def _rates(seconds: dict[str, Any], rows: int, flops: float, peak: float) -> dic
 def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = None, *,
         compile: bool = True, variants: Sequence[str] | None = None,
         repeats: int | None = None, seed: int = 0, log: Callable[[str], None] | None = None,
-        lengths: str = "full") -> dict[str, Any]:
+        lengths: str = "full", partial: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Measure the encode variants of the module docstring on ``device``; returns a JSON-able dict.
 
     ``quick``: a tiny BERT (2 layers, hidden 64), T = 32, batch 16, for CPU tests. ``peak_tflops``: the
@@ -280,7 +280,8 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     ones. A variant that fails (an out-of-memory, a compile error) is recorded with its error and the
     others go on. ``lengths``: ``full`` (every row T real tokens) or ``kb`` (:class:`KBRows`; default variants
     :data:`KB_VARIANTS`; MFU over the real tokens; each variant's first pass over all the rows, compiles
-    included, beside the warm rounds).
+    included, beside the warm rounds). ``partial`` (:func:`benchmarks.gpu_common.result_writer`) gets the
+    result so far after each variant is ready (its first pass), after the numerics and after the timed rounds.
     """
     if lengths not in ("full", "kb"):
         raise ValueError(f"lengths must be full or kb, got {lengths!r}")
@@ -296,13 +297,14 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference is fp32 (restored at the end)
     try:
         chosen = tuple(variants or (KB_VARIANTS if lengths == "kb" else DEFAULT_VARIANTS))
-        return _run(dev, quick, peak_tflops, compile, chosen, shape, seed, log, lengths)
+        return _run(dev, quick, peak_tflops, compile, chosen, shape, seed, log, lengths, partial or (lambda r: None))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: bool, variants: tuple[str, ...],
-         shape: dict[str, int], seed: int, log: Callable[[str], None], lengths: str = "full") -> dict[str, Any]:
+         shape: dict[str, int], seed: int, log: Callable[[str], None], lengths: str = "full",
+         partial: Callable[[dict], None] = lambda r: None) -> dict[str, Any]:
     t_start = time.perf_counter()
     cfg = TINY_BERT if quick else BERT_LARGE
     T, B = shape["T"], shape["batch"]
@@ -388,6 +390,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
             log(f"gpu_encode: {name} FAILED: {entry['error']}")
             if is_cuda:
                 torch.cuda.empty_cache()
+        partial(result)
 
     # numerics: every variant against an fp32 encode of the same rows (at its own batch: no recompile)
     check = store.head(max(batch.values(), default=B))
@@ -424,6 +427,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
     except Exception as e:  # noqa: BLE001
         result["numerics"] = {"error": f"{type(e).__name__}: {e}"}
     log(f"gpu_encode: numerics done ({time.perf_counter() - t_start:.1f} s)")
+    partial(result)
 
     # the timed rounds, interleaved
     ac = {name: encode_precision(*specs[name][:2], dev).autocast for name in encoders}
@@ -440,6 +444,7 @@ def _run(dev: torch.device, quick: bool, peak_tflops: float | None, compile: boo
     log(f"gpu_encode: timed rounds done ({time.perf_counter() - t_start:.1f} s): " + "; ".join(
         f"{n} {e['entities_per_s']['median']:.0f}/s MFU {e['mfu']['median']:.1%}" for n, e in entries.items()
         if "entities_per_s" in e))
+    partial(result)
     try:
         result["sdpa_probe"] = sdpa_probe(dev, B, T, cfg["num_attention_heads"],
                                           cfg["hidden_size"] // cfg["num_attention_heads"], cfg["num_hidden_layers"])
@@ -497,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     out = run(args.device, args.quick, args.peak_tflops, compile=not args.no_compile,
-              variants=args.variants.split(",") if args.variants else None, lengths=args.lengths)
-    text = json.dumps(out, indent=1, default=str)
+              variants=args.variants.split(",") if args.variants else None, lengths=args.lengths,
+              partial=result_writer(args.out))
+    text = json.dumps({**out, "complete": True}, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text)
     print(text)

@@ -73,7 +73,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.gpu_common import bf16_peak, device_header, profiled, sync
+from benchmarks.gpu_common import bf16_peak, device_header, profiled, result_writer, sync
 
 REPO = Path(__file__).resolve().parents[1]
 DS_DIR = REPO / "configs" / "deepspeed"
@@ -557,7 +557,8 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
         steps: int | None = None, warmup: int | None = None, configs: dict[str, Any] | None = None,
         compare_before: bool = False, profile: bool | None = None, seed: int = 0,
         log: Callable[[str], None] | None = None, bert: dict[str, Any] | None = None,
-        lengths: str = "full", packed: bool | None = None) -> dict[str, Any]:
+        lengths: str = "full", packed: bool | None = None,
+        partial: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Measure plain torch vs the project's DeepSpeed engine on ``device`` (see the module docstring).
 
     ``lengths``: ``full`` (every token real) or ``kb`` (candidates of the synthetic KILT KB's lengths,
@@ -570,7 +571,9 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     JSON path or dict (default :data:`DEFAULT_CONFIGS`). ``compare_before`` (default off: already measured)
     adds the group of :data:`ISSUE_23_CONFIGS`. ``profile`` (default: on CUDA) runs one more, profiled step
     per mode. ``peak_tflops``: the device's bf16 peak measured by the caller, else measured here. A mode that
-    fails (out of memory, a DeepSpeed error) is recorded with its error and the others go on.
+    fails (out of memory, a DeepSpeed error) is recorded with its error and the others go on. ``partial``
+    (:func:`benchmarks.gpu_common.result_writer`) gets the result so far once a group's timings are
+    summarised and after each mode's profile.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
@@ -668,12 +671,15 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
             log(f"group {plain_name}: modes {list(modes)} built at {time.perf_counter() - t_start:.1f} s")
             records = _run_group(modes, batches, rounds, shape["warmup"], device, resident, entries, log)
             _summarise(records, entries, plain_name, flops["flops_per_step"], result["peak_tflops"])
+            save = partial or (lambda r: None)
+            save(result)
             if profile:
                 for name, mode in modes.items():
                     try:
                         entries[name]["profile"] = _profile_step(mode, batches[rounds], device)
                     except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
                         entries[name]["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                    save(result)
             for mode in modes.values():
                 mode.close()
             modes.clear()
@@ -730,8 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = run(args.device, args.quick, args.peak_tflops, steps=args.steps, warmup=args.warmup,
               compare_before=args.compare_before == "yes",
-              profile=False if args.no_profile else None, lengths=args.lengths)
-    text = json.dumps(res, indent=1, default=str)
+              profile=False if args.no_profile else None, lengths=args.lengths, partial=result_writer(args.out))
+    text = json.dumps({**res, "complete": True}, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text)
     print(text)

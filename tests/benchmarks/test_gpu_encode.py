@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import gpu_encode
 from dist_nce.kernels.build import SWITCH
@@ -69,9 +70,16 @@ def test_variants_can_be_picked_by_name():
 def test_kb_lengths_rows_compare_packed_with_padded_on_real_tokens():
     """Issue 37 item 2 at test size: rows of the synthetic KILT KB's lengths, the eager padded encode and the
     packed one (service.encode_pack) through encode_rows, each with its first pass; MFU over real tokens."""
+    saved = []  # what a call cut short would have brought back (benchmarks.gpu_common.result_writer)
     out = gpu_encode.run("cpu", quick=True, peak_tflops=1.0, lengths="kb", compile=False,
-                         variants=["c_eager_bf16w", "f_packed_bf16w"], log=lambda msg: None)
+                         variants=["c_eager_bf16w", "f_packed_bf16w"], log=lambda msg: None,
+                         partial=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
     json.dumps(out, default=str)
+    # after each variant's first pass, after the numerics, after the timed rounds
+    assert len(saved) == 4 and list(saved[0]["variants"]) == ["c_eager_bf16w"]
+    assert saved[0]["variants"]["c_eager_bf16w"]["first_pass_s"] > 0 and "numerics" not in saved[1]
+    assert "numerics" in saved[2] and "seconds" not in saved[2]["variants"]["f_packed_bf16w"]
+    assert "seconds" in saved[3]["variants"]["f_packed_bf16w"]
     assert out["rows"]["lengths"] == "kb" and not out["rows"]["all_full_length"]
     assert 1 <= out["flops"]["real_tokens_mean"] < 32
     want = gpu_encode.real_flops_per_entity(gpu_encode.TINY_BERT, gpu_encode.KBRows(32, 32, 1000, 0).lengths(
@@ -82,3 +90,17 @@ def test_kb_lengths_rows_compare_packed_with_padded_on_real_tokens():
     for e in (packed, padded):
         assert e["first_pass_s"] > 0 and e["first_pass_mfu"] > 0 and e["mfu"]["median"] > 0
     assert out["numerics"]["f_packed_bf16w_vs_eager_rel_l2_max"] <= out["numerics"]["tolerance_rel_l2"]
+
+
+def test_the_result_writer_leaves_a_partial_result_and_main_the_complete_one(tmp_path):
+    from benchmarks.gpu_common import result_writer
+
+    out = tmp_path / "r.json"
+    result_writer(None)({"a": 1})  # no --out: nothing written
+    assert not out.exists()
+    result_writer(out)({"a": 1, "dtype": torch.bfloat16})
+    assert json.loads(out.read_text()) == {"a": 1, "dtype": "torch.bfloat16", "complete": False}
+    assert gpu_encode.main(["--device", "cpu", "--quick", "--no-compile", "--peak-tflops", "1",
+                            "--variants", "c_eager_bf16w", "--out", str(out)]) == 0
+    done = json.loads(out.read_text())
+    assert done["complete"] is True and "seconds" in done["variants"]["c_eager_bf16w"]

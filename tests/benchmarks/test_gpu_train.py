@@ -51,8 +51,16 @@ def test_flops_of_the_issue_step_give_its_mfu():
 
 @pytest.mark.slow
 def test_quick_run_trains_alike_and_reports_every_field():
-    out = gpu_train.run("cpu", quick=True, peak_tflops=1.0, compare_before=True, profile=True, log=lambda m: None)
+    saved = []  # what a call cut short would have brought back (benchmarks.gpu_common.result_writer)
+    out = gpu_train.run("cpu", quick=True, peak_tflops=1.0, compare_before=True, profile=True, log=lambda m: None,
+                        partial=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
     json.dumps(out)  # JSON-able as printed by __main__ and written by benchmarks/gpu.py
+    # per group: once its timings are summarised, then after each of its 3 modes' profile
+    assert len(saved) == 2 * (1 + 3)
+    first = saved[0]["modes"]
+    assert list(first) == ["plain", "zero2", "zero3"] and all("step_seconds" in e for e in first.values())
+    assert not any("profile" in e for e in first.values()) and "profile" in saved[1]["modes"]["plain"]
+    assert "targets" not in saved[-1] and "targets" in out
     assert out["peak_tflops"] == 1.0 and out["peak_source"] == "caller"
     assert "formula" in out["flops"] and out["flops"]["flops_per_step"] > 0
     modes = out["modes"]
