@@ -6,12 +6,18 @@
 # and the Ray session's logs when something failed.
 #   E2E_SECONDS: the benchmark's time limit (default 480); E2E_ARGS: more arguments for it
 #   (the CPU rehearsal: E2E_SKIP_INSTALL=1 E2E_ARGS=--tiny scripts/device_e2e.sh).
-# The whole benchmark at 1M entities takes about 10 minutes, one call's limit; on a lent machine run it
-# as two calls, the second while the machine is still warm (it keeps $WORK):
-#   E2E_SECONDS=540 E2E_ARGS="--stages bare_engine,train" bash scripts/device_e2e.sh
-#   E2E_ARGS="--stages mining,kilt_eval" bash scripts/device_e2e.sh
-# KB_LENGTHS=only makes a call of its own that measures the packed step and encode (see below); KB_LENGTHS=1
-# adds them before the benchmark, which fits one call only with a short E2E_SECONDS (checked below).
+# The whole benchmark at 1M entities takes about 10 minutes, past one call's 600 s. One lease (about 15
+# minutes of device time, the machine's start-up included) holds it as two calls, back to back: the
+# second within the 30 s the machine stays warm, which keeps $WORK and the install:
+#   1. (carry .gpu_carry; ~500 s: install ~15, head ~10, the train job ~460 at the H200's last run)
+#      E2E_SECONDS=540 E2E_ARGS="--stages train" bash scripts/device_e2e.sh
+#   2. (~200-280 s; its limit is the device time `status` says is left, less 60)
+#      E2E_SKIP_INSTALL=1 E2E_SECONDS=<left - 60> E2E_ARGS="--stages bare_engine,mining,kilt_eval" bash scripts/device_e2e.sh
+# The train job goes first and alone: the rest needs its run, and it needs the most margin. A call waits
+# up to LOAD_WAIT_SECONDS (45) for the load the previous one left to fall below gpu_e2e's limit.
+# KB_LENGTHS=only makes a call of its own that measures the packed step and encode (see below), for another
+# lease; KB_LENGTHS=1 adds them before the benchmark, which fits one call only with a short E2E_SECONDS
+# (checked below).
 # then, here: python -m benchmarks.gpu_e2e --assemble <dir> --partial <call 1 json> --partial <call 2 json>.
 set -u
 OUT=${OUT:-/tmp/e2e_out}
@@ -51,6 +57,16 @@ if [[ -n "${KB_LENGTHS:-}" ]]; then
   echo "gpu_encode --lengths kb exit: $? after $(( $(date +%s) - T0 )) s"
   [[ "$KB_LENGTHS" == "only" ]] && exit 0
 fi
+# gpu_e2e refuses to record above a 1-minute load of max(1.5, 0.75 x the cores) (the previous call's
+# processes may still weigh on it): wait for it to fall, a while (not for --tiny or --force, which record anyway)
+LIMIT=$(awk -v n="$(nproc)" 'BEGIN {l = 0.75 * n; print (l > 1.5 ? l : 1.5)}')
+if [[ " ${E2E_ARGS:-} " != *" --tiny "* && " ${E2E_ARGS:-} " != *" --force "* ]]; then
+  for _ in $(seq $(( ${LOAD_WAIT_SECONDS:-45} / 5 ))); do
+    awk -v l="$LIMIT" '{exit !($1 > l)}' /proc/loadavg || break
+    sleep 5
+  done
+fi
+echo "load before the benchmark: $(cut -d' ' -f1 /proc/loadavg) (limit ${LIMIT}) after $(( $(date +%s) - T0 )) s"
 # shellcheck disable=SC2086
 timeout "${E2E_SECONDS:-480}" "$PY" -m benchmarks.gpu_e2e --work "$WORK" --out "$OUT/gpu_e2e.json" --keep-ray-logs \
   $( [[ -d .gpu_carry/tokenizer ]] && echo --tokenizer .gpu_carry/tokenizer ) ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1

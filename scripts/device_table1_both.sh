@@ -10,9 +10,13 @@
 #          --grid-config configs/mini_paper/minilm_staleness_gpu.yaml
 #      (MiniLM, the prepared Zeshel stores, and the cells done in earlier leases):
 #        bash scripts/device_table1_both.sh
-# The grids run until GRID_SECONDS, Table 1 first, then the ablation's own cells; every cell done comes
-# back in $OUT/both.tgz with the logs. Here: tar xzf both.tgz, then pack again for the next lease, which
-# runs only what is left (the cells are keyed by their settings: tests/minipaper/test_both_towers_configs.py).
+#      .devcarry is git-ignored: name it in the call's carry (it and .gpu_carry do not fit one call).
+# The grids run until GRID_SECONDS, Table 1 first, then the ablation's own cells, and never past the call's
+# CALL_LIMIT (600 s; give the device time left when less) less 90 s for stopping and packing, counted
+# from the script's start. Every cell done comes back in $OUT/both.tgz with the logs, packed again each
+# minute and after each grid, so a call cut short still returns the cells it finished. Here: tar xzf
+# both.tgz, then pack again for the next lease, which runs only what is left (the cells are keyed by
+# their settings: tests/minipaper/test_both_towers_configs.py).
 #   GRID_SETS: extra --set flags for jobs/mini_paper.py (the CPU rehearsal shrinks the runs with it);
 #   CONFIGS: which of the two grids, in order (default: both);
 #   HIDE_FAISS=1 (the CPU rehearsal): `import faiss` fails in every process of the run, as on the GPU
@@ -43,18 +47,31 @@ if [[ -n "${HIDE_FAISS:-}" ]]; then  # first on the path, for the job, the Ray h
 fi
 # A shard on this GPU against one on its CPU, for every call the service makes (benchmarks/gpu.py, section
 # shard; seconds): a failure is in $OUT/gpu_shard.json before any cell meets it.
-"$PY" -m benchmarks.gpu --sections shard --force --out "$OUT" > "$OUT/gpu_shard.log" 2>&1
+timeout -k 10 "${SHARD_CHECK_SECONDS:-120}" "$PY" -m benchmarks.gpu --sections shard --force --out "$OUT" \
+    > "$OUT/gpu_shard.log" 2>&1
 echo "gpu shard check exit: $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/grid.txt"
-LEFT=$GRID_SECONDS
+pack() {  # the cells done so far (their files are written atomically), swapped in whole
+  [[ -d "$GRID" ]] || return 0
+  tar czf "$OUT/both.tgz.part" $(ls "$GRID"/mini_paper.json 2>/dev/null) $(ls -d "$GRID"/logs 2>/dev/null) \
+      $(ls -d "$GRID"/cells/*/{summary.json,metrics.jsonl} 2>/dev/null) 2>/dev/null && mv "$OUT/both.tgz.part" "$OUT/both.tgz"
+}
+# each minute; on TERM it takes its sleep with it (nothing left holding the call's output open)
+(trap 'kill "$s" 2>/dev/null; exit 0' TERM; while :; do sleep 60 & s=$!; wait "$s"; pack; done) > /dev/null 2>&1 &
+PACKER=$!
+# the grids' deadline: GRID_SECONDS from now, and never later than the call's limit less 90 s from T0
+# (a stopped grid's SIGTERM unwind is cut after 30 s, then the last pack)
+DEADLINE=$(( $(date +%s) + GRID_SECONDS ))
+(( DEADLINE > T0 + ${CALL_LIMIT:-600} - 90 )) && DEADLINE=$(( T0 + ${CALL_LIMIT:-600} - 90 ))
 for config in ${CONFIGS:-minilm_both_towers_gpu minilm_staleness_gpu}; do
-  START=$(date +%s)
+  LEFT=$(( DEADLINE - $(date +%s) ))
+  (( LEFT > ${MIN_GRID_SECONDS:-30} )) || { echo "$config not started: ${LEFT} s left" | tee -a "$OUT/grid.txt"; break; }
   # shellcheck disable=SC2086
-  timeout "$LEFT" "$PY" jobs/mini_paper.py --config "configs/mini_paper/$config.yaml" --out "$GRID" \
+  timeout -k 30 "$LEFT" "$PY" jobs/mini_paper.py --config "configs/mini_paper/$config.yaml" --out "$GRID" \
       ${GRID_SETS:-} > "$OUT/$config.log" 2>&1
   echo "$config exit: $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/grid.txt"
-  LEFT=$(( LEFT - ($(date +%s) - START) ))
-  (( LEFT > 30 )) || break
+  pack
 done
-tar czf "$OUT/both.tgz" $(ls "$GRID"/mini_paper.json 2>/dev/null) "$GRID"/logs \
-    $(ls -d "$GRID"/cells/*/{summary.json,metrics.jsonl} 2>/dev/null)
+kill "$PACKER" 2>/dev/null
+wait "$PACKER" 2>/dev/null
+pack
 ls -la "$OUT"

@@ -36,6 +36,7 @@ import json
 import lzma
 import math
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -46,6 +47,7 @@ STORES = ("data/prepared/zeshel_minilm_train", "data/prepared/zeshel_minilm_eval
 CONFIG = "configs/mini_paper/minilm_table2_gpu.yaml"
 WORDS = "embeddings.word_embeddings.weight"
 KEEP_BELOW = 104  # [PAD] 0, [unused0] 1 and [unused1] 2 (mention markers), [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103
+CALL_MIB = 64  # what one device call takes: the files git does not ignore, plus the carry it names
 
 
 def _sha(t) -> str:
@@ -65,6 +67,25 @@ def used_ids() -> list[int]:
             m = MentionTable(ROOT / d, split)
             ids.update(np.unique(m.token_ids(np.arange(len(m)))).tolist())
     return sorted(ids)
+
+
+def check_room(carry: Path, root: Path = ROOT, limit_mib: float = CALL_MIB) -> tuple[int, int]:
+    """(carry bytes, bytes of the rest of the call): refuses, naming both, a carry that would not fit one
+    device call beside the files git does not ignore (tracked or not; 1 MiB kept spare), or one git does
+    not ignore (it would then travel in every call, the Ray carry's too)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True)
+
+    carry = carry.resolve()
+    if carry.is_relative_to(root.resolve()) and git("check-ignore", "-q", str(carry)).returncode != 0:
+        raise SystemExit(f"{carry}: not git-ignored, so every device call would carry it; add it to .gitignore")
+    listed = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout.decode().split("\0")
+    tree = sum((root / p).stat().st_size for p in listed if p and (root / p).is_file())
+    size = sum(f.stat().st_size for f in carry.rglob("*") if f.is_file())
+    if size + tree > (limit_mib - 1) * 2 ** 20:
+        raise SystemExit(f"{carry}: {size / 2**20:.1f} MiB, with the working tree's {tree / 2**20:.1f} MiB past "
+                         f"the {limit_mib - 1:g} MiB a device call takes ({limit_mib:g} less 1 spare)")
+    return size, tree
 
 
 def _done_cells(configs: list[str], grid: Path) -> list[Path]:
@@ -124,9 +145,9 @@ def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) ->
                 for f in ("summary.json", "metrics.jsonl"):
                     if (d / f).exists():
                         tar.add(d / f, arcname=str(grid / "cells" / d.name / f))
-        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        print(f"packed {out}: {size / 2**20:.1f} MiB; {len(done)} cells done under {grid} ({len(ids)} embedding "
-              "rows kept)")
+        size, tree = check_room(out)
+        print(f"packed {out}: {size / 2**20:.1f} MiB (+ {tree / 2**20:.1f} MiB of the working tree); {len(done)} "
+              f"cells done under {grid} ({len(ids)} embedding rows kept)")
         return
     cfg = load_config(MiniPaperConfig, ROOT / CONFIG, [])
     zeshel = zeshel_cells(cfg, ROOT)
@@ -141,8 +162,9 @@ def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) ->
                 tar.add(d / f, arcname=str(GRID / "cells" / d.name / f))
             if n in sources:
                 tar.add(d / "candidates", arcname=str(GRID / "cells" / d.name / "candidates"))
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"packed {out}: {size / 2**20:.1f} MiB; Table 2 over {chosen} ({len(ids)} embedding rows kept)")
+    size, tree = check_room(out)
+    print(f"packed {out}: {size / 2**20:.1f} MiB (+ {tree / 2**20:.1f} MiB of the working tree); Table 2 over "
+          f"{chosen} ({len(ids)} embedding rows kept)")
 
 
 def unpack(src: Path, site: Path) -> None:

@@ -36,3 +36,25 @@ def test_the_cells_carried_are_the_done_ones_without_the_starts(tmp_path):
     finish("zeshel-multi8-random-s2", done=False)  # stopped part-way: runs again
     got = script()._done_cells(CONFIGS, tmp_path)
     assert got == sorted([hard, frozen])
+
+
+def test_a_carry_must_be_ignored_and_fit_one_call_beside_the_tree(tmp_path):
+    """check_room: the device call takes the files git does not ignore plus the carry, 64 MiB in all (here 3)."""
+    import subprocess
+
+    import pytest
+
+    root = tmp_path / "repo"
+    (root / "carry").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "code.py").write_bytes(b"x" * 2 ** 20)  # 1 MiB travels in every call (tracked or not)
+    (root / "carry" / "w.bin").write_bytes(b"w" * (2 ** 20 // 2))
+    check = script().check_room
+    with pytest.raises(SystemExit, match="not git-ignored"):
+        check(root / "carry", root, limit_mib=3)
+    (root / ".gitignore").write_text("/carry/\n")
+    size, tree = check(root / "carry", root, limit_mib=3)
+    assert size == 2 ** 20 // 2 and 2 ** 20 < tree < 2 ** 20 + 100  # code.py and .gitignore
+    (root / "carry" / "more.bin").write_bytes(b"m" * (2 ** 20 // 2))  # 1 + 1 MiB: past 3 less 1 spare
+    with pytest.raises(SystemExit, match=r"1\.0 MiB, with the working tree's 1\.0 MiB past the 2 MiB"):
+        check(root / "carry", root, limit_mib=3)

@@ -89,7 +89,7 @@ def test_the_e2e_script_refuses_a_call_its_timeouts_do_not_fit(tmp_path):
     anything, so the script stops first and names the call of its own to make; shorter timeouts that fit
     go on to the benchmarks (here a Python that fails at once)."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "E2E_SKIP_INSTALL": "1", "PYTHON": "false",
-           "WORK": str(tmp_path / "work"), "KB_LENGTHS": "1"}
+           "WORK": str(tmp_path / "work"), "KB_LENGTHS": "1", "LOAD_WAIT_SECONDS": "0"}
     script = [str(REPO / "scripts" / "device_e2e.sh")]
     refused = subprocess.run(["bash", *script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "plans 900 s" in refused.stderr and "KB_LENGTHS=only" in refused.stderr
@@ -101,3 +101,49 @@ def test_the_e2e_script_refuses_a_call_its_timeouts_do_not_fit(tmp_path):
     only = {**env, "KB_LENGTHS": "only"}  # a call of its own: the kb benchmarks alone, whatever E2E_SECONDS
     alone = subprocess.run(["bash", *script], cwd=tmp_path, env=only, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 0 and "plans" not in alone.stderr and "gpu_e2e exit" not in alone.stdout
+
+
+FAKE_PYTHON = r'''#!/usr/bin/env bash
+# stands in for the GPU machine's python3 in scripts/device_table1_both.sh: every step succeeds at once
+# but the grid, which finishes one cell, then another 2 s later, then runs on until it is stopped
+for arg in "$@"; do
+  if [[ "$arg" == jobs/mini_paper.py ]]; then
+    grid=${@: -1}
+    mkdir -p "$grid/cells/a" "$grid/cells/b" "$grid/logs"
+    echo '{"cell": "a"}' > "$grid/cells/a/summary.json"
+    sleep 2
+    echo '{"cell": "b"}' > "$grid/cells/b/summary.json"
+    exec sleep 600
+  fi
+done
+exit 0
+'''
+
+
+def test_the_grid_script_stops_within_the_call_and_returns_the_cells_it_finished(tmp_path):
+    """scripts/device_table1_both.sh counts the grids' time from its own start against the device call's
+    limit (CALL_LIMIT less 90 s for stopping and packing), cuts a grid that runs on, starts no grid past
+    that, and packs the finished cells into $OUT/both.tgz, so a lease cut short keeps them."""
+    import tarfile
+    import time
+
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    grid = tmp_path / "grid"
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake), "GRID": str(grid),
+           "CALL_LIMIT": "98", "GRID_SECONDS": "480", "MIN_GRID_SECONDS": "3"}  # 8 s for the grids, not 480
+    t0 = time.monotonic()
+    done = subprocess.run(["bash", str(REPO / "scripts" / "device_table1_both.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    assert done.returncode == 0, done.stderr
+    assert seconds < 8 + 30 + 20, seconds  # the deadline, the kill's grace, the packing
+    said = (tmp_path / "out" / "grid.txt").read_text()
+    assert "minilm_both_towers_gpu exit: 124" in said  # cut by its timeout
+    assert "minilm_staleness_gpu not started" in said
+    with tarfile.open(tmp_path / "out" / "both.tgz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("cells/a/summary.json") for n in names)
+    assert any(n.endswith("cells/b/summary.json") for n in names)
+    assert not (tmp_path / "out" / "both.tgz.part").exists()
