@@ -50,10 +50,13 @@ fi
 timeout -k 10 "${SHARD_CHECK_SECONDS:-120}" "$PY" -m benchmarks.gpu --sections shard --force --out "$OUT" \
     > "$OUT/gpu_shard.log" 2>&1
 echo "gpu shard check exit: $? after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/grid.txt"
-pack() {  # the cells done so far (their files are written atomically), swapped in whole
+pack() {  # the cells done so far (their files are written atomically), swapped in whole; the minute's
+  # packer and the loop's pack may overlap, so each writes a part of its own
   [[ -d "$GRID" ]] || return 0
-  tar czf "$OUT/both.tgz.part" $(ls "$GRID"/mini_paper.json 2>/dev/null) $(ls -d "$GRID"/logs 2>/dev/null) \
-      $(ls -d "$GRID"/cells/*/{summary.json,metrics.jsonl} 2>/dev/null) 2>/dev/null && mv "$OUT/both.tgz.part" "$OUT/both.tgz"
+  local part="$OUT/both.tgz.$BASHPID.part"
+  tar czf "$part" $(ls "$GRID"/mini_paper.json 2>/dev/null) $(ls -d "$GRID"/logs 2>/dev/null) \
+      $(ls -d "$GRID"/cells/*/{summary.json,metrics.jsonl} 2>/dev/null) 2>/dev/null && mv "$part" "$OUT/both.tgz"
+  rm -f "$part"
 }
 # each minute; on TERM it takes its sleep with it (nothing left holding the call's output open)
 (trap 'kill "$s" 2>/dev/null; exit 0' TERM; while :; do sleep 60 & s=$!; wait "$s"; pack; done) > /dev/null 2>&1 &

@@ -330,7 +330,7 @@ def encode_rows(encoder: EntityEncoder, store: EntityStore, batch_size: int, dev
     fill = min(batch_size, n) if fill_to is None else fill_to
     vecs = mask = None
     done = 0
-    for pos in length_sorted_batches(lengths, min(batch_size, fill) if static and fill_to else batch_size):
+    for pos in length_sorted_batches(lengths, min(batch_size, fill) if static and fill_to is not None else batch_size):
         longest = max(int(lengths[pos].max()), 1)
         tokens, lens = store.token_ids(pos), lengths[pos]
         if static:  # a handful of shapes: fill the batch up with copies of its first row, round the length up
