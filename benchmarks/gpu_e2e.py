@@ -127,8 +127,8 @@ def step_parts(steps: list[dict]) -> dict[str, Any] | None:
     """Where the steps' time went: each part of :data:`STEP_PARTS` as a share of the summed step time and
     its median seconds, ``rest`` what no part holds, and, where every step logged them, ``mine_encode``
     (the mention encode inside mine_submit) and ``compute_device`` (the GPU's wall time for compute's
-    kernels, which may run past compute's host clock into mine_submit). Steps logged without every part (an older run)
-    are left out."""
+    kernels, which may run past compute's host clock into mine_submit). Steps logged without every part
+    (an older run) are left out."""
     full = [r for r in steps if all(k in r for k in STEP_PARTS.values())]
     total = sum(r["time/step_s"] for r in full)
     if not full or total <= 0:

@@ -632,6 +632,7 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
     if compare_before:
         groups.append(("plain@before", dict(ISSUE_23_CONFIGS), False))
     entries: dict[str, dict[str, Any]] = result["modes"]
+    save = partial or (lambda r: None)
     alloc = torch.cuda.memory_allocated if is_cuda else (lambda: 0)
     try:
         for plain_name, wanted, now in groups:
@@ -671,7 +672,6 @@ def run(device: str = "cuda", quick: bool = False, peak_tflops: float | None = N
             log(f"group {plain_name}: modes {list(modes)} built at {time.perf_counter() - t_start:.1f} s")
             records = _run_group(modes, batches, rounds, shape["warmup"], device, resident, entries, log)
             _summarise(records, entries, plain_name, flops["flops_per_step"], result["peak_tflops"])
-            save = partial or (lambda r: None)
             save(result)
             if profile:
                 for name, mode in modes.items():
