@@ -193,8 +193,9 @@ def assemble_entities(out_dir: Path, chunks: Sequence[Chunk], max_len: int, rows
     }
 
 
-def _resolve(store: EntityStore, gold_ids: list, gold_titles: list) -> tuple[np.ndarray, list[str]]:
-    """Gold rows and how each was resolved: by source id, else by title, else missing."""
+def _resolve(store: EntityStore, gold_ids: list, gold_titles: list) -> tuple[np.ndarray, list[str], list[int]]:
+    """Gold rows and how each was resolved: by source id, else by title, else missing; and the
+    mentions resolved by a title that more than one entity has (the first of them was taken)."""
     n = len(gold_ids)
     rows = np.full(n, -1, dtype=np.int64)
     status = [GOLD_UNLABELLED] * n
@@ -203,12 +204,14 @@ def _resolve(store: EntityStore, gold_ids: list, gold_titles: list) -> tuple[np.
     if with_id:
         rows[with_id] = store.rows_for_source_ids([gold_ids[i] for i in with_id])
     by_title = [i for i in labelled if rows[i] < 0 and gold_titles[i] is not None]
+    counts: list[int] = []
     if by_title:
-        rows[by_title] = store.rows_for_titles([gold_titles[i] for i in by_title])
+        rows[by_title] = store.rows_for_titles([gold_titles[i] for i in by_title], counts)
+    ambiguous = [i for i, c in zip(by_title, counts) if c > 1]
     title_set = set(by_title)
     for i in labelled:
         status[i] = GOLD_MISSING if rows[i] < 0 else (GOLD_BY_TITLE if i in title_set else GOLD_BY_ID)
-    return rows, status
+    return rows, status, ambiguous
 
 
 def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStore, max_len: int) -> dict:
@@ -216,7 +219,7 @@ def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStor
     table = chunk.table
     gold_ids = table.column("gold_source_id").to_pylist()
     gold_titles = table.column("gold_title").to_pylist()
-    rows, status = _resolve(store, gold_ids, gold_titles)
+    rows, status, ambiguous = _resolve(store, gold_ids, gold_titles)
     worlds = table.column("world").to_pylist()
     resolved = np.flatnonzero(rows >= 0)
     entity_worlds = store.worlds(rows[resolved]) if len(resolved) else []
@@ -246,6 +249,9 @@ def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStor
         "gold": {s: status.count(s) for s in (GOLD_BY_ID, GOLD_BY_TITLE, GOLD_MISSING, GOLD_UNLABELLED)},
         "missing_gold": {"count": len(missing), "mention_ids": missing[:MISSING_LIST_CAP],
                          "listed": min(len(missing), MISSING_LIST_CAP)},
+        # golds found by a title several entities share: the first such entity (lowest row) was taken
+        "ambiguous_title": {"count": len(ambiguous), "mention_ids": [ids[i] for i in ambiguous[:MISSING_LIST_CAP]],
+                            "listed": min(len(ambiguous), MISSING_LIST_CAP)},
         "gold_world_mismatch": world_mismatch,
         "token_stats": token_stats(lengths, max_len),
     }

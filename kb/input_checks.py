@@ -50,3 +50,14 @@ def resolution_warning(split: str, source: str, res: dict) -> str | None:
             f"labelled mentions ({100 * res['rate']:.1f}% < {100 * res['threshold']:.0f}%); "
             f"{res['labelled'] - res['resolved']:,} are kept with gold_row -1. Is the KB the one these mentions "
             "link into (same dump, same worlds)?")
+
+
+def ambiguity_warning(split: str, source: str, ambiguous: dict) -> str | None:
+    """The message for golds resolved by a title that several entities share, or None."""
+    if not ambiguous["count"]:
+        return None
+    ids = ambiguous["mention_ids"]
+    return (f"mentions {split} ({source}): {ambiguous['count']:,} gold(s) found only by a title that several "
+            f"entities share were resolved to the first of them (mention ids {', '.join(ids[:5])}"
+            f"{' ...' if ambiguous['count'] > 5 else ''}; all in manifest.json, ambiguous_title); give them "
+            "wikipedia_ids to pick the entity")

@@ -40,7 +40,7 @@ from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import Chunk, assemble_entities, assemble_mentions, load_chunks
 from kb.chunk_worker import SKIPPED_LIST_CAP, EncodeSettings, process_chunk, tokenizer
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
-from kb.input_checks import EmptyInput, check_not_empty, gold_resolution, resolution_warning
+from kb.input_checks import EmptyInput, ambiguity_warning, check_not_empty, gold_resolution, resolution_warning
 from kb.prepare_config import PrepareConfig, PrepareError, items, parse_size
 from kb.staging import recover, staging_dir, swap_in
 from kb.store import KIND, MENTIONS_DIR, SCHEMA_VERSION, EntityStore
@@ -115,8 +115,15 @@ def _mention_sources(cfg: PrepareConfig, log: Callable[[str], None]) -> list[tup
     if cfg.aida_dir:
         d = Path(cfg.aida_dir).resolve()
         found = [(s, d / f) for s, f in AIDA_FILES.items() if (d / f).is_file()]
+        # KILT's own names only (the test split has no answers there): a file named otherwise is not read,
+        # and saying so beats a split that is silently missing
+        other = sorted(f.name for f in d.glob("aidayago2-*-kilt.jsonl") if f.name not in AIDA_FILES.values())
         if not found:
-            raise FileNotFoundError(f"{d}: none of {sorted(AIDA_FILES.values())} found")
+            raise FileNotFoundError(f"{d}: none of {sorted(AIDA_FILES.values())} found"
+                                    + (f" (not read: {', '.join(other)})" if other else ""))
+        if other:
+            log(f"WARNING: {d}: not read: {', '.join(other)}; the splits are read from KILT's file names "
+                f"{', '.join(AIDA_FILES.values())} (rename a file to prepare it as that split)")
         return [(s, "aida", p, [p]) for s, p in found]
     if cfg.zeshel_root:
         from kb.zeshel import document_paths
@@ -319,10 +326,11 @@ def _build(cfg: PrepareConfig, dest: Path, todo: Plan, spec: dict, tok_fp: dict,
         section = assemble_mentions(dest, split, chunk, store, cfg.mention_max_len)
         section["source"] = str(path)
         section["gold_resolution"] = gold_resolution(section["gold"], cfg.min_gold_resolution)
-        warning = resolution_warning(split, str(path), section["gold_resolution"])
-        if warning:
-            log(f"WARNING: {warning}")
-            warnings.append(warning)
+        for warning in (resolution_warning(split, str(path), section["gold_resolution"]),
+                        ambiguity_warning(split, str(path), section["ambiguous_title"])):
+            if warning:
+                log(f"WARNING: {warning}")
+                warnings.append(warning)
         mentions[split] = section
     fields["mentions"] = mentions
     fields["skipped"] = _skipped(chunks, assembly_bad)

@@ -420,14 +420,16 @@ class EntityStore:
         pos = np.searchsorted(self._dead, g).clip(max=len(self._dead) - 1)
         return self._dead[pos] != g
 
-    def rows_for_titles(self, titles: Sequence[str]) -> np.ndarray:
+    def rows_for_titles(self, titles: Sequence[str], counts: list[int] | None = None) -> np.ndarray:
         """Titles -> int64 row ids (first live row with that exact title), -1 where absent.
 
-        A scan of the title column: meant for preparing data (resolving a few thousand
-        gold titles), not for a training loop.
+        counts: a list to extend with how many live rows hold each title (> 1: the title is
+        ambiguous, and the first row was taken). A scan of the title column: meant for
+        preparing data (resolving a few thousand gold titles), not for a training loop.
         """
         wanted = pa.array(list(dict.fromkeys(titles)), pa.string())
         found: dict[str, int] = {}
+        seen: dict[str, int] = {}
         for p, table in enumerate(self._parts):
             first = int(self._starts[p])
             lo = max(self.start - first, 0)
@@ -440,6 +442,9 @@ class EntityStore:
                 hits = hits[self._live_global(first + lo + hits)]
             for i, title in zip(hits, col.take(arrow_indices(hits)).to_pylist()):
                 found.setdefault(title, first + lo + int(i) - self.start)
+                seen[title] = seen.get(title, 0) + 1
+        if counts is not None:
+            counts.extend(seen.get(t, 0) for t in titles)
         return np.array([found.get(t, -1) for t in titles], dtype=np.int64)
 
 

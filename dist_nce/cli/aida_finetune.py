@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.driver import run_training
-    from dist_nce.train.trainer import dev_table
+    from dist_nce.train.trainer import check_resume, dev_table
     from dist_nce.worker.tracking import finish_tracking
 
     configure_process(threads=None)
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
         check_against_store(cfg, cfg.data.prepared_dir)
+        check_resume(cfg)  # a rerun over a changed KB or plan: refused here, not by every restarted worker
     except (ArtifactMismatch, FileNotFoundError, ValueError) as e:
         return error(e)
     # 3. the service (S shards over the KB, index version 0 from the initial weights), then training:

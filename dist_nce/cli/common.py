@@ -20,7 +20,8 @@ C = TypeVar("C")
 # start other jobs (demo, mini_paper) run jobs/*.py and keep data/ and runs/ there.
 CHECKOUT = Path(__file__).resolve().parents[2]
 
-DRY_RUN_HELP = "check the config and every input path, then exit (no data generation, no Ray)"
+DRY_RUN_HELP = ("check the config and every input path, then exit (no data generated or prepared, no Ray; the "
+                "project's random tiny BERT is built first where the config names it)")
 
 
 def error(e: BaseException | str) -> int:
@@ -30,7 +31,7 @@ def error(e: BaseException | str) -> int:
 
 
 def dry_run_ok(what: str) -> int:
-    print(f"{what}: config and inputs OK (dry run: nothing generated, no Ray started)")
+    print(f"{what}: config and inputs OK (dry run: no data generated or prepared, no Ray started)")
     return 0
 
 

@@ -216,11 +216,15 @@ def evaluate(args: argparse.Namespace, cfg: ServiceConfig) -> int:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     retriever.to(auto if args.device == "auto" else args.device)
     store = EntityStore(args.store, tokenizer_sha256=tokenizer_fingerprint(retriever.tokenizer)["sha256"])
-    aida_dir = Path(args.aida_dir or (store.manifest.get("source") or {}).get("aida_dir") or ".")
+    recorded = (store.manifest.get("source") or {}).get("aida_dir")
+    aida_dir = Path(args.aida_dir or recorded or ".")
     files = {s: aida_dir / AIDA_FILES[s] for s in splits}
-    missing = [str(f) for f in files.values() if not f.is_file()]
+    missing = [f.name for f in files.values() if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"AIDA files not found: {', '.join(missing)} (pass --aida-dir)")
+        where = "--aida-dir" if args.aida_dir else \
+            "the directory the store was prepared from; pass --aida-dir" if recorded else "no --aida-dir given"
+        raise FileNotFoundError(f"{aida_dir} ({where}): AIDA files not found: {', '.join(missing)} (KILT's file "
+                                f"names; --splits picks the splits: {', '.join(splits)})")
     tables = {s: MentionTable(args.store, s) for s in splits}
     fit_backend(args, cfg, is_inner_product(retriever.spec))
 

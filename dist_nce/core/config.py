@@ -280,8 +280,17 @@ def load_config(cls: type[T], path: str | os.PathLike, overrides: list[str] | No
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    data = _deep_merge(dict(data), parse_overrides(overrides))
-    return from_dict(cls, data, source=path)
+    merged = _deep_merge(dict(data), parse_overrides(overrides))
+    try:
+        return from_dict(cls, merged, source=path)
+    except ConfigError as e:
+        if not overrides:
+            raise
+        try:  # the file alone is valid: what is wrong came with an override, so the message names --set
+            from_dict(cls, data, source=path)
+        except ConfigError:
+            raise e from None
+        raise ConfigError(str(e).replace(f"{path}: ", f"--set (over {path}): ", 1)) from None
 
 
 def absolute_paths(cfg: T, fields: tuple[str, ...], base: str | None = None) -> T:

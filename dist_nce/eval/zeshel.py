@@ -276,6 +276,29 @@ def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, wor
             f"candidate_recall@{k}": rep[f"recall@{k}"], "retriever_recall@1": rep["recall@1"], **cands.counts()}
 
 
+def write_predictions(path: str | Path, pred: np.ndarray, cands: CandidateSet, mentions: MentionTable,
+                      store: EntityStore) -> None:
+    """The reranker's choice per mention as JSONL, in the table's order, written atomically: ``mention_id``,
+    ``world``, ``gold`` and ``prediction`` (document ids; null: no gold in the KB / no candidate chosen),
+    ``gold_rank`` (the gold's 0-based place among the candidates, -1 if absent) and ``correct``. Enough to
+    recompute U.Acc and N.Acc (:func:`reranker_report`) and to pair two systems mention by mention.
+
+    pred: int64 [N] store rows (-1 none); cands: the [N, k] candidates it chose among.
+    """
+    gold = np.asarray(mentions.gold_rows, dtype=np.int64)
+    if not len(pred) == len(gold) == len(cands.gold_pos):
+        raise ValueError(f"{path}: {len(pred)} predictions for {len(gold)} mentions")
+    ids = lambda rows: store.source_ids(np.maximum(rows, 0)) if len(rows) else []  # noqa: E731
+    gold_ids, pred_ids = ids(gold), ids(np.asarray(pred, dtype=np.int64))
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for i, (mid, world) in enumerate(zip(mentions.mention_ids, mentions.worlds)):
+                f.write(json.dumps({
+                    "mention_id": mid, "world": world, "gold": gold_ids[i] if gold[i] >= 0 else None,
+                    "prediction": pred_ids[i] if pred[i] >= 0 else None, "gold_rank": int(cands.gold_pos[i]),
+                    "correct": bool(gold[i] >= 0 and pred[i] == gold[i])}) + "\n")
+
+
 # --------------------------------------------------------------------------- one split, end to end
 
 

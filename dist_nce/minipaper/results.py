@@ -4,8 +4,8 @@ Metric names (fractions in [0, 1]; the report prints percent):
 
 * Zeshel retriever: ``val/R@k``, ``test/R@k`` (own world, macro over worlds: the Zeshel
   protocol), ``val/R@1``, ``test/R@1`` (own-world top-1, macro), ``heldout/R@k`` and, where the
-  run's eval_k has 1, ``heldout/R@1`` (unseen mentions of the train worlds, ranked over the train
-  worlds' entities: the trainer's dev);
+  run's eval_k has 1, ``heldout/R@1`` (unseen mentions of the train worlds, each ranked over all the train
+  worlds' entities together, micro: the trainer's dev, not the own-world protocol of val and test);
 * reranker: ``val/U.Acc``, ``val/N.Acc``, ``test/U.Acc``, ``test/N.Acc`` (macro over worlds),
   the candidates' recall ``val/cand_R``, ``test/cand_R``, and the retriever's R@1 on the same
   mentions ``val/retriever_R@1``, ``test/retriever_R@1``;

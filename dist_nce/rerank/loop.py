@@ -22,9 +22,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from dist_nce.core.artifacts import atomic_write_json
+from dist_nce.core.artifacts import atomic_write_json, write_manifest
 from dist_nce.eval.metrics import PAD
-from dist_nce.eval.zeshel import rerank, reranker_report
+from dist_nce.eval.zeshel import rerank, reranker_report, write_predictions
 from dist_nce.modeling.blink import BlinkCheckpointError
 from dist_nce.modeling.blink_crossencoder import blink_layout_note, export_blink_crossencoder
 from dist_nce.modeling.losses import nce_loss
@@ -43,6 +43,8 @@ BLINK_FILE = "crossencoder_blink.bin"  # BLINK's CrossEncoderModule layout, besi
 # The worker's final result (plan, per-split reports, export); nested, so a file rather than a
 # ray.train.report metric.
 RESULT_FILE = "result.json"
+PREDICTIONS_DIR = "predictions"  # <split>.jsonl per evaluated split: the reranker's choice per mention
+PREDICTIONS_KIND = "rerank_predictions"
 
 
 def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
@@ -92,14 +94,15 @@ def candidate_scores(engine: Any, reranker: Reranker, mention_tokens: np.ndarray
 
 
 def evaluate_sets(module: Reranker, sets: Sequence[EvalSet], num_candidates: int, batch_size: int, rank: int = 0,
-                  world: int = 1, all_gather: Callable[[Any], list[Any]] | None = None, progress: bool = False
-                  ) -> dict[str, Any] | None:
+                  world: int = 1, all_gather: Callable[[Any], list[Any]] | None = None, progress: bool = False,
+                  predictions_dir: str | Path | None = None) -> dict[str, Any] | None:
     """Accuracy of the reranker on each set; every rank calls it, rank 0 gets {split: report}.
 
     Only mentions whose gold is among the candidates are scored: any other is wrong
     whatever the reranker picks (prediction -1), so skipping them changes no metric. Each
     rank reranks an equal-length slice of those mentions (``rank_slice``: equal forwards,
-    as ZeRO-3 requires) and rank 0 gathers the predictions.
+    as ZeRO-3 requires) and rank 0 gathers the predictions; with ``predictions_dir`` it writes
+    them there, ``<split>.jsonl`` (:func:`dist_nce.eval.zeshel.write_predictions`) and a manifest.
     """
     out: dict[str, Any] = {}
     was_training = module.training
@@ -115,8 +118,16 @@ def evaluate_sets(module: Reranker, sets: Sequence[EvalSet], num_candidates: int
                 full[hits] = np.concatenate(parts)
                 out[s.split] = {"candidates_file": s.source, **reranker_report(
                     full, s.candidates, np.asarray(s.mentions.gold_rows), s.worlds, num_candidates)}
+                if predictions_dir is not None:
+                    path = Path(predictions_dir) / f"{s.split}.jsonl"
+                    write_predictions(path, full, s.candidates, s.mentions, s.store)
+                    out[s.split]["predictions_file"] = str(path)
     finally:
         module.train(was_training)
+    if rank == 0 and predictions_dir is not None and sets:
+        write_manifest(predictions_dir, PREDICTIONS_KIND, 1, splits=[s.split for s in sets],
+                       candidates={s.split: s.source for s in sets}, num_candidates=num_candidates,
+                       fields=["mention_id", "world", "gold", "prediction", "gold_rank", "correct"])
     return out if rank == 0 else None
 
 
@@ -168,7 +179,8 @@ class RerankWorker(WorkerScaffold):
         if done:
             t0 = time.perf_counter()
             out["eval"] = evaluate_sets(self.module, self.eval_sets, cfg.data.num_candidates, cfg.run.eval_batch_size,
-                                        self.rank, self.world, self.comm.all_gather, cfg.run.progress)
+                                        self.rank, self.world, self.comm.all_gather, cfg.run.progress,
+                                        Path(cfg.run.output_dir) / PREDICTIONS_DIR)
             if self.rank == 0:
                 self.log.write(f"evaluated {', '.join(s.split for s in self.eval_sets)} in "
                                f"{time.perf_counter() - t0:.1f} s")

@@ -47,11 +47,11 @@ def accuracy_table(reports: dict[str, Any]) -> str:
     """split x (U.Acc, N.Acc) macro over worlds and micro, with the candidates' recall@C and the
     retriever's R@1 on the same mentions (macro: what U.Acc macro has to beat)."""
     lines = [f"{'split':<8}{'mentions':>9}{'U.Acc macro':>13}{'N.Acc macro':>13}{'U.Acc micro':>13}"
-             f"{'N.Acc micro':>13}{'cand. recall':>14}{'retr. R@1':>11}"]
+             f"{'N.Acc micro':>13}{'cand. R macro':>15}{'retr. R@1 macro':>17}"]
     for split, rep in reports.items():
         u, n = rep["unnormalized_accuracy"], rep["normalized_accuracy"]
         rec = next(v for k, v in rep.items() if k.startswith("candidate_recall@"))
         r1 = rep["retriever_recall@1"]["macro"]
         lines.append(f"{split:<8}{rep['n_mentions']:>9}{u['macro']:>13.4f}{n['macro']:>13.4f}{u['micro']:>13.4f}"
-                     f"{n['micro']:>13.4f}{rec['macro']:>14.4f}{r1:>11.4f}")
+                     f"{n['micro']:>13.4f}{rec['macro']:>15.4f}{r1:>17.4f}")
     return "\n".join(lines)

@@ -35,11 +35,16 @@ class DataConfig:
                               default="data/prepared/aida")
     kilt_knowledge_source: Optional[str] = _help(
         "kilt_knowledgesource.json to prepare from when prepared_dir does not exist.", default=None)
-    aida_dir: Optional[str] = _help("Directory with aidayago2-{train,dev,test_without_answers}-kilt.jsonl.",
-                                    default=None)
+    blink_entities: Optional[str] = _help(
+        "BLINK's entity.jsonl (the entities of BLINK's download, as jobs/prepare_kb.py --blink-entities reads "
+        "it) to prepare from instead of kilt_knowledge_source.", default=None)
+    aida_dir: Optional[str] = _help(
+        "Directory with aidayago2-{train,dev,test_without_answers}-kilt.jsonl: the mentions, read with "
+        "kilt_knowledge_source or blink_entities (the KB their golds resolve into).", default=None)
     zeshel_root: Optional[str] = _help("Zeshel root (documents/, mentions/) to prepare from.", default=None)
     synthetic_entities: int = _help(
-        "If > 0 and no source is given, generate a synthetic KILT KB + AIDA files of this size first.",
+        "If > 0 and no source is given, generate a synthetic KILT KB + AIDA files of this size first (set 0 to "
+        "train on a store prepared from your own files).",
         AT_LEAST_0, default=0)
     synthetic_train: int = _help("Synthetic AIDA train mentions.", AT_LEAST_1, default=1000)
     synthetic_dev: int = _help("Synthetic AIDA dev mentions.", AT_LEAST_1, default=200)
@@ -56,6 +61,9 @@ class DataConfig:
     max_dev_mentions: int = _help("Use only the first N dev mentions (0 = all).", AT_LEAST_0, default=0)
     prepare_workers: int = _help("Processes for preparing the KB (and generating a synthetic one of >= 100k "
                                   "entities).", AT_LEAST_1, default=2)
+    on_bad_record: Literal["error", "skip"] = _help(
+        "Preparing from the sources: error stops at the first malformed line (file:line: reason); skip counts "
+        "and lists them in the store's manifest (jobs/prepare_kb.py --on-bad-record).", default="error")
 
 
 @dataclass
@@ -215,9 +223,13 @@ class TrainJobConfig:
         return self.optim.batch_size // self.run.num_workers
 
 
-def check_inputs(cfg: TrainJobConfig) -> None:
+def check_inputs(cfg: TrainJobConfig, aida: bool = True) -> None:
     """Raise ConfigError listing every missing input (files, directories, DeepSpeed JSON)
-    named by its config key, so a typo fails in a second, before any cluster work."""
+    named by its config key, so a typo fails in a second, before any cluster work.
+
+    aida: the data section is the AIDA job's (its sources against ``data.prepared_dir``:
+    :func:`data_source_problems`); a Zeshel run passes False (``dist_nce.zeshel.data`` prepares its stores).
+    """
     from dist_nce.worker.engine import load_deepspeed_config
     from dist_nce.worker.tracking import missing_packages
 
@@ -228,7 +240,7 @@ def check_inputs(cfg: TrainJobConfig) -> None:
             return True
         ok = os.path.isdir(path) if kind == "directory" else os.path.isfile(path)
         if not ok:
-            problems.append(f"{key}: {kind} not found: {path}")
+            problems.append(f"{key}: {kind} not found: {path}{_beside_repository(path)}")
         return ok
 
     r = cfg.model.retriever
@@ -253,17 +265,90 @@ def check_inputs(cfg: TrainJobConfig) -> None:
             if getattr(d, key) not in splits:
                 problems.append(f"data.{key}: split {getattr(d, key)!r} not in {manifest} "
                                 f"(prepared splits: {sorted(splits)})")
-    elif d.kilt_knowledge_source or d.zeshel_root:
+    elif d.kilt_knowledge_source or d.blink_entities or d.zeshel_root:
         need("data.kilt_knowledge_source", d.kilt_knowledge_source, "file")
+        need("data.blink_entities", d.blink_entities, "file")
         need("data.aida_dir", d.aida_dir, "directory")
         need("data.zeshel_root", d.zeshel_root, "directory")
     elif d.synthetic_entities <= 0:
         problems.append(f"data.prepared_dir: {d.prepared_dir} is not a prepared KB (no manifest.json) and no "
-                        "source is given: set data.kilt_knowledge_source + data.aida_dir, data.zeshel_root, or "
-                        "data.synthetic_entities > 0")
+                        "source is given: set data.kilt_knowledge_source (or data.blink_entities) + data.aida_dir, "
+                        "data.zeshel_root, or data.synthetic_entities > 0")
+    if aida:
+        problems += data_source_problems(d)
     problems += missing_packages(cfg.run.tracking)
     if problems:
         raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))
+
+
+def _beside_repository(path: str) -> str:
+    """A hint when ``path`` (made absolute against the working directory) names a file of the repository:
+    the shipped configs' relative paths (``configs/deepspeed/...``) assume the jobs run from its root."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cwd = os.getcwd()
+    if cwd == repo or not path.startswith(cwd + os.sep):
+        return ""
+    there = os.path.join(repo, os.path.relpath(path, cwd))
+    return f" (relative paths resolve against the working directory; {there} exists: run from {repo} or give " \
+           "an absolute path)" if os.path.exists(there) else ""
+
+
+KB_SOURCES = ("kilt_knowledge_source", "blink_entities", "zeshel_root")
+
+
+def data_source_problems(d: DataConfig) -> list[str]:
+    """What the AIDA job would do with ``d`` other than what it says: sources that would be ignored,
+    a store of the user's own that the synthetic data would meet, a store cut at other lengths.
+    Reads only ``data.prepared_dir``'s manifest."""
+    problems = []
+    given = [f"data.{k}" for k in KB_SOURCES if getattr(d, k)]
+    if len(given) > 1:
+        problems.append(f"{' and '.join(given)}: give one KB source, not several")
+    if d.aida_dir and not (d.kilt_knowledge_source or d.blink_entities):
+        problems.append(f"data.aida_dir: {d.aida_dir} is read only with data.kilt_knowledge_source or "
+                        "data.blink_entities (the KB its golds resolve into); to train on a store that "
+                        "jobs/prepare_kb.py made, set data.prepared_dir to it and data.synthetic_entities=0")
+    manifest = os.path.join(d.prepared_dir, "manifest.json")
+    if given or not os.path.isfile(manifest):
+        return problems
+    fields = json.loads(open(manifest, encoding="utf-8").read())
+    if d.synthetic_entities > 0:
+        if not _from_synthetic(fields, d):
+            source = fields.get("source") or {}
+            problems.append(
+                f"data.prepared_dir: {d.prepared_dir} holds a store prepared from "
+                f"{', '.join(source.get('entity_files') or ['other inputs'])} ({source.get('format')}), not from "
+                f"this config's synthetic data (data.synthetic_entities: {d.synthetic_entities}, data.synthetic_dir: "
+                f"{d.synthetic_dir}): set data.synthetic_entities=0 to train on it, or give the synthetic data "
+                "another data.prepared_dir")
+    else:
+        problems += prepared_length_problems(fields, d, d.prepared_dir)
+    return problems
+
+
+def _from_synthetic(fields: dict, d: DataConfig) -> bool:
+    """Whether the store of manifest ``fields`` was prepared from ``d.synthetic_dir``'s KB: by the paths it
+    recorded, or, for a store and synthetic directory moved together, by the KB file's fingerprint."""
+    from kb.ingest import file_fingerprint
+    from kb.prepare import derived_from
+    from kb.synthetic.kilt import KB_FILE
+
+    if derived_from(d.prepared_dir, d.synthetic_dir):
+        return True
+    kb = os.path.join(d.synthetic_dir, KB_FILE)
+    if not os.path.isfile(kb):
+        return False
+    fp = file_fingerprint(kb)
+    return any(f.get("size") == fp["size"] and f.get("sample_sha256") == fp["sample_sha256"]
+               for f in (fields.get("source") or {}).get("files") or [])
+
+
+def prepared_length_problems(fields: dict, d: DataConfig, store: str) -> list[str]:
+    """A store is tokenized once: the token lengths ``d`` asks for that the manifest (``fields``) of
+    ``store`` differs from (it would silently train on shorter or longer inputs)."""
+    return [f"data.{k} is {getattr(d, k)} but the store {store} was prepared with {fields.get(k)} (set it to "
+            "the store's, or prepare the store again at these lengths)"
+            for k in ("entity_max_len", "mention_max_len") if fields.get(k) != getattr(d, k)]
 
 
 def check_against_store(cfg: TrainJobConfig, store_dir: str) -> None:
@@ -287,10 +372,10 @@ def check_against_store(cfg: TrainJobConfig, store_dir: str) -> None:
 
 # Fields holding local paths; resolved on the driver because Ray Train workers run in
 # another working directory.
-PATH_FIELDS = ("data.prepared_dir", "data.kilt_knowledge_source", "data.aida_dir", "data.zeshel_root",
-               "data.synthetic_dir", "model.retriever.mention_model", "model.retriever.entity_model",
-               "model.blink_checkpoint", "model.init_from", "deepspeed.config", "service.shard_dir",
-               "run.storage_path", "run.output_dir", "run.tracking.wandb.dir")
+PATH_FIELDS = ("data.prepared_dir", "data.kilt_knowledge_source", "data.blink_entities", "data.aida_dir",
+               "data.zeshel_root", "data.synthetic_dir", "model.retriever.mention_model",
+               "model.retriever.entity_model", "model.blink_checkpoint", "model.init_from", "deepspeed.config",
+               "service.shard_dir", "run.storage_path", "run.output_dir", "run.tracking.wandb.dir")
 
 
 def with_absolute_paths(cfg: TrainJobConfig, base: str | None = None) -> TrainJobConfig:

@@ -1,8 +1,8 @@
 """Make sure the prepared KB a run trains on exists and matches the config (driver side).
 
-With sources configured (KILT/AIDA files, a Zeshel tree, or ``data.synthetic_entities
-> 0``, which generates synthetic KILT + AIDA files first), ``kb.prepare`` runs every
-time: it leaves a store prepared from the same inputs as it is, resumes an interrupted
+With sources configured (KILT or BLINK entities with AIDA files, a Zeshel tree, or
+``data.synthetic_entities > 0``, which generates synthetic KILT + AIDA files first), ``kb.prepare`` runs
+every time: it leaves a store prepared from the same inputs as it is, resumes an interrupted
 one, and refuses a store prepared from other inputs. Synthetic data and a store prepared
 from it are derived data, so when the ``synthetic_*`` settings change both are made again
 instead of being reused stale (:mod:`kb.synthetic.cache`). Without sources,
@@ -11,11 +11,12 @@ config's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.train.config import DataConfig
+from dist_nce.train.config import DataConfig, data_source_problems, prepared_length_problems
 
 
 def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str], None] = print) -> str:
@@ -23,15 +24,17 @@ def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str
     the configured sources give."""
     from kb.prepare import PrepareConfig, ensure_store
 
+    problems = data_source_problems(d)  # also checked with the config; here again against the store as it is now
+    if problems:
+        raise ValueError("\n".join(problems))
     out = Path(d.prepared_dir)
-    kilt_ks, aida_dir, zeshel_root = d.kilt_knowledge_source, d.aida_dir, d.zeshel_root
-    if not (kilt_ks or zeshel_root or d.synthetic_entities > 0):
+    kilt_ks, blink, aida_dir, zeshel_root = d.kilt_knowledge_source, d.blink_entities, d.aida_dir, d.zeshel_root
+    if not (kilt_ks or blink or zeshel_root or d.synthetic_entities > 0):
         if not (out / "manifest.json").exists():
             raise FileNotFoundError(f"{out}: not prepared, and no source or synthetic size is configured")
-        check_prepared_lengths(out, d)
         return str(out)
     synthetic = None
-    if not (kilt_ks or zeshel_root):
+    if not (kilt_ks or blink or zeshel_root):
         from kb.synthetic import KB_FILE
         from kb.synthetic.cache import ensure_kilt
 
@@ -49,19 +52,31 @@ def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str
         kilt_ks, aida_dir = str(synthetic / KB_FILE), str(synthetic)
     if not (out / "manifest.json").exists():
         log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")
-    ensure_store(PrepareConfig(out=str(out), kilt_ks=kilt_ks, aida_dir=aida_dir, zeshel_root=zeshel_root,
-                               model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
-                               entity_max_len=d.entity_max_len, workers=d.prepare_workers, progress=False),
-                 log, regenerate_from=synthetic)
+    with skip_hint():
+        ensure_store(PrepareConfig(out=str(out), kilt_ks=kilt_ks, blink_entities=blink, aida_dir=aida_dir,
+                                   zeshel_root=zeshel_root, model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
+                                   entity_max_len=d.entity_max_len, workers=d.prepare_workers,
+                                   on_bad_record=d.on_bad_record, progress=False),
+                     log, regenerate_from=synthetic)
     return str(out)
 
 
+@contextlib.contextmanager
+def skip_hint():
+    """A malformed source line stops a job's preparation as it stops jobs/prepare_kb.py's, with the
+    config key that skips it instead of the flag."""
+    from dist_nce.core.records import BadRecord
+
+    try:
+        yield
+    except BadRecord as e:
+        raise ValueError(f"{e}\n  (set data.on_bad_record=skip to skip malformed lines and list them in the "
+                         "store's manifest)") from None
+
+
 def check_prepared_lengths(store_dir: Path, d: DataConfig) -> None:
-    """A store is tokenized once: refuse one cut at other lengths than the config asks for
-    (it would silently train on shorter or longer inputs)."""
+    """Raise ValueError where ``store_dir`` was tokenized at other lengths than ``d`` asks for."""
     manifest = json.loads((store_dir / "manifest.json").read_text(encoding="utf-8"))
-    differs = [f"data.{k} is {getattr(d, k)} but the store has {manifest.get(k)}"
-               for k in ("entity_max_len", "mention_max_len") if manifest.get(k) != getattr(d, k)]
-    if differs:
-        raise ValueError(f"{store_dir}: prepared with other token lengths ({'; '.join(differs)}); set them to the "
-                         "store's, or configure its sources so it can be prepared again elsewhere")
+    problems = prepared_length_problems(manifest, d, str(store_dir))
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -43,6 +43,7 @@ def describe_plan(cfg: TrainJobConfig, plan: TrainPlan, ranges: list[tuple[int, 
                f"{cfg.refresh.mode}, every {cfg.refresh.every_steps or '-'} steps"
                f"{', at epoch starts' if cfg.refresh.at_epoch_start else ''}")
     stop = f" (this job stops after step {cfg.run.stop_after_steps})" if cfg.run.stop_after_steps else ""
+    product = plan.steps_per_epoch * plan.epochs  # more than total_steps when optim.max_steps cut the last epoch
     lines = [
         f"model: {cfg.model.retriever.preset}{'-' + str(cfg.model.retriever.m) if cfg.model.retriever.m else ''} "
         f"from {cfg.model.blink_checkpoint or cfg.model.init_from or cfg.model.retriever.mention_model or 'MiniLM'}",
@@ -56,7 +57,8 @@ def describe_plan(cfg: TrainJobConfig, plan: TrainPlan, ranges: list[tuple[int, 
         f"entities: {plan.num_entities:,} in {len(ranges)} shards ({min(sizes):,}-{max(sizes):,} per shard)",
         f"training mentions: {plan.train_mentions:,} of {plan.split_mentions:,} "
         f"({plan.excluded_missing_gold:,} excluded: gold not in the KB)",
-        f"steps: {plan.steps_per_epoch:,} per epoch x {plan.epochs} epochs = {plan.total_steps:,}{stop}",
+        f"steps: {plan.steps_per_epoch:,} per epoch x {plan.epochs} epochs"
+        f"{' = ' if product == plan.total_steps else ', capped by optim.max_steps at '}{plan.total_steps:,}{stop}",
         f"index version: {version}; refresh: {refresh}",
     ]
     return "\n".join("  " + line for line in lines)
@@ -99,6 +101,31 @@ def plan_for(cfg: TrainJobConfig) -> TrainPlan:
     train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
     # As the workers do: the data order comes from the golds as prepared, whatever KB deltas came since.
     return make_plan(cfg, train.prepared_gold_rows, store.num_entities, store_fingerprint(cfg.data.prepared_dir))
+
+
+def check_resume(cfg: TrainJobConfig) -> None:
+    """Refuse, before Ray starts, a rerun that could not resume its own checkpoints: the plan of ``cfg``
+    over the store as it is now (:func:`plan_for`) against the newest whole checkpoint's in the run's
+    local storage (a changed KB, batch or worker count). Without it the workers find out, each
+    restart (``run.max_failures``) logging their tracebacks, after the shards have encoded the KB."""
+    from pathlib import Path
+
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.core.config import ConfigError
+    from dist_nce.worker.checkpoint import KIND, check_resumable
+    from dist_nce.worker.launch import storage_uri, whole_checkpoints
+
+    if "://" in cfg.run.storage_path:  # remote storage: the workers check it when they load
+        return
+    run_dir = Path(storage_uri(cfg.run.storage_path)) / cfg.run.name
+    found = whole_checkpoints(run_dir) if run_dir.is_dir() else []
+    if not found:
+        return
+    _, _, newest = max(found)
+    try:
+        check_resumable(read_manifest(newest, KIND), plan_for(cfg).as_dict(), str(newest))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def kb_snapshot(service: NegativeSource, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:

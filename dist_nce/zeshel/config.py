@@ -132,6 +132,26 @@ def source_root(cfg: ZeshelRetrieverConfig) -> str | None:
     return cfg.zeshel.synthetic_dir if cfg.zeshel.synthetic_entities_per_world > 0 else None
 
 
+def held_out_world_problems(store: str) -> list[str]:
+    """Zeshel's zero-shot protocol: the training store (the trainer's mentions, the shards' negatives) holds
+    no entity of a val or test world. A store prepared from a whole tree (``jobs/prepare_kb.py --zeshel-root``
+    without ``--zeshel-worlds``) does, and training on it would see the worlds it is evaluated on."""
+    import json
+
+    manifest = os.path.join(store, "manifest.json")
+    if not os.path.isfile(manifest):
+        return []
+    with open(manifest, encoding="utf-8") as f:
+        worlds = (json.load(f).get("entities") or {}).get("worlds") or {}
+    held = [w for w in (*ZESHEL_WORLDS["val"], *ZESHEL_WORLDS["test"]) if w in worlds]
+    if not held:
+        return []
+    return [f"data.prepared_dir: {store} holds the entities of val/test worlds ({', '.join(held)}): training on it "
+            "would draw negatives from the worlds it is evaluated on; prepare the train worlds alone "
+            "(jobs/prepare_kb.py --zeshel-worlds train, and --zeshel-worlds val,test for zeshel.eval_store), or "
+            "set data.zeshel_root and the job prepares both stores"]
+
+
 def check_zeshel_inputs(cfg: ZeshelRetrieverConfig) -> None:
     """Raise ConfigError naming every missing input, before any data or cluster work.
 
@@ -148,14 +168,16 @@ def check_zeshel_inputs(cfg: ZeshelRetrieverConfig) -> None:
                         "data.zeshel_root or zeshel.synthetic_entities_per_world > 0")
     if cfg.data.zeshel_root and not os.path.isdir(cfg.data.zeshel_root):
         problems.append(f"data.zeshel_root: directory not found: {cfg.data.zeshel_root}")
-    if cfg.data.kilt_knowledge_source or cfg.data.aida_dir or cfg.data.synthetic_entities:
-        problems.append("data.kilt_knowledge_source / data.aida_dir / data.synthetic_entities are AIDA inputs; "
-                        "a Zeshel run uses data.zeshel_root or zeshel.synthetic_*")
+    problems += held_out_world_problems(cfg.data.prepared_dir)
+    d = cfg.data
+    if d.kilt_knowledge_source or d.blink_entities or d.aida_dir or d.synthetic_entities:
+        problems.append("data.kilt_knowledge_source / data.blink_entities / data.aida_dir / data.synthetic_entities "
+                        "are AIDA inputs; a Zeshel run uses data.zeshel_root or zeshel.synthetic_*")
     if not prepared:
         # Checked against the store once it exists; here only what does not need it.
         train.data.zeshel_root = train.data.zeshel_root or "."
     try:
-        check_inputs(train)
+        check_inputs(train, aida=False)
     except ConfigError as e:
         problems.extend(str(e).split("\n  ")[1:])
     if problems:

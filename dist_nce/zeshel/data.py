@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.zeshel.config import EVAL_STORE_SPLITS, TRAIN_STORE_SPLITS, ZeshelRetrieverConfig, synthetic_mentions
+from dist_nce.core.config import ConfigError
+from dist_nce.zeshel.config import (EVAL_STORE_SPLITS, TRAIN_STORE_SPLITS, ZeshelRetrieverConfig,
+                                    held_out_world_problems, synthetic_mentions)
 
 
 def ensure_synthetic(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] = print) -> str | None:
@@ -32,12 +34,11 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     """Prepare the store of ``worlds`` with those of ``splits`` the tree has (kb.prepare finds
     a store already prepared from the same inputs and leaves it; one from other real inputs
     is an error, one from an older synthetic tree is prepared again)."""
+    from dist_nce.train.data import skip_hint
     from kb.prepare import PrepareConfig, ensure_store
 
     present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
     if not present:
-        from dist_nce.core.config import ConfigError
-
         raise ConfigError(f"{root}: no mentions/{{{','.join(splits)}}}.json: the {worlds} worlds' store needs at "
                           f"least one of these mention splits")
     d = cfg.data
@@ -45,11 +46,13 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
         log(f"preparing {out}: {worlds} worlds, mentions {', '.join(present)} (entity max {d.entity_max_len}, "
             f"mention max {d.mention_max_len} tokens)")
     synthetic = cfg.zeshel.synthetic_entities_per_world > 0 and not cfg.data.zeshel_root
-    ensure_store(PrepareConfig(out=out, zeshel_root=root, zeshel_worlds=worlds, zeshel_splits=",".join(present),
-                               zeshel_strip_title=cfg.zeshel.strip_title, model_dir=cfg.model.retriever.mention_model,
-                               mention_max_len=d.mention_max_len, entity_max_len=d.entity_max_len,
-                               workers=d.prepare_workers, progress=False),
-                 log, regenerate_from=root if synthetic else None)
+    with skip_hint():
+        ensure_store(PrepareConfig(out=out, zeshel_root=root, zeshel_worlds=worlds, zeshel_splits=",".join(present),
+                                   zeshel_strip_title=cfg.zeshel.strip_title,
+                                   model_dir=cfg.model.retriever.mention_model, mention_max_len=d.mention_max_len,
+                                   entity_max_len=d.entity_max_len, workers=d.prepare_workers,
+                                   on_bad_record=d.on_bad_record, progress=False),
+                     log, regenerate_from=root if synthetic else None)
     return out
 
 
@@ -65,7 +68,10 @@ def ensure_zeshel_stores(cfg: ZeshelRetrieverConfig, log: Callable[[str], None] 
 
         for store in (cfg.data.prepared_dir, cfg.zeshel.eval_store):
             check_prepared_lengths(Path(store), cfg.data)
-        return cfg.data.prepared_dir, cfg.zeshel.eval_store
-    train = prepare_store(root, cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS, cfg, log)
-    evaluation = prepare_store(root, cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS, cfg, log)
-    return train, evaluation
+    else:
+        prepare_store(root, cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS, cfg, log)
+        prepare_store(root, cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS, cfg, log)
+    problems = held_out_world_problems(cfg.data.prepared_dir)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg.data.prepared_dir, cfg.zeshel.eval_store

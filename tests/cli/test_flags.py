@@ -122,9 +122,9 @@ ROWS = [
 
 # Config-driven jobs keep the config's form, ``file: key: value: why``: (job, --set item, message part).
 CONFIG_ROWS = [
-    ("aida_finetune", "optim.lr=-1", f"{AIDA}: optim.lr: -1.0: must be > 0"),
-    ("zeshel_retriever", "optim.lr=0", f"{RETRIEVER}: optim.lr: 0.0: must be > 0"),
-    ("zeshel_reranker", "optim.lr=-1", f"{RERANKER}: optim.lr: -1.0: must be > 0"),
+    ("aida_finetune", "optim.lr=-1", f"--set (over {AIDA}): optim.lr: -1.0: must be > 0"),
+    ("zeshel_retriever", "optim.lr=0", f"--set (over {RETRIEVER}): optim.lr: 0.0: must be > 0"),
+    ("zeshel_reranker", "optim.lr=-1", f"--set (over {RERANKER}): optim.lr: -1.0: must be > 0"),
     ("zeshel_grid", "optim.lr=-1", "optim.lr: -1.0: must be > 0"),
     ("bias_experiment", "num_draws=0", "--set: num_draws: 0: must be"),
     ("mini_paper", "seeds=[]", None),

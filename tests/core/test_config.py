@@ -37,6 +37,19 @@ def test_unknown_key_names_file_and_key(tmp_path):
         load_config(Outer, p)
 
 
+def test_an_override_that_is_wrong_is_named_as_the_override(tmp_path):
+    p = tmp_path / "good.yaml"
+    p.write_text("inner:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=rf"^--set \(over {p}\): inner\.lrr: unknown key"):
+        load_config(Outer, p, ["inner.lrr=2"])
+    with pytest.raises(ConfigError, match=rf"^--set \(over {p}\): steps: expected an integer"):
+        load_config(Outer, p, ["steps=many"])
+    # what is wrong in the file stays the file's, whatever the overrides
+    p.write_text("inner:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{p}: inner\.lrr: unknown key"):
+        load_config(Outer, p, ["steps=4"])
+
+
 def test_wrong_type_and_literal():
     with pytest.raises(ConfigError, match=r"steps: expected an integer"):
         from_dict(Outer, {"steps": "many"})

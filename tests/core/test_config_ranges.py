@@ -134,7 +134,7 @@ def test_the_values_from_the_issue_are_refused_at_load_time(override, message):
     path = REPO / "configs" / "aida" / "tiny_cpu.yaml"
     with pytest.raises(ConfigError) as e:
         load_config(TrainJobConfig, path, [override])
-    assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
+    assert str(e.value).startswith(f"--set (over {path}): {message}"), str(e.value)  # the file is valid
 
 
 def test_plain_run_names_and_rerank_run_names():

@@ -143,6 +143,10 @@ def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tin
         assert u["micro"] == pytest.approx(n["micro"] * recall["micro"])
         assert set(u["per_world"]) == set(retriever[split]["own_world"][f"recall@{K}"]["per_world"])
         assert 0.0 <= u["macro"] <= 1.0
+        # the choice per mention, written by the worker: U.Acc again from it
+        lines = [json.loads(x) for x in Path(rep["predictions_file"]).read_text().splitlines()]
+        assert rep["predictions_file"] == str(tmp / "rerank" / "predictions" / f"{split}.jsonl")
+        assert u["micro"] == pytest.approx(sum(x["correct"] for x in lines) / len(lines))
     assert "U.Acc macro" in second.stdout and (tmp / "rerank" / "reranker" / "manifest.json").exists()
     # BLINK's cross-encoder layout beside the directory holds the pooler head only (this config's is 'cls')
     assert summary["config"]["model"]["reranker"]["head"] == "cls"

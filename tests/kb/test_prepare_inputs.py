@@ -88,6 +88,33 @@ def test_low_gold_resolution_warns_loudly_and_is_recorded(tmp_path, tiny_model_d
     assert m["mentions"]["train"]["gold_resolution"]["below_threshold"] is False
 
 
+def test_a_gold_title_several_entities_share_is_counted_and_an_unknown_aida_file_named(tmp_path, tiny_model_dir):
+    from tests.kb.test_prepare import kilt_line
+
+    # two pages titled Paris (the city, the Texas town): a gold without a known id resolves by title to the first
+    pages = [kilt_line(100, "Paris", "capital of France"), kilt_line(101, "Paris", "a town in Texas"),
+             kilt_line(102, "Lyon", "a city in France")]
+    (tmp_path / "ks.json").write_text("\n".join(pages) + "\n")
+    aida = tmp_path / "aida"
+    aida.mkdir()
+    lines = [aida_line("m0", "Paris", "100", "Paris"), aida_line("m1", "Paris", "999", "Paris"),
+             aida_line("m2", "Lyon", "998", "Lyon")]
+    (aida / "aidayago2-train-kilt.jsonl").write_text("\n".join(lines) + "\n")
+    (aida / "aidayago2-test-kilt.jsonl").write_text(lines[0] + "\n")  # not KILT's name for the test split
+    logs = []
+    m = prepare(_cfg(tmp_path, tiny_model_dir, kilt_ks=str(tmp_path / "ks.json"), aida_dir=str(aida)),
+                log=logs.append)
+    train = m["mentions"]["train"]
+    assert train["gold"] == {"id": 1, "title": 2, "missing": 0, "unlabelled": 0}
+    assert train["ambiguous_title"] == {"count": 1, "mention_ids": ["m1"], "listed": 1}  # Lyon's title is unique
+    loud = [line for line in logs if line.startswith("WARNING: mentions train")]
+    assert len(loud) == 1 and "1 gold(s) found only by a title that several entities share" in loud[0], logs
+    assert "mention ids m1;" in loud[0] and m["warnings"] == [loud[0].removeprefix("WARNING: ")]
+    assert list(m["mentions"]) == ["train"]
+    assert any(line.startswith(f"WARNING: {aida.resolve()}: not read: aidayago2-test-kilt.jsonl;") and
+               "aidayago2-test_without_answers-kilt.jsonl" in line for line in logs), logs
+
+
 def test_threshold_out_of_range_is_refused(tmp_path):
     with pytest.raises(PrepareError, match=r"min_gold_resolution: 1.5: must be in \[0, 1\]"):
         prepare(PrepareConfig(out=str(tmp_path / "kb"), kilt_ks="x", min_gold_resolution=1.5), log=lambda s: None)

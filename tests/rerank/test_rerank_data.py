@@ -107,17 +107,34 @@ def reranker(tiny_model_dir):
 
 
 @pytest.mark.parametrize("fmt", ["retriever", "tfidf"])
-def test_sharded_evaluation_equals_reranking_every_mention(setup, reranker, fmt):
+def test_sharded_evaluation_equals_reranking_every_mention(setup, reranker, fmt, tmp_path):
     """Skipping mentions whose gold is not a candidate, and splitting the rest over 2 ranks,
-    gives eval.zeshel's report over all mentions."""
+    gives eval.zeshel's report over all mentions; rank 0 writes the choice per mention, from which
+    U.Acc and N.Acc are recomputed."""
     cfg = config(setup, fmt)
     sets = load_eval_sets(cfg)
     assert [s.split for s in sets] == ["val", "test"]
     if fmt == "tfidf":
         assert sets[0].source.endswith("tfidf/val.json")
     sent: list = []
-    assert evaluate_sets(reranker, sets, C, 1, rank=1, world=2, all_gather=lambda p: sent.append(p) or [p, p]) is None
-    got = evaluate_sets(reranker, sets, C, 1, rank=0, world=2, all_gather=lambda p: [p, sent.pop(0)])
+    pred_dir = tmp_path / "predictions"
+    assert evaluate_sets(reranker, sets, C, 1, rank=1, world=2, all_gather=lambda p: sent.append(p) or [p, p],
+                         predictions_dir=pred_dir) is None
+    assert not pred_dir.exists()  # rank 0 alone writes
+    got = evaluate_sets(reranker, sets, C, 1, rank=0, world=2, all_gather=lambda p: [p, sent.pop(0)],
+                        predictions_dir=pred_dir)
+    assert json.loads((pred_dir / "manifest.json").read_text())["splits"] == ["val", "test"]
+    for s in sets:
+        lines = [json.loads(x) for x in (pred_dir / f"{s.split}.jsonl").read_text().splitlines()]
+        assert [x["mention_id"] for x in lines] == list(s.mentions.mention_ids)
+        assert got[s.split]["predictions_file"] == str(pred_dir / f"{s.split}.jsonl")
+        scored = [x for x in lines if x["gold_rank"] >= 0]
+        assert all(x["correct"] == (x["prediction"] == x["gold"] is not None) for x in lines)
+        assert not any(x["correct"] for x in lines if x["gold_rank"] < 0)
+        assert got[s.split]["unnormalized_accuracy"]["micro"] == pytest.approx(
+            sum(x["correct"] for x in lines) / len(lines))
+        assert got[s.split]["normalized_accuracy"]["micro"] == pytest.approx(
+            sum(x["correct"] for x in scored) / len(scored))
     for s in sets:
         raw = read_tfidf_candidates(s.source) if fmt == "tfidf" else read_candidates(s.source)
         want = evaluate_reranker_split(reranker, s.store, s.mentions, raw, C, s.source, batch_size=1, progress=False)

@@ -82,7 +82,12 @@ def test_local_worker_takes_the_deepspeed_workers_steps(setup, tiny_model_dir, t
     for k, w in ds["weights"].items():
         if k not in shift_invariant:
             torch.testing.assert_close(local["weights"][k], w, rtol=1e-6, atol=1e-7, msg=k)
-    assert local["eval"] == ds["eval"]  # same predictions on val and test
+    # same predictions on val and test: the reports, and the choice per mention each wrote to its own run
+    files = {name: {s: Path(r.pop("predictions_file")) for s, r in outs[name]["eval"].items()} for name in outs}
+    assert local["eval"] == ds["eval"] and set(files["local"]) == {"val", "test"}
+    for split, path in files["local"].items():
+        assert path.parent == tmp_path / "local" / "predictions"
+        assert path.read_text() == files["deepspeed"][split].read_text() != ""
     assert local["engine"]["backend"] == "local" and local["engine"]["accelerator"] is None
     assert local["losses"][-1] < local["losses"][0]
 

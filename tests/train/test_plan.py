@@ -53,6 +53,24 @@ def test_plan_quantities():
     assert stop_step(plan, 0) == 12 and stop_step(plan, 7) == 7 and stop_step(plan, 99) == 12
 
 
+def test_the_printed_plan_says_when_max_steps_cut_the_epochs_short():
+    from pathlib import Path
+
+    from dist_nce.train.trainer import describe_plan
+
+    gold = np.arange(18)
+    ds = str(Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero2_fp32.json")
+
+    def steps_line(**over) -> str:
+        c = cfg(deepspeed__config=ds, **over)
+        text = describe_plan(c, make_plan(c, gold, 1000), [(0, 500), (500, 1000)], 0, gpu=False)
+        return next(line.strip() for line in text.splitlines() if line.strip().startswith("steps:"))
+
+    assert steps_line() == "steps: 4 per epoch x 3 epochs = 12"
+    assert steps_line(optim__max_steps=5) == "steps: 4 per epoch x 2 epochs, capped by optim.max_steps at 5"
+    assert steps_line(optim__max_steps=8) == "steps: 4 per epoch x 2 epochs = 8"
+
+
 def test_plan_refuses_what_cannot_run():
     with pytest.raises(ValueError, match="cannot fill one global batch of 4"):
         make_plan(cfg(), np.array([1, -1, 2]), 1000)

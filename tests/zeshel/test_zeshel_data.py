@@ -50,9 +50,30 @@ def test_given_stores_without_a_tree_are_checked_not_rebuilt(tmp_path, tiny_mode
     train, evaluation = ensure_zeshel_stores(config(tmp_path, tiny_model_dir), lambda _m: None)
     given = config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0")
     assert ensure_zeshel_stores(given, lambda _m: None) == (train, evaluation)
-    with pytest.raises(ValueError, match=r"data.entity_max_len is 16 but the store has 32"):
+    with pytest.raises(ValueError, match=r"data.entity_max_len is 16 but the store .*train was prepared with 32"):
         ensure_zeshel_stores(config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0",
                                     "data.entity_max_len=16"))
+
+
+def test_a_training_store_holding_val_or_test_worlds_is_refused(tmp_path, tiny_model_dir):
+    """A store prepared from the whole tree (prepare_kb.py --zeshel-root, no --zeshel-worlds) given as the
+    training store: its val/test worlds' entities would be the negatives the retriever learns from."""
+    from dist_nce.core.config import ConfigError
+    from dist_nce.zeshel.config import check_zeshel_inputs
+    from kb.prepare import PrepareConfig, prepare
+
+    ensure_zeshel_stores(config(tmp_path, tiny_model_dir), lambda _m: None)  # the synthetic tree, both stores
+    prepare(PrepareConfig(out=str(tmp_path / "whole"), zeshel_root=str(tmp_path / "src"), model_dir=tiny_model_dir,
+                          mention_max_len=32, entity_max_len=32, progress=False), log=lambda s: None)
+    assert "muppets" in EntityStore(tmp_path / "whole").world_ranges()
+    given = config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0",
+                   f"data.prepared_dir={tmp_path / 'whole'}")
+    said = "data.prepared_dir: .*whole holds the entities of val/test worlds \\(ice_hockey, muppets, lego\\)"
+    with pytest.raises(ConfigError, match=said):
+        check_zeshel_inputs(given)  # so --dry-run says it
+    with pytest.raises(ConfigError, match=said + ".*--zeshel-worlds train"):
+        ensure_zeshel_stores(given, lambda _m: None)
+    check_zeshel_inputs(config(tmp_path, tiny_model_dir, "zeshel.synthetic_entities_per_world=0"))  # train alone
 
 
 def test_a_tree_without_any_of_the_mention_splits_is_a_clear_error(tmp_path, tiny_model_dir):
@@ -64,3 +85,23 @@ def test_a_tree_without_any_of_the_mention_splits_is_a_clear_error(tmp_path, tin
         prepare_store(str(tmp_path / "tree"), str(tmp_path / "out"), "val,test", ("val", "test"),
                       config(tmp_path, tiny_model_dir))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_malformed_line_of_a_given_tree_names_the_key_that_skips_it(tmp_path, tiny_model_dir):
+    import shutil
+
+    ensure_zeshel_stores(config(tmp_path, tiny_model_dir), lambda _m: None)  # writes the synthetic tree
+    tree = tmp_path / "tree"
+    shutil.copytree(tmp_path / "src", tree)
+    train = tree / "mentions" / "train.json"
+    lines = train.read_text().splitlines()
+    lines[3] = lines[3][:15]
+    train.write_text("\n".join(lines) + "\n")
+    sets = ["zeshel.synthetic_entities_per_world=0", f"data.zeshel_root={tree}",
+            f"data.prepared_dir={tmp_path / 'given_train'}", f"zeshel.eval_store={tmp_path / 'given_eval'}"]
+    with pytest.raises(ValueError, match=rf"(?s){train}:4: not JSON.*set data.on_bad_record=skip"):
+        ensure_zeshel_stores(config(tmp_path, tiny_model_dir, *sets), lambda _m: None)
+    got, _ = ensure_zeshel_stores(config(tmp_path, tiny_model_dir, *sets, "data.on_bad_record=skip"),
+                                  lambda _m: None)
+    assert EntityStore(got).manifest["skipped"]["count"] == 1
+    assert len(MentionTable(got, "train")) == len(lines) - 1
