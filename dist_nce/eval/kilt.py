@@ -28,9 +28,11 @@ order, no rounding). For entity linking the interesting numbers are:
 Alignment follows KILT where it is strict and is stricter where KILT only warns: every
 gold id needs exactly one guess (matched on ``str(id).strip()``; guess order is free, as
 KILT reorders), and guess ids absent from gold are an error unless ``allow_extra_ids``
-(KILT prints a warning and ignores them). Inputs that would make KILT's scripts crash
-(no gold answer, no ``input``, a guess without exactly one output with ``answer`` and
-``provenance``) are refused up front with the file, line and id.
+(KILT prints a warning and ignores them). Inputs that KILT's scripts crash on or score only in
+part are refused up front with the file, line and id: a gold item without an answer (eval_downstream
+takes a max over no answers unless the guess answer is empty too), no ``input``, a guess without
+exactly one output with ``answer`` and ``provenance`` (eval_retrieval asserts on a missing
+provenance, eval_downstream counts it as R-precision 0).
 
 CLI::
 

@@ -84,6 +84,9 @@ def test_evaluate_retriever_writes_labelled_reports_and_candidates(stores, retri
         assert hit == pytest.approx(reports[split]["own_world"]["recall@16"]["micro"])
     table = recall_table(reports, 16)
     assert "own_world" in table and "split_union" in table and len(table.splitlines()) == 1 + 2 + 2 + 1
+    reports["test"]["worlds"]["lego"] = [0, 12]  # a world the top 16 holds whole
+    assert recall_table(reports, 16).splitlines()[-1] == \
+        "note: world lego has 12 entities <= k = 16: its own-world R@16 is 1 by construction"
 
 
 def test_index_config_refuses_faiss_for_som(tiny_model_dir):
