@@ -5,8 +5,9 @@ place of the lowest-ranked candidate when the retriever missed it); Ray Train + 
 workers, checkpoints and resume, TensorBoard scalars, tqdm. Evaluation: unnormalized
 accuracy (all mentions) and normalized accuracy (mentions whose gold is among the
 candidates) on val and test, macro over worlds as in the paper's Table 2, and micro.
-Writes ``<run.output_dir>/summary.json``, the choice per mention to ``<run.output_dir>/predictions/<split>.jsonl``
-(gold, prediction, the gold's rank among the candidates: U.Acc and N.Acc recomputed from it), the reranker to ``<run.output_dir>/reranker`` and, for the
+Writes ``<run.output_dir>/summary.json``, the choice per mention to
+``<run.output_dir>/predictions/<split>.jsonl`` (gold, prediction, the gold's rank among the candidates:
+U.Acc and N.Acc recomputed from it), the reranker to ``<run.output_dir>/reranker`` and, for the
 pooler head (the default), the same weights in BLINK's cross-encoder layout to
 ``<run.output_dir>/crossencoder_blink.bin`` (what ``crossencoder_wiki_large.bin`` is). Starting
 from BLINK's released cross-encoder: ``--set model.init_from=models/crossencoder_wiki_large.bin

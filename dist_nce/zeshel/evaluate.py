@@ -130,5 +130,6 @@ def recall_table(reports: dict[str, Any], k: int) -> str:
     # A world of at most k entities ranks all of them: its own-world R@k is 1 whatever the model does.
     small = sorted({(w, b - a) for rep in reports.values() for w, (a, b) in (rep.get("worlds") or {}).items()
                     if b - a <= k})
-    lines += [f"note: world {w} has {n} entities <= k = {k}: its own-world R@{k} is 1 by construction" for w, n in small]
+    lines += [f"note: world {w} has {n} entities <= k = {k}: its own-world R@{k} is 1 by construction"
+              for w, n in small]
     return "\n".join(lines)
