@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, retriever_models
+from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                heading=lambda _: f"run {cfg.run.name}:", log=lambda m: print(m, flush=True))
     except DoesNotFit as e:
         return error(e)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the run (the shards are shut down)
+        return interrupted(cfg.run)
     atomic_write_json(Path(cfg.run.output_dir) / "summary.json", summary)
     # 4. run.tracking: the dev scores and the model into the run the workers opened
     finish_tracking(cfg.run.tracking, cfg.run.output_dir, cfg.run.name, summary,

@@ -30,6 +30,27 @@ def error(e: BaseException | str) -> int:
     return 2
 
 
+def interrupted(run: Any) -> int:
+    """After a Ctrl-C during training: say how the run goes on; exit status 130, as shells report SIGINT.
+
+    Why: Ray Train (2.60) aborts the run on SIGINT, and the driver's waiting ``ray.get`` then raises
+    SystemExit(1), so a job used to end with status 1 and no word. ``run``: the job config's ``run``
+    section (``storage_path``, ``name``): where the rerun resumes (:func:`~dist_nce.worker.launch.resume_point`)."""
+    from dist_nce.worker.launch import resume_point, storage_uri
+
+    point = resume_point(storage_uri(run.storage_path), run.name)
+    if point is not None:
+        print(f"interrupted: run the same command again to resume from step {point[0]} ({point[1]})",
+              file=sys.stderr, flush=True)
+    elif "://" in run.storage_path:
+        print("interrupted: run the same command again to resume from its last checkpoint", file=sys.stderr,
+              flush=True)
+    else:
+        print("interrupted before Ray Train recorded a checkpoint: the same command again starts the run over",
+              file=sys.stderr, flush=True)
+    return 130
+
+
 def dry_run_ok(what: str) -> int:
     print(f"{what}: config and inputs OK (dry run: no data generated or prepared, no Ray started)")
     return 0

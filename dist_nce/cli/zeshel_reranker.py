@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error
+from dist_nce.cli.common import ConfigJob, error, interrupted
 from dist_nce.core.config import to_dict
 from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths
 
@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             return error(e)
         print(f"run {cfg.run.name}:\n" + describe_plan(cfg, plan, ts, use_gpu(cfg)), flush=True)
         # 2. train, evaluate, export (on the workers; resumes a run with the same name)
-        done = bool((fit(cfg).metrics or {}).get("done"))
+        try:
+            done = bool((fit(cfg).metrics or {}).get("done"))
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the run
+            return interrupted(cfg.run)
     out = Path(cfg.run.output_dir)
     final = json.loads((out / RESULT_FILE).read_text()) if (out / RESULT_FILE).exists() else {}
     done = done and final.get("step") == plan.total_steps

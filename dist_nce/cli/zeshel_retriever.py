@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, retriever_models
+from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import ConfigError
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs
 
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_retriever(cfg, progress=args.progress, log=log)
     except ConfigError as e:
         return error(e)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the run (the shards are shut down)
+        return interrupted(cfg.run)
     state = "finished" if summary["done"] else f"stopped at step {summary['step']} (run again to continue)"
     print(f"{state} in {summary['seconds']} s; summary: {Path(cfg.run.output_dir) / SUMMARY}", flush=True)
     return 0

@@ -65,6 +65,33 @@ def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None
     return str(best)
 
 
+def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
+    """(step, checkpoint directory) that a rerun of run ``name`` resumes from, chosen as Ray Train and
+    :func:`recover_cut_snapshot` choose it: the latest checkpoint Ray Train's snapshot records (a
+    checkpoint a worker wrote after it, before an abort, is not used); the newest whole checkpoint
+    directory when the snapshot was cut off; None without a snapshot (the rerun starts at step 0) or for
+    a remote storage."""
+    import json
+    from pathlib import Path
+
+    if "://" in storage_path:
+        return None
+    run_dir = Path(storage_path) / name
+    snapshot = run_dir / SNAPSHOT
+    if not snapshot.is_file():
+        return None
+    try:
+        latest = json.loads(snapshot.read_text(encoding="utf-8")).get("latest_checkpoint_result")
+    except (ValueError, UnicodeDecodeError):
+        found = whole_checkpoints(run_dir)
+        if not found:
+            return None
+        step, _, directory = max(found)
+        return step, directory
+    step = ((latest or {}).get("metrics") or {}).get("step")
+    return None if step is None else (int(step), run_dir / latest["checkpoint_dir_name"])
+
+
 def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None) -> list[tuple[int, str, Any]]:
     """(step, name, directory) of every checkpoint directory in ``run_dir`` that can be resumed from
     (:func:`dist_nce.worker.checkpoint.incomplete`); the others are logged with the reason."""

@@ -186,3 +186,44 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
     err = capsys.readouterr().err
     assert "cannot resume this run with a different plan (data_fingerprint: checkpoint 'an earlier KB'" in err
     assert str(run_dir / "checkpoint_000001") in err and inits == []
+
+
+def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_model_dir, capsys, monkeypatch):
+    """Ray Train (2.60) aborts the run on SIGINT and the driver's ray.get raises SystemExit(1): the job says
+    where a rerun resumes instead of ending with status 1 and no word (seen by hand, a job under SIGINT:
+    exit 130 and the step its rerun then resumed at). The step is the one Ray Train's snapshot records, not
+    a checkpoint a worker wrote after it; a cut snapshot resumes from the newest whole checkpoint."""
+    from dist_nce.cli.aida_finetune import main
+    from dist_nce.cli.common import interrupted
+    from dist_nce.train.trainer import plan_for
+    from dist_nce.worker import checkpoint
+    from dist_nce.worker.launch import SNAPSHOT
+
+    def abort(*a, **k):
+        raise SystemExit(1)  # what ray.get raises in the driver once Ray Train aborted the run
+
+    monkeypatch.setattr("dist_nce.train.driver.run_training", abort)
+    root, _ = own
+    sets = [f"data.prepared_dir={root / 'store'}", "data.synthetic_entities=0", "data.entity_max_len=128",
+            f"model.retriever.mention_model={tiny_model_dir}", f"run.output_dir={tmp_path / 'out'}",
+            f"run.storage_path={tmp_path / 'ray'}"]
+    capsys.readouterr()
+    assert main(["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"),
+                 *(a for s in sets for a in ("--set", s))]) == 130
+    assert capsys.readouterr().err == \
+        "interrupted before Ray Train recorded a checkpoint: the same command again starts the run over\n"
+    cfg = tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets[:3])
+    run_dir = Path(cfg.run.storage_path) / cfg.run.name
+    for step in (4, 5):
+        for rank in (1, 0):
+            checkpoint.save(engine, run_dir / f"step_{step:08d}", checkpoint.WorkerState(step=step), rank=rank,
+                            plan=plan_for(cfg).as_dict())
+    (run_dir / SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {
+        "checkpoint_dir_name": "step_00000004", "metrics": {"step": 4}}}))
+    assert interrupted(cfg.run) == 130  # step 5 was written after the last report Ray Train took
+    assert capsys.readouterr().err == \
+        f"interrupted: run the same command again to resume from step 4 ({run_dir / 'step_00000004'})\n"
+    (run_dir / SNAPSHOT).write_text("")  # cut off: recover_cut_snapshot takes the newest whole checkpoint
+    assert interrupted(cfg.run) == 130
+    assert capsys.readouterr().err == \
+        f"interrupted: run the same command again to resume from step 5 ({run_dir / 'step_00000005'})\n"
