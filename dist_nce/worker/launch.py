@@ -39,20 +39,12 @@ def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None
     ``train_loop_config[RESUME_FROM]`` and load it while Ray Train has no checkpoint of this rerun
     (:func:`resume_checkpoint`). With none whole, ValueError says so rather than restarting the run from
     step 0 over its own storage."""
-    import json
     from pathlib import Path
 
-    if "://" in storage_path:
+    if read_snapshot(storage_path, name) != CUT:
         return None
     run_dir = Path(storage_path) / name
     snapshot = run_dir / SNAPSHOT
-    if not snapshot.is_file():
-        return None
-    try:
-        json.loads(snapshot.read_text(encoding="utf-8"))
-        return None
-    except (ValueError, UnicodeDecodeError):
-        pass
     found = whole_checkpoints(run_dir, log)
     if not found:
         raise ValueError(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed) and no "
@@ -71,25 +63,37 @@ def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
     checkpoint a worker wrote after it, before an abort, is not used); the newest whole checkpoint
     directory when the snapshot was cut off; None without a snapshot (the rerun starts at step 0) or for
     a remote storage."""
-    import json
     from pathlib import Path
 
-    if "://" in storage_path:
-        return None
+    snapshot = read_snapshot(storage_path, name)
     run_dir = Path(storage_path) / name
-    snapshot = run_dir / SNAPSHOT
-    if not snapshot.is_file():
-        return None
-    try:
-        latest = json.loads(snapshot.read_text(encoding="utf-8")).get("latest_checkpoint_result")
-    except (ValueError, UnicodeDecodeError):
+    if snapshot == CUT:
         found = whole_checkpoints(run_dir)
         if not found:
             return None
         step, _, directory = max(found)
         return step, directory
-    step = ((latest or {}).get("metrics") or {}).get("step")
+    latest = (snapshot or {}).get("latest_checkpoint_result") or {}
+    step = (latest.get("metrics") or {}).get("step")
     return None if step is None else (int(step), run_dir / latest["checkpoint_dir_name"])
+
+
+CUT = "cut"  # read_snapshot: the snapshot is there but does not parse
+
+
+def read_snapshot(storage_path: str, name: str) -> dict[str, Any] | str | None:
+    """Ray Train's checkpoint snapshot of run ``name`` as a dict, :data:`CUT` where it does not parse,
+    None where there is none (or the storage is not a local path)."""
+    import json
+    from pathlib import Path
+
+    snapshot = Path(storage_path) / name / SNAPSHOT
+    if "://" in storage_path or not snapshot.is_file():
+        return None
+    try:
+        return json.loads(snapshot.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return CUT
 
 
 def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None) -> list[tuple[int, str, Any]]:
