@@ -1,7 +1,7 @@
 """The AIDA job's data section against what it would do: a source it would ignore, a store of the user's
 own that the tiny configs' synthetic data would meet, a store cut at other token lengths, BLINK's
 entity.jsonl as a source, and a rerun whose plan its checkpoints cannot resume; each refused before
-any cluster work, naming the key."""
+any cluster work, naming the key. Last, what a Ctrl-C during training tells the user."""
 from __future__ import annotations
 
 import json
@@ -148,14 +148,14 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
     import ray
 
     from dist_nce.cli.aida_finetune import main
+    from dist_nce.train.trainer import check_resume, plan_for
+    from dist_nce.worker import checkpoint
 
     # every ray.init the job makes and whether it got to the cluster part (an earlier test of this process
     # may have left Ray up, so ray.is_initialized() would not tell)
     inits: list = []
     monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append((a, k)))
     monkeypatch.setattr("dist_nce.train.driver.run_training", lambda *a, **k: inits.append("run_training"))
-    from dist_nce.train.trainer import check_resume, plan_for
-    from dist_nce.worker import checkpoint
 
     root, _ = own
     sets = [f"data.prepared_dir={root / 'store'}", "data.synthetic_entities=0", "data.entity_max_len=128"]
