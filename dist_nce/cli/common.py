@@ -40,14 +40,12 @@ def interrupted(run: Any) -> int:
 
     point = resume_point(storage_uri(run.storage_path), run.name)
     if point is not None:
-        print(f"interrupted: run the same command again to resume from step {point[0]} ({point[1]})",
-              file=sys.stderr, flush=True)
+        said = f"interrupted: run the same command again to resume from step {point[0]} ({point[1]})"
     elif "://" in run.storage_path:
-        print("interrupted: run the same command again to resume from its last checkpoint", file=sys.stderr,
-              flush=True)
+        said = "interrupted: run the same command again to resume from its last checkpoint"
     else:
-        print("interrupted before Ray Train recorded a checkpoint: the same command again starts the run over",
-              file=sys.stderr, flush=True)
+        said = "interrupted before Ray Train recorded a checkpoint: the same command again starts the run over"
+    print(said, file=sys.stderr, flush=True)
     return 130
 
 

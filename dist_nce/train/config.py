@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional
 
 from dist_nce.actors.config import ServiceConfig
@@ -284,7 +285,7 @@ def check_inputs(cfg: TrainJobConfig, aida: bool = True) -> None:
 def _beside_repository(path: str) -> str:
     """A hint when ``path`` (made absolute against the working directory) names a file of the repository:
     the shipped configs' relative paths (``configs/deepspeed/...``) assume the jobs run from its root."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = str(Path(__file__).resolve().parents[2])
     cwd = os.getcwd()
     if cwd == repo or not path.startswith(cwd + os.sep):
         return ""
