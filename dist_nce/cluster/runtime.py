@@ -55,8 +55,7 @@ def configure_threads(n: int | None = 1) -> None:
 
     torch.set_num_threads(n)
     try:
-        import faiss
-
+        faiss = _import_faiss()
         faiss.omp_set_num_threads(n)
     except ImportError:  # configure_faiss reports a missing faiss (require_faiss)
         pass
@@ -489,6 +488,19 @@ def gpu_count() -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def _import_faiss():
+    """``import faiss``, without the INFO lines of its loader: it tries the library built for each
+    instruction set the CPU has, best first, and logs each one the wheel lacks
+    (``ModuleNotFoundError("No module named 'faiss.swigfaiss_avx512'")``), which every Ray worker
+    printed at start though the next one loads as it should. Its warnings still show."""
+    import logging
+
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    import faiss
+
+    return faiss
+
+
 def require_faiss():
     """The ``faiss`` module, or an ImportError that says how to install it.
 
@@ -496,7 +508,7 @@ def require_faiss():
     (faiss-cpu) or ``gpu`` (faiss-gpu), because both packages own the same files.
     """
     try:
-        import faiss
+        faiss = _import_faiss()
     except ImportError as exc:
         raise FaissMissing(
             f"dist-nce needs FAISS for this (index.backend flat, ivf or hnsw; the torch backend needs none), "

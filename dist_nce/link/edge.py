@@ -21,7 +21,8 @@ it reads:
   less if the client asks for less (``X-Request-Timeout-Seconds``).
   :class:`Admission` lets ``slots`` requests at a time on to the ingress; the others wait, and are
   shed with 503 when ``max_queued`` already wait or when the time they have left falls below what
-  recent requests took to be served: a client knows within its deadline. The ingress gets the
+  recent requests took to be served: a client knows within its deadline (a deadline shorter than that
+  with none waiting is the client's, not a load: 504 at once). The ingress gets the
   deadline as a wall-clock time and answers 504 naming the stage that ran past it.
 * **Answers** are the ingress's ``(status, JSON bytes)``; refusals are ``{"error": message}`` and
   their connection is closed (after a short lingering read, so that the client sees the answer
@@ -75,6 +76,11 @@ class Shed(Exception):
     """A request the edge refuses with 503 rather than let it wait past its deadline."""
 
 
+class ShortDeadline(Exception):
+    """A request whose own deadline is shorter than requests take once in, with none waiting: 504, since
+    no retry with that deadline is served (the service is not overloaded, the client asked for too little)."""
+
+
 class Admission:
     """``slots`` requests at a time go on to the ingress; the others wait, first come first served.
 
@@ -95,6 +101,10 @@ class Admission:
             raise Shed(f"{self.waiting} requests are already waiting")
         budget = end - self.clock() - self.service_s
         if budget <= 0:
+            if self.waiting == 0 and not self._slots.locked():
+                raise ShortDeadline(f"the request's deadline leaves {max(0.0, end - self.clock()):.3g} s, and requests "
+                                    f"take {self.service_s:.3g} s once in; give it more time "
+                                    "(X-Request-Timeout-Seconds)")
             raise Shed(self._late(end))
         self.waiting += 1
         try:
@@ -296,6 +306,8 @@ class Edge:
             entered = await self.admission.enter(end)
         except Shed as e:
             return 503, _error(f"the service is overloaded ({e}); retry later")
+        except ShortDeadline as e:
+            return 504, _error(str(e))
         served = None
         try:
             deadline_at = time.time() + (end - time.monotonic())  # the wall clock the ingress shares
@@ -320,7 +332,7 @@ class Edge:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if retry:
             headers.append((b"retry-after", b"1"))
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase)))
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         # A client that does not read its answer holds a connection, not the server.

@@ -257,10 +257,12 @@ def _doc_spans(i: int, doc: Any, limits: Limits) -> int:
 
 
 def check_k(k: Any, max_k: int) -> int:
-    """k of the request: an integer (422 otherwise) no larger than ``max_k`` (413); the lower bound
-    and the KB's size are the Linker's to check."""
+    """k of the request: an integer of at least 1 (422 otherwise) no larger than ``max_k`` (413); the
+    KB's size is the Linker's to check."""
     if not _is_int(k):
         raise BadRequest(422, f"field 'k': expected an integer, got {type(k).__name__}")
+    if k < 1:
+        raise BadRequest(422, f"field 'k': {k}; must be at least 1")
     if k > max_k:
         raise BadRequest(413, f"k = {k} entities per mention; the limit is {max_k}")
     return k

@@ -223,7 +223,8 @@ class KBSearcher:
 
     async def search(self, vecs: np.ndarray, mask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Mention vectors [B, D] (or [B, T, D] with mask [B, T]) -> (rows int64 [B, k], scores float32 [B, k])."""
-        reps = Reps(torch.from_numpy(vecs), None if mask is None else torch.from_numpy(mask))
+        # Copied: Ray hands over read-only arrays (zero-copy from its object store), which torch warns of.
+        reps = Reps(torch.tensor(vecs), None if mask is None else torch.tensor(mask))
         # Blocking CPU work (faiss, torch) or a wait on shard actors: off the event loop.
         found = await asyncio.to_thread(self.linker.search, reps, k)
         return found.ids.numpy(), found.scores.float().numpy()

@@ -25,6 +25,13 @@ names the keys):
 
 Export writes the same layout with ``torch.save`` of a plain ``{name: tensor}`` dict,
 so BLINK's own ``BiEncoderRanker.load_model`` (a strict ``load_state_dict``) reads it.
+The weights do not hold the attention-head count, which BLINK takes from its params
+(``bert_model: bert-large-uncased``) and which reading a file back here would otherwise
+guess as hidden / 64: right for BERT base and large, wrong for a model such as
+all-MiniLM-L6-v2 (hidden 384, 12 heads of 32), whose export would then load without error
+and score differently. So each encoder's ``BertConfig`` goes beside the file, in
+``<name>.architecture.json`` (:func:`write_architecture_file`), which BLINK ignores and
+every load here reads (the cross-encoder's export writes one too).
 
 The key rules, the exact loader and the architecture/tokenizer choice are shared with the
 cross-encoder's import (:mod:`dist_nce.modeling.blink_crossencoder`); entry points load
@@ -32,6 +39,7 @@ either kind of file through :mod:`dist_nce.modeling.resolve`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -39,7 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
-from dist_nce.core.artifacts import atomic_path
+from dist_nce.core.artifacts import atomic_path, atomic_write_json
 from dist_nce.core.models import default_model_dir
 from dist_nce.core.text import load_tokenizer
 from dist_nce.modeling.encoder import Encoder
@@ -51,6 +59,7 @@ BERT_ATTR = "bert_model"
 LINEAR_ATTR = "additional_linear"
 POSITION_IDS = "embeddings.position_ids"
 POOLER_PREFIX = "pooler."
+ARCHITECTURE_KIND = "blink_bert_architecture"
 
 
 class BlinkCheckpointError(ValueError):
@@ -186,16 +195,67 @@ def check_bert_weights(own: Mapping[str, torch.Tensor], state: Mapping[str, torc
 
 def bert_architecture(
     state: Mapping[str, torch.Tensor], model_dir: str | os.PathLike | None = None,
-    num_attention_heads: int | None = None,
+    num_attention_heads: int | None = None, recorded: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``BertConfig`` dict a checkpoint's ``BertModel`` weights are loaded into: ``model_dir``'s
-    config.json when given (its sizes are then checked by the exact load), else
-    :func:`bert_config_from_state`."""
-    if model_dir is None:
-        return bert_config_from_state(state, num_attention_heads)
-    from transformers import AutoConfig
+    config.json when given, else the config ``recorded`` beside the file by our export
+    (:func:`read_architecture_file`; ``num_attention_heads``, when given, replaces its head
+    count), else :func:`bert_config_from_state`. The exact load then checks every size."""
+    if model_dir is not None:
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
+        return AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True).to_dict()
+    if recorded is not None:
+        config = dict(recorded)
+        if num_attention_heads is not None:
+            config["num_attention_heads"] = int(num_attention_heads)
+        return config
+    return bert_config_from_state(state, num_attention_heads)
+
+
+def architecture_file(path: str | os.PathLike) -> Path:
+    """Where the architecture of the BERT weights in ``path`` is recorded: ``<name>.architecture.json``."""
+    return Path(path).with_suffix(".architecture.json")
+
+
+def write_architecture_file(path: str | os.PathLike, encoders: Mapping[str, Any]) -> Path:
+    """Record, beside the checkpoint at ``path``, the ``BertConfig`` of each encoder in it: ``encoders``
+    maps BLINK's attribute (``context_encoder``, ``cand_encoder``; ``encoder`` for the cross-encoder)
+    to its model. Returns the record's path (module docstring: the head count is not in the weights)."""
+    configs = {attr: {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+               for attr, model in encoders.items()}
+    out = architecture_file(path)
+    atomic_write_json(out, {"kind": ARCHITECTURE_KIND, "encoders": configs,
+                            "note": "BLINK ignores this file; dist-nce reads each encoder's architecture "
+                                    "(the attention-head count is not in the weights) from it"})
+    return out
+
+
+def read_architecture_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """BLINK attribute -> ``BertConfig`` dict, as recorded beside ``path`` by
+    :func:`write_architecture_file`; empty without a record (BLINK's own files). A record that is
+    not one is an error naming the file and the key."""
+    file = architecture_file(path)
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BlinkCheckpointError(f"{file}: unreadable architecture record ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != ARCHITECTURE_KIND:
+        raise BlinkCheckpointError(f"{file}: kind {data.get('kind') if isinstance(data, dict) else data!r}, "
+                                   f"expected {ARCHITECTURE_KIND!r}")
+    encoders = data.get("encoders")
+    if not isinstance(encoders, dict) or not encoders:
+        raise BlinkCheckpointError(f"{file}: 'encoders' must map an encoder to its BertConfig")
+    for attr, config in encoders.items():
+        heads = config.get("num_attention_heads") if isinstance(config, dict) else None
+        if not isinstance(config, dict) or config.get("model_type") != "bert":
+            raise BlinkCheckpointError(f"{file}: encoders.{attr}: expected a BertConfig with model_type 'bert'")
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise BlinkCheckpointError(f"{file}: encoders.{attr}.num_attention_heads: {heads!r} is not a "
+                                       "positive integer")
+    return encoders
 
 
 def blink_tokenizer(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None, vocab: int) -> Any:
@@ -236,13 +296,16 @@ def blink_encoders(
     """(mention encoder, entity encoder) with a BLINK checkpoint's weights.
 
     The architecture comes from ``model_dir``'s config.json when given (e.g. a local
-    bert-large-uncased directory; its sizes must match the checkpoint), else it is
-    inferred by :func:`bert_config_from_state`.
+    bert-large-uncased directory; its sizes must match the checkpoint), else from the record
+    beside the file (our exports: :func:`read_architecture_file`), else it is inferred by
+    :func:`bert_config_from_state`.
     """
     sides = read_blink_checkpoint(path)
+    recorded = read_architecture_file(path)
     encoders = []
-    for side in BLINK_SIDES:
-        encoder = Encoder.from_config(bert_architecture(sides[side], model_dir, num_attention_heads))
+    for side, attr in BLINK_SIDES.items():
+        encoder = Encoder.from_config(bert_architecture(sides[side], model_dir, num_attention_heads,
+                                                        recorded.get(attr)))
         load_bert_state(encoder, sides[side], side, os.fspath(path))
         encoders.append(encoder)
     return encoders[0], encoders[1]
@@ -287,13 +350,17 @@ def blink_state(retriever: Retriever) -> dict[str, torch.Tensor]:
 
 
 def export_blink(retriever: Retriever, path: str | os.PathLike) -> Path:
-    """Write ``retriever`` as a BLINK biencoder checkpoint (atomic ``torch.save``); return the path.
+    """Write ``retriever`` as a BLINK biencoder checkpoint (atomic ``torch.save``) and its encoders'
+    architecture beside it (:func:`write_architecture_file`); return the checkpoint's path.
 
     The file holds weights only: BLINK scores with the dot product of [CLS] states, so
     a multi-m or SOM retriever's weights load there but are scored as dual.
     """
     state = blink_state(retriever)
     path = Path(path)
+    # the record first: a .bin of ours never stands without it, so it is never read back with guessed heads
+    write_architecture_file(path, {BLINK_SIDES["mention"]: retriever.mention_encoder.model,
+                                   BLINK_SIDES["entity"]: retriever.entity_encoder.model})
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     return path

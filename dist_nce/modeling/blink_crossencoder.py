@@ -48,6 +48,8 @@ from dist_nce.modeling.blink import (
     key_names,
     load_bert_weights,
     load_state_file,
+    read_architecture_file,
+    write_architecture_file,
 )
 from dist_nce.modeling.encoder import transformer_from_config
 from dist_nce.modeling.reranker import Reranker, RerankerConfig
@@ -101,7 +103,7 @@ def split_crossencoder_state(
 def blink_reranker_from_state(
     state: Mapping[str, torch.Tensor], config: RerankerConfig | None = None, *,
     tokenizer_dir: str | os.PathLike | None = None, num_attention_heads: int | None = None,
-    source: str = "<state dict>",
+    source: str = "<state dict>", architecture: Mapping[str, Any] | None = None,
 ) -> Reranker:
     """A ``head="pooler"`` :class:`Reranker` holding a BLINK cross-encoder state dict.
 
@@ -109,8 +111,9 @@ def blink_reranker_from_state(
     (default :class:`RerankerConfig`: L = 256, BLINK's ``max_seq_length``; ``layout: None``
     is BLINK's, ``context_len`` 32 and ``cand_len`` 128 as ``crossencoder_wiki_large.bin``
     was trained); ``config.model``, when set, supplies the architecture (config.json) and
-    the tokenizer, else the architecture is read off the weights and the tokenizer is
-    ``tokenizer_dir`` or the default model's (bert-uncased's vocabulary).
+    the tokenizer, else the architecture is ``architecture`` (the ``BertConfig`` dict our export
+    recorded: :func:`~dist_nce.modeling.blink.read_architecture_file`) or read off the weights,
+    and the tokenizer is ``tokenizer_dir`` or the default model's (bert-uncased's vocabulary).
     """
     config = config or RerankerConfig()
     if config.layout is None:
@@ -119,7 +122,7 @@ def blink_reranker_from_state(
         raise BlinkCheckpointError(f"{source}: BLINK's cross-encoder scores the pooler output; head "
                                    f"{config.head!r} cannot hold it (use head: pooler)")
     bert, head = split_crossencoder_state(state, source)
-    model = transformer_from_config(bert_architecture(bert, config.model, num_attention_heads))
+    model = transformer_from_config(bert_architecture(bert, config.model, num_attention_heads, architecture))
     load_bert_weights(model, bert, f"{source}: {ENCODER_ATTR}.{BERT_ATTR}")
     tokenizer = blink_tokenizer(source, tokenizer_dir or config.model, int(model.config.vocab_size))
     reranker = Reranker(config, model, tokenizer)
@@ -138,13 +141,15 @@ def load_blink_reranker(
 
     With ``config.layout`` None the layout is the file's own: its ``.layout.json`` when there
     is one (our export's record of what the weights were trained on: layout, max_len,
-    context_len, cand_len), else BLINK's."""
+    context_len, cand_len), else BLINK's; the architecture is the ``.architecture.json``'s
+    when there is one (our export's), else as :func:`blink_reranker_from_state` says."""
     config = config or RerankerConfig()
     recorded = read_layout_file(path)
     if config.layout is None and recorded is not None:
         config = dataclasses.replace(config, **recorded)
     return blink_reranker_from_state(load_state_file(path), config, tokenizer_dir=tokenizer_dir,
-                                     num_attention_heads=num_attention_heads, source=os.fspath(path))
+                                     num_attention_heads=num_attention_heads, source=os.fspath(path),
+                                     architecture=read_architecture_file(path).get(ENCODER_ATTR))
 
 
 def layout_file(path: str | os.PathLike) -> Path:
@@ -212,8 +217,9 @@ def blink_crossencoder_state(reranker: Reranker) -> dict[str, torch.Tensor]:
 
 
 def export_blink_crossencoder(reranker: Reranker, path: str | os.PathLike) -> Path:
-    """Write ``reranker`` as a BLINK cross-encoder checkpoint (atomic ``torch.save``) and its pair
-    layout beside it (:func:`write_layout_file`); return the checkpoint's path.
+    """Write ``reranker`` as a BLINK cross-encoder checkpoint (atomic ``torch.save``) and, beside it,
+    its pair layout (:func:`write_layout_file`) and architecture
+    (:func:`~dist_nce.modeling.blink.write_architecture_file`); return the checkpoint's path.
 
     The file holds weights only: BLINK's own pair length, context length and dropout come
     from its params, not from this reranker's config, and BLINK always builds its own layout
@@ -221,8 +227,10 @@ def export_blink_crossencoder(reranker: Reranker, path: str | os.PathLike) -> Pa
     """
     state = blink_crossencoder_state(reranker)
     path = Path(path)
-    # the record first: a .bin never stands without it, so a packed export is never read back as BLINK's
+    # the records first: a .bin never stands without them, so a packed export is never read back as
+    # BLINK's layout, nor a model with other than 64-dimensional heads with guessed heads
     write_layout_file(reranker.config, path)
+    write_architecture_file(path, {ENCODER_ATTR: reranker.model})
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     return path

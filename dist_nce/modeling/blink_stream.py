@@ -38,6 +38,7 @@ from dist_nce.modeling.blink import (
     bert_architecture,
     check_bert_weights,
     load_state_file,
+    read_architecture_file,
     split_blink_state,
 )
 from dist_nce.modeling.encoder import transformer_from_config
@@ -100,11 +101,12 @@ def blink_entity_state(path: str | os.PathLike, config: RetrieverConfig,
         return None
     sides = split_blink_state(load_state_file(path, mmap=True), source=path)
     config.validate()
+    recorded = read_architecture_file(path)
     models = {}
     for side, attr in BLINK_SIDES.items():
         with torch.device("meta"):  # names, shapes, dtypes and config: no memory
             models[side] = transformer_from_config(bert_architecture(sides[side], config.mention_model,
-                                                                     num_attention_heads))
+                                                                     num_attention_heads, recorded.get(attr)))
         kept = check_bert_weights(models[side].state_dict(), sides[side], f"{path}: {attr}")
         if side == "entity" and kept:
             return None

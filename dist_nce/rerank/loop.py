@@ -59,7 +59,7 @@ def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
 
 def export_reranker(reranker: Reranker, output_dir: str | Path) -> dict[str, Any]:
     """Write the final reranker (``reranker/``) and, for the pooler head on BERT, BLINK's
-    cross-encoder layout (``crossencoder_blink.bin`` and its ``.layout.json``); returns
+    cross-encoder layout (``crossencoder_blink.bin``, its ``.layout.json`` and ``.architecture.json``); returns
     {"model": dir, "blink": file or None[, "blink_skipped": why][, "blink_note": what BLINK's
     scores of a packed reranker do not reproduce]}."""
     out = Path(output_dir)

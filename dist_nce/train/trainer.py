@@ -67,6 +67,8 @@ def describe_plan(cfg: TrainJobConfig, plan: TrainPlan, ranges: list[tuple[int, 
 def dev_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
     """Before / after / change of every dev metric, as a fixed-width table."""
     keys = [k for k in (after or before or {}) if k.startswith(("recall@", "accuracy"))]
+    # accuracy, then recall@k by k: a dict read back from summary.json has its keys sorted as text (@16 < @4)
+    keys.sort(key=lambda k: (k.startswith("recall@"), int(k[7:]) if k[7:].isdigit() else 0, k))
     n = (after or before or {}).get("n_mentions", "?")
     rows = [f"{'dev (' + str(n) + ' mentions)':<22}{'before':>10}{'after':>10}{'change':>10}"]
     for k in keys:

@@ -326,3 +326,21 @@ def test_ray_workers_get_the_local_settings_and_a_users_value_wins(monkeypatch):
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     assert ray_runtime_env_vars()["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "2"
+
+
+def test_a_process_start_imports_faiss_without_its_loaders_info_lines():
+    """faiss's loader logs at INFO each CPU-specific library the wheel lacks before loading the next
+    (Ray's workers print it); configure_process imports faiss with those lines off, its own only."""
+    pytest.importorskip("faiss")
+    head = "import logging; logging.basicConfig(level=logging.INFO); "
+
+    def stderr_of(code: str) -> str:
+        done = subprocess.run([sys.executable, "-c", head + code], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr
+
+    assert "INFO:faiss.loader:" in stderr_of("import faiss")  # what a plain import prints here
+    quiet = stderr_of("from dist_nce.cluster.runtime import configure_process; configure_process(); "
+                      "import faiss, logging; assert logging.getLogger('faiss.loader').level == logging.WARNING")
+    assert "faiss.loader" not in quiet and "swigfaiss" not in quiet, quiet

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dist_nce.link.edge import Admission, Edge, EdgeLimits, Shed, media_type
+from dist_nce.link.edge import Admission, Edge, EdgeLimits, Shed, ShortDeadline, media_type
 
 LIMITS = EdgeLimits(route="/link", max_request_bytes=1000, max_header_bytes=2048, max_buffered_bytes=3000,
                     max_connections=50, header_timeout_s=0.3, idle_timeout_s=0.3, body_timeout_s=0.5,
@@ -247,10 +247,34 @@ def test_admission_sheds_a_full_queue_and_a_late_request():
         assert await waiter == 0.0 and adm.service_s == 2.0
         adm.leave(4.0)
         assert adm.service_s == pytest.approx(2.4)
+        with pytest.raises(ShortDeadline, match="deadline leaves 2 s, and requests take 2.4 s once in; give it more"):
+            await adm.enter(2.0)  # 2 s left, 2.4 s needed, none waiting: the client's deadline, not a load
+        assert await adm.enter(10.0) == 0.0  # the slot is taken now
         with pytest.raises(Shed, match="recent requests take 2.4 s"):
-            await adm.enter(2.0)  # 2 s left, 2.4 s needed: shed at once
+            await adm.enter(2.0)  # too little time while the slot is taken: shed at once
 
     asyncio.run(run())
+
+
+def test_a_deadline_shorter_than_requests_take_is_a_504_and_every_answer_has_its_reason_phrase():
+    server = Server(work_s=0.05)
+    try:
+        def post(headers: dict) -> tuple[int, str, dict]:
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                c.request("POST", "/link", body=b"{}", headers={"Content-Type": "application/json", **headers})
+                r = c.getresponse()
+                return r.status, r.reason, json.loads(r.read())
+            finally:
+                c.close()
+
+        assert post({})[:2] == (200, "OK")  # requests take ~0.05 s once in from now on
+        status, reason, answer = post({"X-Request-Timeout-Seconds": "0.001"})
+        assert (status, reason) == (504, "Gateway Timeout"), answer
+        assert "give it more time (X-Request-Timeout-Seconds)" in answer["error"]
+        assert "overloaded" not in answer["error"] and len(server.calls) == 1
+    finally:
+        server.close()
 
 
 def test_media_type():

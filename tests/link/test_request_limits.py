@@ -110,6 +110,8 @@ def test_a_request_within_the_limits_passes():
     (good(2, spans=[(0, 1)] * 3), 413, "6 mentions in one request; the limit is 5"),
     (good(text="x" * 20, spans=[(0, 11)]), 413, "doc 0: field 'mentions[0]': span of 11 characters; the limit is 10"),
     ({**good(), "k": 10 ** 7}, 413, "k = 10000000 entities per mention; the limit is 20"),
+    ({**good(), "k": 0}, 422, "field 'k': 0; must be at least 1"),
+    ({**good(), "k": -3}, 422, "field 'k': -3; must be at least 1"),
     ({**good(), "k": True}, 422, "field 'k': expected an integer, got bool"),
     ({**good(), "k": "3"}, 422, "field 'k': expected an integer, got str"),
     ({**good(), "k": 3.0}, 422, "field 'k': expected an integer, got float"),

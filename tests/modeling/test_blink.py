@@ -1,11 +1,24 @@
 """BLINK biencoder import/export against a tiny checkpoint with BLINK's exact key layout."""
+import json
+
 import pytest
 import torch
 from torch import nn
 from transformers import BertModel
 
-from dist_nce.modeling.blink import BlinkCheckpointError, export_blink, load_blink_retriever, split_blink_state
-from dist_nce.modeling.retriever import RetrieverConfig
+from dist_nce.core.models import make_tiny_bert
+from dist_nce.index.encode import state_fingerprint
+from dist_nce.index.import_encodings import blink_source_model
+from dist_nce.modeling.blink import (
+    BlinkCheckpointError,
+    architecture_file,
+    export_blink,
+    load_blink_retriever,
+    split_blink_state,
+)
+from dist_nce.modeling.resolve import load_retriever
+from dist_nce.modeling.retriever import Retriever, RetrieverConfig
+from dist_nce.train.model import export_model
 
 
 class BlinkBiEncoderModule(nn.Module):
@@ -171,3 +184,49 @@ def test_export_refuses_codes(blink, tiny_model_dir, tmp_path):
     with pytest.raises(BlinkCheckpointError, match="preset 'poly' has learned codes"):
         export_blink(r, tmp_path / "x.bin")
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_an_export_whose_heads_are_not_64_wide_reads_back_as_the_model_it_came_from(tmp_path):
+    """all-MiniLM-L6-v2 (the demo's model) has hidden 384 in 12 heads of 32; the weights do not hold the
+    head count, and hidden / 64 would read it back with 6 heads, scoring differently and without an
+    error. The export records each encoder's config beside the .bin, and every load reads it."""
+    model_dir = make_tiny_bert(tmp_path / "bert", hidden_size=128, num_heads=8, seed=3)  # hidden / 64 = 2
+    trained = Retriever.build(RetrieverConfig(mention_model=model_dir)).eval()
+    paths = export_model(trained, tmp_path / "run")  # as a finetuning run exports: model/ and the .bin
+    record = json.loads(architecture_file(paths["blink"]).read_text())
+    assert {k: v["num_attention_heads"] for k, v in record["encoders"].items()} == \
+        {"context_encoder": 8, "cand_encoder": 8}
+    saved, back = load_retriever(paths["model"]).eval(), load_retriever(paths["blink"]).eval()
+    assert back.entity_encoder.model.config.num_attention_heads == 8
+    ids, mask = batch(7)
+    with torch.no_grad():
+        for side in ("encode_mentions", "encode_entities"):
+            torch.testing.assert_close(getattr(back, side)(ids, mask).vecs, getattr(saved, side)(ids, mask).vecs,
+                                       rtol=0, atol=0)
+    # the same encoder to the shards: a KB encoded by the run is reused when linking with the .bin,
+    # whether the file is loaded or fingerprinted off the mapped file (import_encodings)
+    want = state_fingerprint(saved.entity_encoder_state())
+    assert state_fingerprint(back.entity_encoder_state()) == want
+    assert blink_source_model(paths["blink"], RetrieverConfig()).encoder_fingerprint == want
+    # without the record (a .bin copied alone), the weights give hidden / 64 heads: other vectors
+    architecture_file(paths["blink"]).unlink()
+    guessed = load_retriever(paths["blink"]).eval()
+    assert guessed.entity_encoder.model.config.num_attention_heads == 2
+    with torch.no_grad():
+        assert not torch.allclose(guessed.encode_entities(ids, mask).vecs, saved.encode_entities(ids, mask).vecs)
+
+
+@pytest.mark.parametrize("record, message", [
+    ("{", "unreadable architecture record"),
+    ('{"kind": "other", "encoders": {}}', "kind 'other', expected 'blink_bert_architecture'"),
+    ('{"kind": "blink_bert_architecture", "encoders": {}}', "'encoders' must map"),
+    ('{"kind": "blink_bert_architecture", "encoders": {"cand_encoder": {"model_type": "roberta"}}}',
+     "encoders.cand_encoder: expected a BertConfig"),
+    ('{"kind": "blink_bert_architecture", "encoders": {"cand_encoder": {"model_type": "bert", '
+     '"num_attention_heads": 0}}}', "encoders.cand_encoder.num_attention_heads: 0 is not a positive integer"),
+])
+def test_a_damaged_architecture_record_is_refused_by_name(blink, tmp_path, record, message):
+    path = save(blink[0], tmp_path)
+    architecture_file(path).write_text(record)
+    with pytest.raises(BlinkCheckpointError, match="biencoder.architecture.json: " + message.replace("(", r"\(")):
+        load_retriever(path)

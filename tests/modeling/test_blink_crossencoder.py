@@ -4,14 +4,16 @@ import torch
 from torch import nn
 from transformers import BertModel
 
+from dist_nce.core.models import make_tiny_bert
 from dist_nce.core.text import load_tokenizer, special_ids
-from dist_nce.modeling.blink import BlinkCheckpointError
+from dist_nce.modeling.blink import BlinkCheckpointError, architecture_file
 from dist_nce.modeling.blink_crossencoder import (
     blink_crossencoder_state,
     export_blink_crossencoder,
     load_blink_reranker,
 )
-from dist_nce.modeling.reranker import Pairs, RerankerConfig, build_pairs
+from dist_nce.modeling.encoder import load_transformer
+from dist_nce.modeling.reranker import Pairs, Reranker, RerankerConfig, build_pairs
 from dist_nce.modeling.resolve import load_reranker
 
 
@@ -194,8 +196,6 @@ def test_cls_head_is_refused_both_ways(blink, tiny_model_dir, tmp_path):
     state, _ = blink
     with pytest.raises(BlinkCheckpointError, match="head 'cls' cannot hold it"):
         load_blink_reranker(save(state, tmp_path), RerankerConfig(model=tiny_model_dir, head="cls"))
-    from dist_nce.modeling.encoder import load_transformer
-    from dist_nce.modeling.reranker import Reranker
 
     cls_head = Reranker(RerankerConfig(head="cls"), load_transformer(tiny_model_dir), load_tokenizer(tiny_model_dir))
     with pytest.raises(BlinkCheckpointError, match="only head 'pooler' has its layout"):
@@ -210,3 +210,19 @@ def test_saved_directory_still_loads(blink, tiny_model_dir, tmp_path):
     back = load_reranker(tmp_path / "dir")
     assert back.config == reranker.config
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), reranker.state_dict().values()))
+
+
+def test_an_export_whose_heads_are_not_64_wide_reads_back_with_its_own_heads(tmp_path):
+    """The head count is not in the weights: the export records it (.architecture.json) and the file
+    reads back without a model directory as the reranker it came from; alone it would get hidden / 64."""
+    model_dir = make_tiny_bert(tmp_path / "bert", hidden_size=128, num_heads=8, seed=4)
+    reranker = Reranker(RerankerConfig(layout="blink", max_len=40, context_len=16), load_transformer(model_dir),
+                        load_tokenizer(model_dir)).eval()
+    out = export_blink_crossencoder(reranker, tmp_path / "crossencoder_blink.bin")
+    back = load_reranker(out, config=RerankerConfig(max_len=40, context_len=16)).eval()
+    assert back.model.config.num_attention_heads == 8
+    p = pairs(back.tokenizer)
+    with torch.no_grad():
+        torch.testing.assert_close(back(p), reranker(p), rtol=0, atol=0)
+    architecture_file(out).unlink()
+    assert load_reranker(out, config=RerankerConfig(max_len=40, context_len=16)).model.config.num_attention_heads == 2
