@@ -69,6 +69,9 @@ class ConfigJob(Generic[C]):
     absolute: Callable[[C], C]  # relative paths resolved here: Ray Train workers run in another directory
     models: Callable[[C], dict[str, str]]  # config key -> model path
     check: Callable[[C], None]  # raises ConfigError naming every missing input
+    # --dry-run only: what the run checks once its data is prepared, against the data there is now
+    # (raises ConfigError); the run itself checks it after preparing
+    prepared: Callable[[C], None] | None = None
 
     def parser(self, doc: str, progress: str | None = None) -> argparse.ArgumentParser:
         """The job's command line; ``progress``: help of a ``--no-progress`` flag, if it has one."""
@@ -100,6 +103,8 @@ class ConfigJob(Generic[C]):
             ap.error("--config is required")
         try:
             cfg = self.ready(self.absolute(load_config(self.kind, args.config, args.set)))
+            if args.dry_run and self.prepared is not None:
+                self.prepared(cfg)
         except (ConfigError, FileExistsError) as e:
             return error(e)
         if args.dry_run:

@@ -43,15 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value: ServeConfig fields of the application's args")
     ap.add_argument("--address", help="a running Ray cluster (default: start a loopback-only local one)")
     a = ap.parse_args(argv)
-    with open(a.config, encoding="utf-8") as f:
-        config = yaml.safe_load(f)
-    (app,) = config["applications"]
-    args = overridden(app.get("args") or {}, a.overrides)
 
-    from dist_nce.core.config import ConfigError
+    from dist_nce.core.config import ConfigError, load_yaml
     from dist_nce.link.serve import build_app
 
     try:
+        config = load_yaml(a.config)  # a key given twice is an error naming the line, not the last one silently
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        (app,) = config["applications"]
+        args = overridden(app.get("args") or {}, a.overrides)
         application = build_app(args)  # a wrong path or key fails here, before anything starts
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {a.config}: {e}", file=sys.stderr)

@@ -14,7 +14,10 @@ from BLINK's released cross-encoder: ``--set model.init_from=models/crossencoder
 --set model.reranker.model=null`` (architecture read off the weights).
 
 Candidates come from jobs/zeshel_retriever.py (``data.candidates_dir`` = its
-``candidates/``) or from Zeshel's own TF-IDF lists::
+``candidates/``; reranker_tiny_cpu.yaml's default is what ``--config
+configs/zeshel/retriever_tiny_cpu.yaml`` writes, runs/zeshel_tiny/candidates) or from Zeshel's
+own TF-IDF lists. ``data.num_candidates`` (C) may not exceed the lists' length (refused before
+any work); a smaller C uses the top C of each list::
 
     .venv/bin/python jobs/zeshel_reranker.py --config configs/zeshel/reranker_tiny_cpu.yaml
     .venv/bin/python jobs/zeshel_reranker.py --config configs/zeshel/reranker_paper_gpu.yaml \\

@@ -34,8 +34,15 @@ from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import ConfigError
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs
 
+def _check_existing_store(cfg: ZeshelRetrieverConfig) -> None:
+    from dist_nce.train.trainer import check_existing_store
+    from dist_nce.zeshel.config import training_config
+
+    check_existing_store(training_config(cfg))  # the training store (data.prepared_dir)
+
+
 JOB = ConfigJob(ZeshelRetrieverConfig, "experiment YAML (configs/zeshel/retriever_*.yaml)", absolute,
-                lambda cfg: retriever_models(cfg.model), check_zeshel_inputs)
+                lambda cfg: retriever_models(cfg.model), check_zeshel_inputs, _check_existing_store)
 
 
 def main(argv: list[str] | None = None) -> int:

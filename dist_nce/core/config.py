@@ -3,7 +3,9 @@
 Every experiment config is a tree of dataclasses. ``load_config(Cls, path)`` reads a
 YAML file and builds ``Cls``; a key that the dataclass does not declare, or a value
 of the wrong type, raises :class:`ConfigError` naming the file and the dotted key
-(``configs/aida/tiny.yaml: train.lr_warmup: unknown key; expected one of ...``).
+(``configs/aida/tiny.yaml: train.lr_warmup: unknown key; expected one of ...``); a key
+repeated within one mapping (two ``optim:`` sections) is refused as well, naming the
+line (``configs/aida/tiny.yaml:14: duplicate key 'optim' (first at line 3)``).
 Help strings live in ``field(metadata={"help": ...})`` so ``describe(Cls)`` can
 print them.
 
@@ -268,16 +270,66 @@ def _deep_merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated within one mapping, as a :class:`ConfigError`
+    ``file:line: duplicate key 'optim.epochs' (first at line 3)``.
+
+    Plain ``safe_load`` keeps the last of two ``optim:`` sections and silently drops the first one's
+    keys. Merge keys (``<<: *base``) keep their YAML meaning: an explicit key may override a merged one.
+    """
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Checked on the composed tree, before construction: SafeConstructor.flatten_mapping splices
+        # merged pairs into a mapping node in place (sometimes before that node's own construction),
+        # after which a merged key and its explicit override would look like a duplicate.
+        _refuse_duplicate_keys(self, node, "", set())
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(loader: yaml.SafeLoader, node: yaml.Node, path: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias: its node was checked where its anchor stands (and may be recursive)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(loader, item, f"{path}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[Any, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            key = "<<" if key_node.tag == _MERGE else \
+                loader.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+            dotted = f"{path}.{key}" if path else str(key)
+            try:
+                earlier = first.setdefault(key, key_node) if key is not None else None
+            except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                earlier = None
+            if earlier is not None and earlier is not key_node:
+                mark = key_node.start_mark
+                raise ConfigError(f"{mark.name}:{mark.line + 1}: duplicate key {dotted!r} "
+                                  f"(first at line {earlier.start_mark.line + 1})")
+            _refuse_duplicate_keys(loader, value_node, dotted, seen)
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    """The one YAML document in file ``path``, read with :class:`UniqueKeyLoader`; invalid YAML or a
+    duplicate key is a :class:`ConfigError` naming the file."""
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as f:  # an open file gives the loader's marks, so the errors, its name
+        try:
+            return yaml.load(f, Loader=UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
 def load_config(cls: type[T], path: str | os.PathLike, overrides: list[str] | None = None) -> T:
     """Read YAML ``path`` into dataclass ``cls``; ``overrides`` are ``key.path=value`` strings."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ConfigError(f"{path}: config file not found")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    data = load_yaml(path) or {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     merged = _deep_merge(dict(data), parse_overrides(overrides))

@@ -57,10 +57,34 @@ def candidates_path(directory: str | Path, split: str, fmt: Format) -> Path:
     return Path(directory) / (f"candidates_{split}.json" if fmt == "retriever" else f"{split}.json")
 
 
+def written_by(fmt: Format) -> str:
+    """Where the candidates of format ``fmt`` come from: said wherever a file is missing, so the
+    error names the command that makes it (the reranker creates no candidates itself)."""
+    if fmt == "retriever":
+        return ("written by jobs/zeshel_retriever.py into <its run.output_dir>/candidates, e.g. "
+                "runs/zeshel_tiny/candidates by --config configs/zeshel/retriever_tiny_cpu.yaml (make zeshel), "
+                "or by a jobs/zeshel_grid.py row into <out>/<row>-<key>/candidates")
+    return "Zeshel's own tfidf_candidates/ directory, from the Zeshel download"
+
+
 def read_split_candidates(directory: str | Path, split: str, fmt: Format) -> tuple[dict[str, list[str]], Path]:
     """mention_id -> ranked document ids of ``split``, and the file read."""
     path = candidates_path(directory, split, fmt)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {fmt} candidates for split {split!r}"
-                                + (" (written by jobs/zeshel_retriever.py)" if fmt == "retriever" else ""))
+        raise FileNotFoundError(f"{path}: no {fmt} candidates for split {split!r} ({written_by(fmt)})")
     return read_candidates(path, CANDIDATES_KEY if fmt == "retriever" else TFIDF_KEY), path
+
+
+def num_candidates_problem(lists: dict[str, list[str]], path: str | Path, num_candidates: int) -> str | None:
+    """Why ``data.num_candidates`` cannot be used with the lists of ``path``, or None.
+
+    A C larger than every list would train and evaluate on padding while summaries still say
+    "C = <num_candidates>" and ``candidate_recall@<num_candidates>``: refused. The longest list
+    is the bound (lists shorter than C end in empty slots, as a retriever's can when the KB
+    lacks some ids); a smaller C is fine: the top C of each list are used.
+    """
+    longest = max(map(len, lists.values()), default=0)
+    if num_candidates <= longest:
+        return None
+    return (f"data.num_candidates: {num_candidates}: {path} holds at most {longest} candidates per mention "
+            f"(longest of its {len(lists)} lists); C must be {longest} or fewer (a smaller C uses each list's top C)")

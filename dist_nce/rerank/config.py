@@ -110,7 +110,8 @@ def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> Rerank
 
 def check_inputs(cfg: RerankJobConfig) -> None:
     """Raise ConfigError listing every missing input by its config key (before any cluster work)."""
-    from dist_nce.rerank.candidates import candidates_path
+    from dist_nce.eval.zeshel import CandidateFileError
+    from dist_nce.rerank.candidates import candidates_path, num_candidates_problem, read_split_candidates, written_by
     from dist_nce.worker.engine import load_deepspeed_config
     from dist_nce.worker.tracking import missing_packages
 
@@ -128,7 +129,19 @@ def check_inputs(cfg: RerankJobConfig) -> None:
     for split in dict.fromkeys([d.train_split, *d.eval_splits]):
         path = candidates_path(d.candidates_dir, split, d.candidates_format)
         if not path.is_file():
-            problems.append(f"data.candidates_dir: {path} not found ({d.candidates_format} candidates of {split})")
+            problems.append(f"data.candidates_dir: {path} not found ({d.candidates_format} candidates of {split}; "
+                            f"{written_by(d.candidates_format)})")
+            continue
+        # Read here, not only by the loader, so that --dry-run and the driver refuse a C the lists
+        # cannot fill before any model loads (a second or so for the paper's 49K training lines).
+        try:
+            lists, _ = read_split_candidates(d.candidates_dir, split, d.candidates_format)
+        except CandidateFileError as e:
+            problems.append(f"data.candidates_dir: {e}")
+            continue
+        problem = num_candidates_problem(lists, path, d.num_candidates)
+        if problem:
+            problems.append(problem)
     if cfg.model.reranker.model and not os.path.isdir(cfg.model.reranker.model):
         problems.append(f"model.reranker.model: directory not found: {cfg.model.reranker.model}")
     init = cfg.model.init_from

@@ -12,16 +12,25 @@ permutation seeded by ``(seed, e)``, so resuming at step ``t`` needs nothing but
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dist_nce.core.config import ConfigError
 from dist_nce.eval.zeshel import CandidateSet, candidate_rows
-from dist_nce.rerank.candidates import gold_first, read_split_candidates
+from dist_nce.rerank.candidates import gold_first, num_candidates_problem, read_split_candidates
 from dist_nce.rerank.config import RerankJobConfig
-from dist_nce.train.plan import DataOrder
+from dist_nce.train.plan import DataOrder, settings_of
 from kb.store import EntityStore, MentionTable
+
+
+# What a resumed reranker run must share with its checkpoint besides the plan (as train.plan.RESUME_SETTINGS
+# for the retriever): the model, its input layout and the objective's settings.
+RESUME_SETTINGS = ("model.reranker.model", "model.reranker.max_len", "model.reranker.head",
+                   "model.reranker.layout", "model.reranker.context_len", "model.reranker.cand_len",
+                   "model.init_from", "optim.lr", "optim.weight_decay", "optim.warmup_proportion", "optim.grad_clip")
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class RerankPlan:
     seed: int
     # sha256 over the store's manifest and the candidates file: resuming on other data is refused.
     data_fingerprint: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)  # RESUME_SETTINGS' values (worker.checkpoint)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,13 +74,24 @@ class TrainingSet:
     source: str
 
 
+def read_checked_candidates(cfg: RerankJobConfig, split: str) -> tuple[dict[str, list[str]], Path]:
+    """The candidate lists of ``split`` and their file; ConfigError when ``data.num_candidates``
+    exceeds the longest list (check_inputs says so earlier; this holds for callers that skip it)."""
+    d = cfg.data
+    raw, path = read_split_candidates(d.candidates_dir, split, d.candidates_format)
+    problem = num_candidates_problem(raw, path, d.num_candidates)
+    if problem:
+        raise ConfigError(problem)
+    return raw, path
+
+
 def load_training_set(cfg: RerankJobConfig, tokenizer_sha256: str | None = None) -> TrainingSet:
     from kb.store import EntityStore, MentionTable
 
     d = cfg.data
     store = EntityStore(d.train_store, tokenizer_sha256=tokenizer_sha256)
     mentions = MentionTable(d.train_store, d.train_split)
-    raw, path = read_split_candidates(d.candidates_dir, d.train_split, d.candidates_format)
+    raw, path = read_checked_candidates(cfg, d.train_split)
     cset = candidate_rows(raw, mentions, store, d.num_candidates, str(path))
     gold = np.asarray(mentions.gold_rows, dtype=np.int64)
     n = min(len(gold), d.max_train_mentions) if d.max_train_mentions else len(gold)
@@ -95,7 +116,8 @@ def make_plan(cfg: RerankJobConfig, ts: TrainingSet) -> RerankPlan:
         num_candidates=cfg.data.num_candidates, split_mentions=len(ts.mentions), train_mentions=n,
         excluded_missing_gold=considered - n, gold_inserted=int(ts.inserted.sum()),
         steps_per_epoch=steps_per_epoch, epochs=math.ceil(total / steps_per_epoch), total_steps=total,
-        seed=cfg.optim.seed, data_fingerprint=_data_fingerprint(cfg.data.train_store, ts.source))
+        seed=cfg.optim.seed, data_fingerprint=_data_fingerprint(cfg.data.train_store, ts.source),
+        settings=settings_of(cfg, RESUME_SETTINGS))
 
 
 def _data_fingerprint(store_dir: str, candidates_file: str) -> str:
@@ -137,7 +159,7 @@ def load_eval_sets(cfg: RerankJobConfig, tokenizer_sha256: str | None = None) ->
         mentions = MentionTable(d.eval_store, split)
         if d.max_eval_mentions:
             mentions = MentionRows(mentions, np.arange(min(len(mentions), d.max_eval_mentions)))
-        raw, path = read_split_candidates(d.candidates_dir, split, d.candidates_format)
+        raw, path = read_checked_candidates(cfg, split)
         # Candidates of mentions left out by max_eval_mentions are extra lines: counted, ignored.
         out.append(EvalSet(split, mentions, store, candidate_rows(raw, mentions, store, d.num_candidates, str(path)),
                            str(path)))

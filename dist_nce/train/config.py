@@ -16,6 +16,7 @@ from typing import Literal, Optional
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1, POSITIVE, ConfigError, Range, absolute_paths, plain_name
 from dist_nce.modeling.retriever import RetrieverConfig
+from dist_nce.modeling.scoring import is_inner_product
 from dist_nce.worker.tracking_config import TrackingConfig
 
 
@@ -218,6 +219,11 @@ class TrainJobConfig:
         if self.model.entity_cache and not self.model.freeze_entity_encoder:
             raise ValueError("model.entity_cache needs model.freeze_entity_encoder: true (a trained entity "
                              "tower changes the reps every step)")
+        # the service refuses this too, but only once Ray and the shards are up (a traceback, exit 1)
+        retriever = self.model.retriever
+        if self.service.index.backend != "torch" and not is_inner_product(retriever.spec()):
+            raise ValueError(f"service.index.backend: {self.service.index.backend!r} serves inner-product scores "
+                             f"only; model.retriever.preset {retriever.preset!r} needs service.index.backend: torch")
 
     @property
     def per_worker_batch(self) -> int:

@@ -21,7 +21,7 @@ noise after a restart) and each request's seed by ``(seed, epoch, step, rank)``
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,28 @@ import numpy as np
 from dist_nce.sampling.modes import sampler_for
 from dist_nce.sampling.samplers import Sampler
 from dist_nce.train.config import TrainJobConfig
+
+
+# Settings a resumed run must share with its checkpoint besides the plan's quantities: what the model is and
+# what it is trained towards. Before, a rerun that changed one resumed as if nothing had, and a finished run
+# rerun so re-reported its trained weights under the new settings (a dual run scored as SOM, a run at lr 5e-4
+# recorded as 1e-2), overwriting its summary and candidates. What only changes speed or bookkeeping (dtypes,
+# packing, prefetch, refresh cadence, evaluation, logging) may change on a resume.
+RESUME_SETTINGS = ("model.retriever.preset", "model.retriever.m", "model.retriever.mention_model",
+                   "model.retriever.entity_model", "model.blink_checkpoint", "model.init_from",
+                   "model.freeze_entity_encoder", "optim.lr", "optim.weight_decay", "optim.warmup_proportion",
+                   "optim.grad_clip", "negatives.adjusted_loss", "negatives.temperature")
+
+
+def settings_of(cfg: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """{dotted key: value} of ``cfg`` (a config dataclass) for each of ``keys``."""
+    out = {}
+    for key in keys:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        out[key] = value
+    return out
 
 
 def sampling(mode: str, p: float, num_candidates: int) -> Sampler:
@@ -56,6 +78,7 @@ class TrainPlan:
     # The prepared store's identity (sha256 of its manifest): resuming on a store prepared
     # again (other synthetic settings, new sources) would silently continue on other data.
     data_fingerprint: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)  # RESUME_SETTINGS' values (worker.checkpoint)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,7 +123,7 @@ def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int, dat
         num_entities=int(num_entities), split_mentions=int(len(gold_rows)), train_mentions=len(eligible),
         excluded_missing_gold=excluded, steps_per_epoch=steps_per_epoch,
         epochs=math.ceil(total / steps_per_epoch), total_steps=total, seed=cfg.optim.seed,
-        data_fingerprint=data_fingerprint,
+        data_fingerprint=data_fingerprint, settings=settings_of(cfg, RESUME_SETTINGS),
     )
 
 

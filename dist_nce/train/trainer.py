@@ -130,6 +130,26 @@ def check_resume(cfg: TrainJobConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_existing_store(cfg: TrainJobConfig) -> None:
+    """For ``--dry-run``, which prepares nothing: what a run checks once its store is prepared (K and the
+    shard count within its entities, :func:`check_resume`), against ``data.prepared_dir`` as it is now,
+    if it exists. Before, a dry run said OK to settings the run then refused at once. Raises ConfigError
+    saying which store it checked (a run that prepares the store again checks the new one)."""
+    from pathlib import Path
+
+    from dist_nce.core.config import ConfigError
+    from dist_nce.train.config import check_against_store
+
+    store = Path(cfg.data.prepared_dir)
+    if not (store / "manifest.json").is_file():
+        return
+    try:
+        check_against_store(cfg, str(store))
+        check_resume(cfg)
+    except ValueError as e:
+        raise ConfigError(f"{e}\n  (checked against the prepared store as it is now, {store})") from None
+
+
 def kb_snapshot(service: NegativeSource, cfg: TrainJobConfig, directory: str | os.PathLike) -> dict[str, Any]:
     """Export the KB encoded with the final weights (``index.export.export_snapshot``: embeddings.npy,
     ids.txt, manifest) from the version the shards serve and persisted after the final refresh."""

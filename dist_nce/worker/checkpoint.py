@@ -44,6 +44,9 @@ STATE_FILE = "train_state.json"
 # Plan fields a resumed run must share with its checkpoint (the data order depends on them).
 RESUME_KEYS = ("num_workers", "per_worker_batch", "global_batch", "steps_per_epoch", "total_steps",
                "train_mentions", "num_candidates", "n_hard", "n_random", "seed", "data_fingerprint")
+# The plan's {dotted config key: value} of the settings a resumed run must share too (what the model is and
+# what it is trained towards); the trainer that makes the plan chooses them (train.plan.RESUME_SETTINGS).
+SETTINGS = "settings"
 
 
 def rng_file(rank: int) -> str:
@@ -154,8 +157,14 @@ def save(engine: Any, directory: str | Path, state: WorkerState, rank: int, plan
 
 
 def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str) -> None:
+    """Refuse (ValueError naming each difference) to resume from a checkpoint whose plan (``manifest``'s)
+    differs from ``plan`` in a :data:`RESUME_KEYS` field or one of its :data:`SETTINGS`."""
     saved = manifest.get("plan", {})
     diff = [f"{k}: checkpoint {saved.get(k)!r}, now {plan.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != plan.get(k)]
+    old, new = saved.get(SETTINGS), plan.get(SETTINGS) or {}
+    if old is not None:  # a checkpoint written before settings were recorded is checked on the fields alone
+        diff += [f"{k}: checkpoint {old.get(k)!r}, now {new.get(k)!r}"
+                 for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diff:
         raise ValueError(f"{where}: cannot resume this run with a different plan ({'; '.join(diff)}); "
                          "use another run.name for a new run")

@@ -37,8 +37,9 @@ from dist_nce.worker.tracking_config import MlflowConfig, TrackingConfig, WandbC
 RECORD = "tracking.json"
 # Where the trackers go, not what was trained (and a tracking URI may carry credentials).
 NOT_PARAMS = ("run.tracking.",)
-# Summary sections that are configuration, logged as params rather than as scores.
-NOT_SCORES = ("config", "deepspeed_config")
+# Summary sections that are configuration, logged as params rather than as scores (the plan's settings
+# repeat config values: train.plan.RESUME_SETTINGS).
+NOT_SCORES = ("config", "deepspeed_config", "plan/settings")
 
 
 # ---------------------------------------------------------------------------- pure helpers

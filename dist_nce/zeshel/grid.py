@@ -12,11 +12,12 @@ A rows file (``configs/zeshel/table1_rows.yaml``, ``configs/zeshel/grid_tiny_row
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dist_nce.core.config import ConfigError, load_config
+from dist_nce.core.config import ConfigError, load_config, load_yaml
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
 
 EVAL_SPLITS = ("val", "test")
@@ -26,13 +27,12 @@ EVAL_SPLITS = ("val", "test")
 class GridRow:
     name: str
     overrides: tuple[str, ...]
+    source: str = ""  # the rows file it came from, for errors in its overrides
 
 
 def load_rows(path: str | Path) -> list[GridRow]:
     """Rows of a rows file; a malformed entry is a ConfigError naming the file and the row."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    data = load_yaml(path) or {}
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"{path}: expected a top-level 'rows:' list")
@@ -44,7 +44,7 @@ def load_rows(path: str | Path) -> list[GridRow]:
             raise ConfigError(f"{path}: rows[{i}]: expected {{name: str, set: [key=value, ...]}}, got {row!r}")
         if row["name"] in {r.name for r in out}:
             raise ConfigError(f"{path}: rows[{i}]: name {row['name']!r} used twice")
-        out.append(GridRow(row["name"], tuple(row["set"])))
+        out.append(GridRow(row["name"], tuple(row["set"]), str(path)))
     return out
 
 
@@ -52,11 +52,20 @@ def row_config(base: str | Path, row: GridRow, out_dir: str | Path, overrides: S
                ) -> ZeshelRetrieverConfig:
     """The base config + the grid's overrides + the row's, run under ``<out_dir>/<row>`` (absolute paths).
 
-    Every row shares the base's prepared stores (``data.prepared_dir``, ``zeshel.eval_store``).
+    Every row shares the base's prepared stores (``data.prepared_dir``, ``zeshel.eval_store``). A config
+    that only the row's overrides make wrong is a ConfigError naming the rows file and the row.
     """
     run_dir = Path(out_dir) / row.name
     where = [f"run.name=zeshel_grid_{row.name}", f"run.output_dir={run_dir}"]
-    return absolute(load_config(ZeshelRetrieverConfig, base, [*overrides, *row.overrides, *where]))
+    try:
+        return absolute(load_config(ZeshelRetrieverConfig, base, [*overrides, *row.overrides, *where]))
+    except ConfigError as e:
+        try:  # without the row it loads: the row's overrides are what is wrong, so the message names the row
+            load_config(ZeshelRetrieverConfig, base, list(overrides))
+        except ConfigError:
+            raise e from None  # the base file or the grid's --set, which load_config already names
+        what = str(e).removeprefix(f"--set (over {os.fspath(base)}): ")
+        raise ConfigError(f"{row.source or 'rows'}: row {row.name!r}: {what}") from None
 
 
 # Where and how visibly a run happens, not what it computes.

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dist_nce.rerank.candidates import candidates_path, gold_first, read_split_candidates
+from dist_nce.rerank.candidates import candidates_path, gold_first, num_candidates_problem, read_split_candidates
 
 
 def reference(row: list[int], gold: int) -> list[int]:
@@ -60,5 +60,16 @@ def test_candidate_files_by_format(tmp_path):
     assert read_split_candidates(tmp_path, "val", "retriever")[0] == {"m": ["a", "b"]}
     assert read_split_candidates(tmp_path, "val", "tfidf") == ({"m": ["c"]}, tmp_path / "val.json")
     assert candidates_path(tmp_path, "test", "tfidf").name == "test.json"
-    with pytest.raises(FileNotFoundError, match="candidates_test.json: no retriever candidates for split 'test'"):
+    with pytest.raises(FileNotFoundError, match="candidates_test.json: no retriever candidates for split 'test'") as e:
         read_split_candidates(tmp_path, "test", "retriever")
+    # The error says which command writes the directory (the reranker writes no candidates).
+    assert "jobs/zeshel_retriever.py" in str(e.value) and "runs/zeshel_tiny/candidates" in str(e.value)
+
+
+def test_num_candidates_is_bounded_by_the_longest_list():
+    lists = {"m1": ["a", "b", "c"], "m2": ["d", "e"]}  # a short list is padded, not a limit
+    assert num_candidates_problem(lists, "x/candidates_val.json", 3) is None
+    assert num_candidates_problem(lists, "x/candidates_val.json", 2) is None  # the top C are used
+    assert num_candidates_problem(lists, "x/candidates_val.json", 4) == (
+        "data.num_candidates: 4: x/candidates_val.json holds at most 3 candidates per mention (longest of its 2 "
+        "lists); C must be 3 or fewer (a smaller C uses each list's top C)")

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from dist_nce.cli.zeshel_reranker import main as reranker_main
+from dist_nce.core.config import ConfigError
 from dist_nce.core.text import load_tokenizer
 from dist_nce.eval.zeshel import evaluate_reranker_split, read_candidates, read_tfidf_candidates
 from dist_nce.modeling.encoder import load_transformer
@@ -93,6 +95,51 @@ def test_training_set_and_plan(setup):
     assert len(set(seen.tolist())) == len(seen) == plan.steps_per_epoch * 4  # each example once per epoch
     small = make_plan(config(setup, max_train_mentions=10), load_training_set(config(setup, max_train_mentions=10)))
     assert small.train_mentions + small.excluded_missing_gold == 10
+
+
+def test_a_resume_with_another_model_or_objective_is_refused(setup):
+    """The plan records the settings a resumed run must share (the check every worker's load makes)."""
+    from dist_nce.worker.checkpoint import check_resumable
+
+    ts = load_training_set(config(setup))
+    plan = make_plan(config(setup), ts).as_dict()
+    assert plan["settings"]["optim.lr"] == config(setup).optim.lr and "model.reranker.head" in plan["settings"]
+    check_resumable({"plan": plan}, make_plan(config(setup), ts).as_dict(), "ckpt")
+    other = config(setup)
+    other.optim.lr, other.model.reranker.head = 0.5, "cls"
+    with pytest.raises(ValueError, match=r"model.reranker.head: checkpoint 'pooler', now 'cls'; optim.lr: "):
+        check_resumable({"plan": plan}, make_plan(other, ts).as_dict(), "ckpt")
+
+
+def test_num_candidates_beyond_the_lists_is_refused(setup):
+    """The files hold C + 1 = 7 ids per mention (the last unknown to the KB): C = 8 is refused by the
+    loaders, naming the key, the value, the file and the length found; C = 7 loads."""
+    for load, split in ((load_training_set, "train"), (load_eval_sets, "val")):
+        with pytest.raises(ConfigError, match=rf"^data\.num_candidates: 8: \S+candidates_{split}\.json holds at "
+                                              "most 7 candidates per mention"):
+            load(config(setup, num_candidates=8))
+    assert load_training_set(config(setup, num_candidates=7)).cands.shape[1] == 7
+
+
+def test_a_smaller_num_candidates_uses_the_top_of_each_list(setup):
+    full, top = (load_training_set(config(setup, num_candidates=c)) for c in (C, 3))
+    assert np.array_equal(top.candidates.rows, full.candidates.rows[:, :3]) and top.cands.shape[1] == 3
+
+
+@pytest.mark.parametrize("num_candidates, refused", [(7, False), (8, True)])
+def test_dry_run_checks_num_candidates_against_the_files(setup, tiny_model_dir, capsys, num_candidates, refused):
+    """--dry-run reads the candidate files: C beyond the lists fails before any model or data loads."""
+    sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}",
+            f"data.candidates_dir={setup / 'cands'}", f"model.reranker.model={tiny_model_dir}",
+            f"data.num_candidates={num_candidates}"]
+    code = reranker_main(["--config", "configs/zeshel/reranker_tiny_cpu.yaml", "--dry-run",
+                          *[w for kv in sets for w in ("--set", kv)]])
+    err = capsys.readouterr().err
+    assert code == (2 if refused else 0), err
+    # One problem line per split file (train, val, test), each naming its file.
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip().startswith("data.num_candidates")]
+    assert len(lines) == (3 if refused else 0), err
+    assert all(f"{setup / 'cands'}/candidates_" in ln and "holds at most 7 candidates" in ln for ln in lines)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ any cluster work, naming the key. Last, what a Ctrl-C during training tells the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -171,10 +172,20 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
 
     save("checkpoint_000000", 2, plan)
     check_resume(cfg)  # the same plan resumes
+    lr = cfg.optim.lr
     for change, what in (("optim.batch_size=8", "global_batch: checkpoint 4, now 8"),
-                         ("run.num_workers=1", "num_workers: checkpoint 2, now 1")):
-        with pytest.raises(ConfigError, match=what):
-            check_resume(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, change))
+                         ("run.num_workers=1", "num_workers: checkpoint 2, now 1"),
+                         # the same shapes, another model or objective: a finished run rerun so re-reported its
+                         # weights under the new settings and overwrote its summary
+                         ("model.retriever.preset=multi,model.retriever.m=2",
+                          "model.retriever.m: checkpoint None, now 2; model.retriever.preset: checkpoint 'dual', "
+                          "now 'multi'"),
+                         ("optim.lr=0.01", f"optim.lr: checkpoint {lr!r}, now 0.01")):
+        with pytest.raises(ConfigError, match=re.escape(what)):
+            check_resume(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, *change.split(",")))
+    # what changes only speed or bookkeeping resumes
+    check_resume(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "run.eval_every_steps=7",
+                             "model.retriever.storage_dtype=float32", "negatives.prefetch=1"))
     # a KB changed under the run (its fingerprint), through the job as a user runs it
     save("checkpoint_000001", 3, {**plan, "data_fingerprint": "an earlier KB"})
     argv = ["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"),
@@ -186,6 +197,29 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
     err = capsys.readouterr().err
     assert "cannot resume this run with a different plan (data_fingerprint: checkpoint 'an earlier KB'" in err
     assert str(run_dir / "checkpoint_000001") in err and inits == []
+
+
+def test_a_dry_run_checks_what_the_run_checks_once_its_store_exists(tmp_path, own, tiny_model_dir, capsys):
+    """--dry-run prepares nothing, and said OK to a K or a shard count the run then refused at once: with
+    the store there, it checks them (and a rerun's checkpoints) against it, saying which store."""
+    from dist_nce.cli.aida_finetune import main
+
+    root, _ = own
+    argv = ["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"), "--dry-run"]
+    for s in (f"data.prepared_dir={root / 'store'}", "data.synthetic_entities=0", "data.entity_max_len=128",
+              f"model.retriever.mention_model={tiny_model_dir}", f"run.output_dir={tmp_path / 'out'}",
+              f"run.storage_path={tmp_path / 'ray'}"):
+        argv += ["--set", s]
+    capsys.readouterr()
+    assert main(argv) == 0 and "config and inputs OK" in capsys.readouterr().out
+    for change, what in (("negatives.num_candidates=500", "negatives.num_candidates: 500: must be <= the 120"),
+                         ("service.num_shards=121", "service.num_shards: 121: must be <= the 120")):
+        assert main([*argv, "--set", change]) == 2
+        err = capsys.readouterr().err
+        assert what in err and f"checked against the prepared store as it is now, {root / 'store'}" in err, err
+    # no store yet: nothing to check it against, the run checks it once prepared
+    assert main([*argv, "--set", f"data.prepared_dir={tmp_path / 'none'}", "--set", "data.synthetic_entities=200",
+                 "--set", "negatives.num_candidates=500"]) == 0
 
 
 def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_model_dir, capsys, monkeypatch):

@@ -67,8 +67,10 @@ def test_params_metric_names_and_summary_scores():
     assert mlflow_key("bias/norm[0]") == "bias/norm_0_"
     summary = {"config": {"optim": {"lr": 1.0}}, "deepspeed_config": {"train_batch_size": 4}, "done": True,
                "step": 24, "dev_after": {"recall@16": 0.5, "n_mentions": 32}, "export": {"model": "/m", "blink": None},
-               "eval": {"val": {"macro": {"unnormalized_accuracy": 0.25}}}, "kb_updates": [1, 2]}
+               "eval": {"val": {"macro": {"unnormalized_accuracy": 0.25}}}, "kb_updates": [1, 2],
+               "plan": {"total_steps": 24, "settings": {"optim.lr": 1.0}}}  # settings: config values again
     assert summary_scores(summary) == {"summary/done": 1.0, "summary/step": 24.0, "summary/dev_after/recall@16": 0.5,
+                                       "summary/plan/total_steps": 24.0,
                                        "summary/dev_after/n_mentions": 32.0,
                                        "summary/eval/val/macro/unnormalized_accuracy": 0.25}
 

@@ -24,7 +24,8 @@ def summary(val: float, test: float) -> dict:
 
 
 def cfg(preset: str, mode: str, m: int | None = None) -> ZeshelRetrieverConfig:
-    sets = [f"model.retriever.preset={preset}", f"negatives.mode={mode}"]
+    sets = [f"model.retriever.preset={preset}", f"negatives.mode={mode}",
+            *(["service.index.backend=torch"] if preset == "som" else [])]  # faiss serves inner products only
     return load_config(ZeshelRetrieverConfig, BASE, sets + ([f"model.retriever.m={m}"] if m else []))
 
 
@@ -103,3 +104,30 @@ def test_result_key_changes_with_what_the_result_depends_on_only(tmp_path):
     before = model_fingerprints(with_model)
     (model / "weights.bin").write_bytes(b"b" * 100)  # rebuilt in place
     assert model_fingerprints(with_model) != before and len(before) == 1
+
+
+def test_a_wrong_key_in_a_row_is_blamed_on_the_rows_file_and_the_row(tmp_path):
+    from dist_nce.core.config import ConfigError
+    from dist_nce.zeshel.grid import load_rows, row_config
+
+    rows_file = tmp_path / "rows.yaml"
+    rows_file.write_text("rows:\n  - name: dual_random\n    set: [negatives.mode=random]\n"
+                         "  - name: dual_hard\n    set: [model.retriever.preset=dual, negatives.mod=hard]\n")
+    ok, bad = load_rows(rows_file)
+    assert row_config(BASE, ok, tmp_path).negatives.mode == "random"
+    with pytest.raises(ConfigError) as e:
+        row_config(BASE, bad, tmp_path)
+    assert str(e.value).startswith(f"{rows_file}: row 'dual_hard': negatives.mod: unknown key for NegativesConfig")
+    # A wrong grid-wide --set is still the --set's, not the row's.
+    with pytest.raises(ConfigError, match=r"^--set \(over .*retriever_tiny_cpu\.yaml\): optim\.lr: -1\.0: must be > 0"):
+        row_config(BASE, ok, tmp_path, ["optim.lr=-1"])
+
+
+def test_a_rows_file_with_a_repeated_key_is_refused(tmp_path):
+    from dist_nce.core.config import ConfigError
+    from dist_nce.zeshel.grid import load_rows
+
+    rows_file = tmp_path / "rows.yaml"
+    rows_file.write_text("rows:\n  - name: a\n    set: [negatives.mode=hard]\n    set: [negatives.mode=random]\n")
+    with pytest.raises(ConfigError, match=r"rows\.yaml:4: duplicate key 'rows\[0\]\.set' \(first at line 3\)"):
+        load_rows(rows_file)
