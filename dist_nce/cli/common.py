@@ -21,7 +21,8 @@ C = TypeVar("C")
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 DRY_RUN_HELP = ("check the config and every input path, then exit (no data generated or prepared, no Ray; the "
-                "project's random tiny BERT is built first where the config names it)")
+                "project's random tiny BERT is built first where the config names it; a store already prepared "
+                "is checked as the run checks it: K, shards, a rerun's checkpoints)")
 
 
 def error(e: BaseException | str) -> int:

@@ -279,7 +279,9 @@ def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, wor
 def write_predictions(path: str | Path, pred: np.ndarray, cands: CandidateSet, mentions: MentionTable,
                       store: EntityStore) -> None:
     """The reranker's choice per mention as JSONL, in the table's order, written atomically: ``mention_id``,
-    ``world``, ``gold`` and ``prediction`` (document ids; null: no gold in the KB / no candidate chosen),
+    ``world``, ``gold`` and ``prediction`` (document ids; null: no gold in the KB / no candidate chosen, which
+    includes a mention whose gold is not among its candidates: evaluation does not rerank those, being wrong
+    whatever the choice),
     ``gold_rank`` (the gold's 0-based place among the candidates, -1 if absent) and ``correct``. Enough to
     recompute U.Acc and N.Acc (:func:`reranker_report`) and to pair two systems mention by mention.
 

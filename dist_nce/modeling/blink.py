@@ -213,6 +213,21 @@ def bert_architecture(
     return bert_config_from_state(state, num_attention_heads)
 
 
+def read_record(file: Path, kind: str, what: str) -> dict[str, Any] | None:
+    """The JSON object of a record our exports write beside a checkpoint (``kind`` its ``"kind"``),
+    or None where there is none; an unreadable one or one of another kind is an error naming ``file``."""
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BlinkCheckpointError(f"{file}: unreadable {what} record ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        raise BlinkCheckpointError(f"{file}: kind {data.get('kind') if isinstance(data, dict) else data!r}, "
+                                   f"expected {kind!r}")
+    return data
+
+
 def architecture_file(path: str | os.PathLike) -> Path:
     """Where the architecture of the BERT weights in ``path`` is recorded: ``<name>.architecture.json``."""
     return Path(path).with_suffix(".architecture.json")
@@ -236,15 +251,9 @@ def read_architecture_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]
     :func:`write_architecture_file`; empty without a record (BLINK's own files). A record that is
     not one is an error naming the file and the key."""
     file = architecture_file(path)
-    if not file.is_file():
+    data = read_record(file, ARCHITECTURE_KIND, "architecture")
+    if data is None:
         return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BlinkCheckpointError(f"{file}: unreadable architecture record ({e})") from None
-    if not isinstance(data, dict) or data.get("kind") != ARCHITECTURE_KIND:
-        raise BlinkCheckpointError(f"{file}: kind {data.get('kind') if isinstance(data, dict) else data!r}, "
-                                   f"expected {ARCHITECTURE_KIND!r}")
     encoders = data.get("encoders")
     if not isinstance(encoders, dict) or not encoders:
         raise BlinkCheckpointError(f"{file}: 'encoders' must map an encoder to its BertConfig")

@@ -28,7 +28,6 @@ the packed layout from it. A ``.bin`` without the file (BLINK's own) is read as 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -49,6 +48,7 @@ from dist_nce.modeling.blink import (
     load_bert_weights,
     load_state_file,
     read_architecture_file,
+    read_record,
     write_architecture_file,
 )
 from dist_nce.modeling.encoder import transformer_from_config
@@ -180,15 +180,9 @@ def read_layout_file(path: str | os.PathLike) -> dict[str, Any] | None:
     """The layout fields recorded beside ``path`` (:func:`write_layout_file`), or None without a record;
     a record that is not one is an error naming the file and the key."""
     file = layout_file(path)
-    if not file.is_file():
+    data = read_record(file, LAYOUT_KIND, "layout")
+    if data is None:
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BlinkCheckpointError(f"{file}: unreadable layout record ({e})") from None
-    if not isinstance(data, dict) or data.get("kind") != LAYOUT_KIND:
-        raise BlinkCheckpointError(f"{file}: kind {data.get('kind') if isinstance(data, dict) else data!r}, "
-                                   f"expected {LAYOUT_KIND!r}")
     missing = [k for k in LAYOUT_FIELDS if k not in data]
     if missing:
         raise BlinkCheckpointError(f"{file}: missing {', '.join(missing)}")

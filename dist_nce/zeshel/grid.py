@@ -188,7 +188,9 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each architecture with a random row: does each other negative type beat random?
 
     Compared on own-world macro recall@k, val and test separately; ``beats_random`` needs
-    both. The top-1 (R@1) differences are reported beside it.
+    both. The top-1 (R@1) differences are reported beside it. A grid row is one seed, so each
+    comparison also says whether a difference is ``within_noise``: under two binomial standard errors
+    (at p = 50%, :func:`noise_note`) of its split on val or test, where a sign says little.
     """
     out = []
     by_arch: dict[str, dict[str, dict[str, Any]]] = {}
@@ -204,9 +206,12 @@ def comparisons(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             delta = {s: c[f"{s}/own_world/macro"] - base[f"{s}/own_world/macro"] for s in EVAL_SPLITS}
             top1 = {s: c.get(f"{s}/own_world/top1_macro", math.nan) - base.get(f"{s}/own_world/top1_macro", math.nan)
                     for s in EVAL_SPLITS}
+            n = {s: min(c.get(f"{s}/n_mentions", 0), base.get(f"{s}/n_mentions", 0)) for s in EVAL_SPLITS}
+            noise = [abs(delta[s]) < 2 * math.sqrt(0.25 / n[s]) for s in EVAL_SPLITS if n[s]]
             out.append({"architecture": arch, "negatives": neg, **{f"delta_{s}": d for s, d in delta.items()},
                         **{f"delta_top1_{s}": d for s, d in top1.items()},
-                        "beats_random": all(d > 0 for d in delta.values())})
+                        "beats_random": all(d > 0 for d in delta.values()),
+                        "within_noise": any(noise) if noise else None})
     return out
 
 
@@ -227,7 +232,9 @@ def comparison_text(rows: Sequence[dict[str, Any]]) -> str:
         f"- {r['architecture']}: {r['negatives']} vs random: val {100 * r['delta_val']:+.2f}, test "
         f"{100 * r['delta_test']:+.2f} points -> {'beats' if r['beats_random'] else 'does not beat'} random "
         f"at R@k (R@1: val {100 * r.get('delta_top1_val', math.nan):+.2f}, test "
-        f"{100 * r.get('delta_top1_test', math.nan):+.2f})" for r in rows)
+        f"{100 * r.get('delta_top1_test', math.nan):+.2f})"
+        + ("; within the noise (under 2 standard errors on val or test, one seed)" if r.get("within_noise") else "")
+        for r in rows)
 
 
 def plot(cells: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:

@@ -60,7 +60,13 @@ def test_table_and_verdicts(cells):
     assert verdicts[1]["delta_val"] == pytest.approx(0.05)
     text = comparison_text(verdicts)
     assert ("multi-8: mixed-50 vs random: val +5.00, test -1.00 points -> does not beat random at R@k "
-            "(R@1: val +0.50, test -0.10)") in text
+            "(R@1: val +0.50, test -0.10); within the noise (under 2 standard errors on val or test, one seed)") \
+        in text
+    # 400 mentions a split: 2 standard errors are 5 points; +15 and +15 are outside them, +15 and +2 are not
+    far = comparisons([cells[0], cell("dual_hard", cfg("dual", "hard"), summary(0.45, 0.35))])
+    near = comparisons([cells[0], cell("dual_hard", cfg("dual", "hard"), summary(0.45, 0.22))])
+    assert (far[0]["within_noise"], near[0]["within_noise"]) == (False, True)
+    assert far[0]["beats_random"] and "within the noise" not in comparison_text(far)
 
 
 def test_untrained_is_no_verdict_and_noise_note(cells):
