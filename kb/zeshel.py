@@ -120,7 +120,8 @@ def parse_zeshel_mention(line: str, path: str, lineno: int, documents: Mapping[s
 
     context = documents.get(context_id)
     if context is None:
-        raise BadRecord(path, lineno, f"context document {context_id!r} (corpus {corpus!r}) not found")
+        raise BadRecord(path, lineno, f"context document {context_id!r} (corpus {corpus!r}) not found in "
+                                      f"documents/{corpus}.json")
     tokens = context.split()
     if not 0 <= start <= end < len(tokens):
         raise BadRecord(path, lineno, f"indices [{start}, {end}] (inclusive) outside context document "

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping
 
-from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, free_port, ray_env
+from dist_nce.cluster.runtime import ensure_auth_token, forget_stopped_head, free_port, local_node_env, ray_env
 
 # "Ray runtime started." is printed once the node is up; a failed start prints none. The retry is
 # the remedy the raylet's fixed agent window leaves: the second start finds Ray's modules in the
@@ -85,6 +85,8 @@ class LocalHead:
         # its work is done (the demo's job, a mini-paper grid, a test session), and once a job had run
         # the drain always lasted the whole default 30 s. A value set by the caller or the user wins.
         self._start_env.setdefault(DRAIN_VAR, "0")
+        for var, value in local_node_env().items():  # a node on this machine (runtime.LOCAL_NODE_ENV)
+            self._start_env.setdefault(var, value)
         self.token_location = ensure_auth_token(self.env)
         # Short: Ray's socket paths under the temp dir have a length limit (~107 bytes).
         self._own_temp = temp_dir is None

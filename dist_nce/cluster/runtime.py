@@ -45,6 +45,19 @@ RAY_LOCAL_ENV = {
 }
 
 
+# Set for the nodes this project starts on this machine only (init_ray's local node, a LocalHead), not for
+# a cluster's nodes; a value in the environment wins. Ray Train's PreemptionWatcher actor watches for cloud
+# preemptions, which a node here never has, and its start printed an error line in every run, the demo's
+# included ("core_worker.cc: Actor with class name: 'PreemptionWatcher' ... has constructor arguments in
+# the object store and max_restarts > 0", ray-project/ray#53727).
+LOCAL_NODE_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def local_node_env() -> dict[str, str]:
+    """:data:`LOCAL_NODE_ENV`, where this process's environment does not set a value of its own."""
+    return {k: os.environ.get(k, v) for k, v in LOCAL_NODE_ENV.items()}
+
+
 def configure_threads(n: int | None = 1) -> None:
     """Pin intra-op threads for this process (torch, OpenMP, MKL, faiss)."""
     if n is None:
@@ -322,7 +335,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         if dashboard:  # a new port each attempt: a failed start's port may still be held
             options.setdefault("dashboard_host", "127.0.0.1")
             options.setdefault("dashboard_port", free_port())
-        with environment({**env_vars, NODE_SETTINGS_MARK: "1"}):  # the node's; this process's is restored
+        # the node's (this process's environment is restored after)
+        with environment({**env_vars, **local_node_env(), NODE_SETTINGS_MARK: "1"}):
             return ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
                             runtime_env=runtime_env, **options)
 

@@ -166,3 +166,19 @@ def test_a_stopped_head_does_not_drain_for_30_s_unless_asked(tmp_path, monkeypat
     assert start_env(**{head_mod.DRAIN_VAR: "12"})[head_mod.DRAIN_VAR] == "12"
     monkeypatch.setenv(head_mod.DRAIN_VAR, "7")
     assert start_env()[head_mod.DRAIN_VAR] == "7"
+
+
+def test_a_local_head_starts_no_preemption_watcher_unless_asked(tmp_path, monkeypatch):
+    """Ray Train's PreemptionWatcher watches for cloud preemptions, which a node on this machine never has,
+    and printed an error line at every run's start (the demo's): off on a LocalHead, a user's value wins."""
+    from dist_nce.cluster import head as head_mod
+
+    var = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    monkeypatch.delenv(var, raising=False)
+
+    def start_env() -> dict:
+        return head_mod.LocalHead(env={"HOME": str(tmp_path)}, temp_dir=str(tmp_path / "t"))._start_env
+
+    assert start_env()[var] == "0"
+    monkeypatch.setenv(var, "1")
+    assert start_env()[var] == "1"

@@ -98,7 +98,8 @@ runtime.STARTUP_BACKOFF_S = 0.0
 init_ray(num_cpus=1, runtime_env={"env_vars": {"DIST_NCE_CALLERS_VAR": "mine"}})
 node_mod.time, services.get_node = real_time, real_get_node
 servers = ray_servers()
-NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "DIST_NCE_CALLERS_VAR")
+NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "DIST_NCE_CALLERS_VAR",
+         "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
 worker_env, worker_actor_env = ray.get(ray.remote(num_cpus=0)(
     lambda: ({k: os.environ.get(k) for k in NAMES}, runtime.actor_runtime_env())).remote())
 job_env = {"runtime_env": ray.get_runtime_context().runtime_env, "worker": worker_env,
@@ -119,7 +120,8 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 def local_start():
     """SCRIPT's report: one local Ray started by init_ray after a start that timed out."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
-                                                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
+                                                               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
+                                                               "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -141,10 +143,13 @@ def test_a_local_rays_workers_get_the_settings_from_the_node_not_from_a_runtime_
     variables included, and this process's environment is as it was."""
     env = local_start[0]["env"]
     assert env["runtime_env"] == {}, env
+    # (the PreemptionWatcher setting is the local node's only: runtime.LOCAL_NODE_ENV)
     assert env["worker"] == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": "mine"}, env
+                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": "mine",
+                             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}, env
     assert env["driver"] == {"OMP_NUM_THREADS": None, "TOKENIZERS_PARALLELISM": None,
-                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": None}, env
+                             "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "DIST_NCE_CALLERS_VAR": None,
+                             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": None}, env
     # ... and so do the shards started there, by the driver or by a worker (a Serve replica)
     assert env["actor_runtime_env"] == {"driver": {}, "worker": {}}, env
 

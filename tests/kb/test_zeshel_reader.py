@@ -112,7 +112,8 @@ def test_category_is_optional():
     (mention_line(end_index=2.0), "field 'end_index': expected integer, got number 2.0"),
     (mention_line(end_index=True), "field 'end_index': expected integer, got boolean"),
     (mention_line(label_document_id=...), "missing field 'label_document_id'"),
-    (mention_line(context_document_id="NOPE"), "context document 'NOPE' (corpus 'lego') not found"),
+    (mention_line(context_document_id="NOPE"), "context document 'NOPE' (corpus 'lego') not found in "
+                                               "documents/lego.json"),
     (mention_line(start_index=4, end_index=5, text="w4"),
      "indices [4, 5] (inclusive) outside context document 'D1' of 5 whitespace tokens"),
     (mention_line(start_index=-1, end_index=0, text="w0"), "indices [-1, 0] (inclusive) outside"),
