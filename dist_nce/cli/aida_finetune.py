@@ -39,6 +39,7 @@ from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths
 
+
 def _check_existing_store(cfg: TrainJobConfig) -> None:
     from dist_nce.train.trainer import check_existing_store
 

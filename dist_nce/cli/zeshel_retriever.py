@@ -34,6 +34,7 @@ from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import ConfigError
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs
 
+
 def _check_existing_store(cfg: ZeshelRetrieverConfig) -> None:
     from dist_nce.train.trainer import check_existing_store
     from dist_nce.zeshel.config import training_config

@@ -27,10 +27,10 @@ from kb.store import EntityStore, MentionTable
 
 
 # What a resumed reranker run must share with its checkpoint besides the plan (as train.plan.RESUME_SETTINGS
-# for the retriever): the model, its input layout and the objective's settings.
-RESUME_SETTINGS = ("model.reranker.model", "model.reranker.max_len", "model.reranker.head",
-                   "model.reranker.layout", "model.reranker.context_len", "model.reranker.cand_len",
-                   "model.init_from", "optim.lr", "optim.weight_decay", "optim.warmup_proportion", "optim.grad_clip")
+# for the retriever, and for its reasons not the model paths): the score head, the pair layout, the objective.
+RESUME_SETTINGS = ("model.reranker.max_len", "model.reranker.head", "model.reranker.layout",
+                   "model.reranker.context_len", "model.reranker.cand_len", "optim.lr", "optim.weight_decay",
+                   "optim.warmup_proportion", "optim.grad_clip")
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,16 @@ from dist_nce.sampling.samplers import Sampler
 from dist_nce.train.config import TrainJobConfig
 
 
-# Settings a resumed run must share with its checkpoint besides the plan's quantities: what the model is and
-# what it is trained towards. Before, a rerun that changed one resumed as if nothing had, and a finished run
-# rerun so re-reported its trained weights under the new settings (a dual run scored as SOM, a run at lr 5e-4
-# recorded as 1e-2), overwriting its summary and candidates. What only changes speed or bookkeeping (dtypes,
-# packing, prefetch, refresh cadence, evaluation, logging) may change on a resume.
-RESUME_SETTINGS = ("model.retriever.preset", "model.retriever.m", "model.retriever.mention_model",
-                   "model.retriever.entity_model", "model.blink_checkpoint", "model.init_from",
-                   "model.freeze_entity_encoder", "optim.lr", "optim.weight_decay", "optim.warmup_proportion",
-                   "optim.grad_clip", "negatives.adjusted_loss", "negatives.temperature")
+# Settings a resumed run must share with its checkpoint besides the plan's quantities: how the weights are
+# scored and what they are trained towards. Before, a rerun that changed one resumed as if nothing had, and a
+# finished run rerun so re-reported its trained weights under the new settings (a dual run scored as SOM, a run
+# at lr 5e-4 recorded as 1e-2), overwriting its summary and candidates. Not here: what only changes speed or
+# bookkeeping (dtypes, packing, prefetch, refresh cadence, evaluation, logging), and where the initial weights
+# come from (model paths, init_from: a resume loads the checkpoint's weights, and a path differs between two
+# `ray job submit --working-dir` copies of the same project; another architecture fails the load itself).
+RESUME_SETTINGS = ("model.retriever.preset", "model.retriever.m", "model.freeze_entity_encoder", "optim.lr",
+                   "optim.weight_decay", "optim.warmup_proportion", "optim.grad_clip", "negatives.adjusted_loss",
+                   "negatives.temperature")
 
 
 def settings_of(cfg: Any, keys: tuple[str, ...]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -183,9 +184,12 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
                          ("optim.lr=0.01", f"optim.lr: checkpoint {lr!r}, now 0.01")):
         with pytest.raises(ConfigError, match=re.escape(what)):
             check_resume(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, *change.split(",")))
-    # what changes only speed or bookkeeping resumes
+    # what changes only speed or bookkeeping resumes, and so does the same model at another path (a
+    # `ray job submit --working-dir` copy of the project): the resume loads the checkpoint's weights
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "copy_of_the_model")
     check_resume(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "run.eval_every_steps=7",
-                             "model.retriever.storage_dtype=float32", "negatives.prefetch=1"))
+                             "model.retriever.storage_dtype=float32", "negatives.prefetch=1",
+                             f"model.retriever.mention_model={moved}"))
     # a KB changed under the run (its fingerprint), through the job as a user runs it
     save("checkpoint_000001", 3, {**plan, "data_fingerprint": "an earlier KB"})
     argv = ["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"),
