@@ -6,6 +6,7 @@ mentions have no gold in it (excluded from training, counted).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,7 +133,8 @@ def test_dry_run_checks_num_candidates_against_the_files(setup, tiny_model_dir, 
     sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}",
             f"data.candidates_dir={setup / 'cands'}", f"model.reranker.model={tiny_model_dir}",
             f"data.num_candidates={num_candidates}"]
-    code = reranker_main(["--config", "configs/zeshel/reranker_tiny_cpu.yaml", "--dry-run",
+    config_file = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "reranker_tiny_cpu.yaml"
+    code = reranker_main(["--config", str(config_file), "--dry-run",
                           *[w for kv in sets for w in ("--set", kv)]])
     err = capsys.readouterr().err
     assert code == (2 if refused else 0), err
