@@ -37,7 +37,7 @@ from pathlib import Path
 
 from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
 from dist_nce.core.config import to_dict
-from dist_nce.train.config import TrainJobConfig, check_against_store, check_inputs, with_absolute_paths
+from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths
 
 
 def _check_existing_store(cfg: TrainJobConfig) -> None:
@@ -63,15 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json
     from dist_nce.train.data import ensure_prepared
     from dist_nce.train.driver import run_training
-    from dist_nce.train.trainer import check_resume, dev_table
+    from dist_nce.train.trainer import check_prepared, dev_table
     from dist_nce.worker.tracking import finish_tracking
 
     configure_process(threads=None)
     # 2. data: the prepared KB (generated and prepared on first use), and what must fit its size
     try:
         ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
-        check_against_store(cfg, cfg.data.prepared_dir)
-        check_resume(cfg)  # a rerun over a changed KB or plan: refused here, not by every restarted worker
+        # K and shards within the KB, and a rerun over a changed KB or plan: refused here, not by every
+        # restarted worker after the shards encoded the KB
+        check_prepared(cfg, cfg.data.prepared_dir)
     except (ArtifactMismatch, FileNotFoundError, ValueError) as e:
         return error(e)
     # 3. the service (S shards over the KB, index version 0 from the initial weights), then training:

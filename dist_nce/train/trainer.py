@@ -130,22 +130,29 @@ def check_resume(cfg: TrainJobConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_prepared(cfg: TrainJobConfig, store_dir: str) -> None:
+    """What a run checks once its store is prepared, before Ray starts: K and the shard count within the
+    store's entities (:func:`~dist_nce.train.config.check_against_store`), and a rerun's checkpoints
+    (:func:`check_resume`). Raises ValueError (ConfigError) naming the key."""
+    from dist_nce.train.config import check_against_store
+
+    check_against_store(cfg, store_dir)
+    check_resume(cfg)
+
+
 def check_existing_store(cfg: TrainJobConfig) -> None:
-    """For ``--dry-run``, which prepares nothing: what a run checks once its store is prepared (K and the
-    shard count within its entities, :func:`check_resume`), against ``data.prepared_dir`` as it is now,
-    if it exists. Before, a dry run said OK to settings the run then refused at once. Raises ConfigError
-    saying which store it checked (a run that prepares the store again checks the new one)."""
+    """For ``--dry-run``, which prepares nothing: :func:`check_prepared` against ``data.prepared_dir`` as
+    it is now, if it exists. Before, a dry run said OK to settings the run then refused at once. Raises
+    ConfigError saying which store it checked (a run that prepares the store again checks the new one)."""
     from pathlib import Path
 
     from dist_nce.core.config import ConfigError
-    from dist_nce.train.config import check_against_store
 
     store = Path(cfg.data.prepared_dir)
     if not (store / "manifest.json").is_file():
         return
     try:
-        check_against_store(cfg, str(store))
-        check_resume(cfg)
+        check_prepared(cfg, str(store))
     except ValueError as e:
         raise ConfigError(f"{e}\n  (checked against the prepared store as it is now, {store})") from None
 

@@ -32,10 +32,10 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     """
     from dist_nce.core.artifacts import atomic_write_json
     from dist_nce.modeling.retriever import Retriever
-    from dist_nce.train.config import check_against_store, check_inputs
+    from dist_nce.train.config import check_inputs
     from dist_nce.train.driver import run_training
     from dist_nce.train.model import MODEL_DIR
-    from dist_nce.train.trainer import check_resume
+    from dist_nce.train.trainer import check_prepared
     from dist_nce.worker.tracking import finish_tracking
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.evaluate import evaluate_retriever, recall_table
@@ -45,8 +45,7 @@ def run_retriever(cfg: ZeshelRetrieverConfig, progress: bool = True, log: Callab
     train_store, eval_store = ensure_zeshel_stores(cfg, log)
     train_cfg = training_config(cfg)
     check_inputs(train_cfg, aida=False)  # now against the prepared store's splits
-    check_against_store(train_cfg, train_store)  # K and shards within its entities, before Ray starts
-    check_resume(train_cfg)  # and a rerun that could not resume its checkpoints
+    check_prepared(train_cfg, train_store)  # K and shards within its entities, a rerun's checkpoints: before Ray
     # 2. train with the service over the TRAIN worlds only: every negative is a training-world entity
     summary = run_training(
         train_cfg, train_store, config=to_dict(cfg), log=log, fields={"dev_split": cfg.data.dev_split},
