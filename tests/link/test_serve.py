@@ -18,6 +18,9 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[2]
+# Serve's access log (a line per request at INFO, forwarded to this process's output by Ray) off: the
+# tests read answers, not logs, and the 200-request test printed hundreds of lines into `make test`.
+QUIET = {"enable_access_log": False}
 
 
 def post(url: str, body, timeout: float = 120) -> tuple[int, dict]:
@@ -52,13 +55,13 @@ def server(ray_local, tiny_run, tiny_reranker, blink_files, tiny_store):
     # 0.2 CPUs x 3 (link) + 4 (rerank) replicas leave room for the service tests' shards on 2 CPUs.
     args = {"run": str(tiny_run), "link": {"k": 3}, "replica_cpus": 0.2, "max_request_bytes": 20_000,
             "max_mentions": 8, "max_batch_size": 16}
-    serve.run(build_app(args), name="link", route_prefix="/link")
+    serve.run(build_app(args), name="link", route_prefix="/link", logging_config=QUIET)
     serve.run(build_app({**args, "link": {"k": 3, "reranker": str(tiny_reranker)}}), name="rerank",
-              route_prefix="/rerank")
+              route_prefix="/rerank", logging_config=QUIET)
     # BLINK's released files (tiny, their layouts) and no run; no CPUs reserved, so the service test
     # below still finds room for its shards on the 2-CPU cluster.
     blink = {**args, "run": "", "replica_cpus": 0, "link": {**blink_link(blink_files, tiny_store), "k": 3}}
-    serve.run(build_app(blink), name="blink", route_prefix="/blink")
+    serve.run(build_app(blink), name="blink", route_prefix="/blink", logging_config=QUIET)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -290,7 +293,7 @@ def test_http_replicas_share_one_set_of_shards(server, tiny_run, dev_file, tmp_p
     service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards"), "encode_dtype": "fp32"}
     args = {"run": str(tiny_run), "link": {"k": 4, "searcher": "service", "service": service}, "replica_cpus": 0,
             "ingress_replicas": 2}
-    serve.run(build_app(args), name="shared", route_prefix="/shared")
+    serve.run(build_app(args), name="shared", route_prefix="/shared", logging_config=QUIET)
     try:
         assert shards() - before == 2
         replicas = list_actors(address=here, filters=[("class_name", "=", "ServeReplica:shared:LinkIngress"),

@@ -31,6 +31,9 @@ import psutil
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+# Serve's access log (a line per request at INFO, forwarded to this process's output by Ray) off: the
+# tests read answers, not logs, and the 200-request test printed hundreds of lines into `make test`.
+QUIET = {"enable_access_log": False}
 
 LIMIT_BYTES = 100_000
 BODY_TIMEOUT_S = 2.0
@@ -56,7 +59,7 @@ def app(ray_local, tiny_run):
     port, edge = free_port(), free_port()
     start_local(port)
     serve.run(build_app({**ARGS, **EDGE, "edge_port": edge, "run": str(tiny_run)}), name="hostile",
-              route_prefix="/hostile")
+              route_prefix="/hostile", logging_config=QUIET)
     yield edge, port
     serve.shutdown()
 
@@ -465,7 +468,8 @@ def test_a_full_queue_answers_503_and_a_late_request_504(ray_local, tiny_run, ap
 
     _, port = app  # Serve's own proxy
     serve.run(build_app({**ARGS, "run": str(tiny_run), "ingress_max_ongoing": 1, "max_queued_requests": 1,
-                         "body_timeout_s": 4.0, "request_timeout_s": 1e-6}), name="tiny", route_prefix="/tiny")
+                         "body_timeout_s": 4.0, "request_timeout_s": 1e-6}), name="tiny",
+              route_prefix="/tiny", logging_config=QUIET)
     ok = {"docs": [{"text": "Paris is in France .", "mentions": [[12, 18]]}]}
 
     def late() -> None:
