@@ -256,6 +256,7 @@ def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = 
     state = retriever.entity_encoder_state()
     plan = plan_snapshot(service.status(), state_fingerprint(state))
     if plan.reused:
+        _serve_current_kb(service, state)
         return plan
     handle = service.refresh(state, plan.version)
     with tqdm(total=service.num_entities, desc=f"encode KB (version {plan.version}, {service.num_shards} shards)",
@@ -268,4 +269,19 @@ def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = 
         bar.update(service.num_entities - bar.n)
     if served != plan.version:
         raise RuntimeError(f"shards serve version {served} after refreshing to {plan.version}")
+    _serve_current_kb(service, state)
     return plan
+
+
+def _serve_current_kb(service: NegativeSource, state: dict) -> None:
+    """A store changed by KB deltas since the version the shards serve (a run's persisted index, encoded
+    before ``jobs/update_kb.py``): serve its current KB version, as a training run does on start
+    (``NegativeService.ensure_encoded``): the added rows encoded with these weights, the removed rows
+    never returned."""
+    store_dir = getattr(service, "store_dir", None)
+    if store_dir is None or not hasattr(service, "apply_delta"):
+        return
+    from kb.store import EntityStore
+
+    if EntityStore(store_dir).kb_version > service.sync_kb():
+        service.apply_delta(entity_state=state)

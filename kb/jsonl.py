@@ -52,7 +52,9 @@ def read_records(
 def load_object(line: str, path: str, lineno: int) -> dict[str, Any]:
     """The JSON object on ``line``, or :class:`BadRecord`."""
     try:
-        obj = json.loads(line)
+        # without the line's own newline: json would place an error at a line cut short on "line 2,
+        # column 1" (reported here as column 1) and call an unterminated string's newline a control character
+        obj = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         # Some of json's messages end in "at" ("Invalid control character at"); say it once.
         msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg

@@ -127,7 +127,12 @@ def resolve(run_dir: str | os.PathLike | None, model: str | os.PathLike | None =
 def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_fingerprint: str | None) -> None:
     n = store.num_entities
     if manifest.get("num_entities") != n:
-        raise ArtifactMismatch(f"{snapshot}: {manifest.get('num_entities')} entities, the store {store.path} has {n}")
+        changed = ("; the store was changed by KB deltas since (kb_version "
+                   f"{store.kb_version}): link with --searcher service, which serves its current version, or "
+                   "--kb encode, or compact it and export a new snapshot with jobs/encode_kb.py"
+                   if getattr(store, "kb_version", 0) else "")
+        raise ArtifactMismatch(f"{snapshot}: {manifest.get('num_entities')} entities, the store {store.path} has "
+                               f"{n}{changed}")
     with open(snapshot / manifest["files"]["ids"], encoding="utf-8") as f:
         first = f.readline().strip()
         last = first

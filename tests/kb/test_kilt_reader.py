@@ -60,7 +60,9 @@ def test_knowledge_source_is_streamed(tmp_path):
 
 
 @pytest.mark.parametrize("line, reason", [
-    ('{"_id": "5", "wikipedia_id": "5",', "not JSON"),
+    # the column is where the cut line ends, not the newline after it (json's "line 2, column 1")
+    ('{"_id": "5", "wikipedia_id": "5",', "not JSON (Expecting property name enclosed in double quotes at column 34)"),
+    ('{"_id": "5', "not JSON (Unterminated string starting at column 9)"),
     ('["a", "list"]', "expected a JSON object, got list"),
     (ks_line(wikipedia_id=...), "missing field 'wikipedia_id'"),
     (ks_line(wikipedia_id=5), "field 'wikipedia_id': expected string, got number 5"),

@@ -240,6 +240,49 @@ def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, de
         assert_same_ranking(linker.link(docs), local)
 
 
+def test_the_service_searcher_serves_the_stores_current_kb_version(ray_local, tiny_run, tmp_path):
+    """A persisted index encoded before a KB delta (a run's shards, then jobs/update_kb.py): the service
+    searcher serves the store's current version, as the in-process encode does: removed entities never
+    returned, added ones ranked; k is bounded by the live entities."""
+    import shutil
+
+    from dist_nce.link import Linker
+    from kb.delta import UpdateConfig, update
+    from kb.store import EntityStore
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_run.parent / "data" / "prepared", store)
+    service = {"num_shards": 2, "num_cpus": 0.25, "shard_dir": str(tmp_path / "shards"), "encode_dtype": "fp32"}
+    docs = [{"text": "Paris is in France and Berlin in Germany .", "mentions": [[0, 5], [12, 18], [23, 29]]}]
+    with Linker.from_pretrained(tiny_run, k=4, progress=False, searcher="service", store=str(store),
+                                service=service) as linker:
+        linker.link(docs)  # version 0 encoded and persisted in shard_dir
+    before = EntityStore(store)
+    gone = before.source_ids([0, 1, 2])
+    (tmp_path / "gone.txt").write_text("".join(i + "\n" for i in gone))
+    source = tiny_run.parent / "data" / "synthetic" / "kilt_knowledgesource.json"
+    pages = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()[:2]]
+    for i, page in enumerate(pages):
+        page["wikipedia_id"] = page["_id"] = str(990000 + i)
+    (tmp_path / "new.json").write_text("".join(json.dumps(p) + "\n" for p in pages))
+    update(UpdateConfig(store=str(store), add=[str(tmp_path / "new.json")], remove=str(tmp_path / "gone.txt")),
+           log=lambda s: None)
+    after = EntityStore(store)
+    live = after.num_live
+    assert after.kb_version == 1 and live == before.num_entities - 1
+    with pytest.raises(ValueError, match=r"changed by KB deltas since \(kb_version 1\): link with --searcher service"):
+        Linker.from_pretrained(tiny_run, k=4, progress=False, store=str(store))  # the run's snapshot: version 0
+    encoded = Linker.from_pretrained(tiny_run, k=live, progress=False, kb="encode", store=str(store)).link(docs)
+    with Linker.from_pretrained(tiny_run, k=live, progress=False, searcher="service", store=str(store),
+                                service=service) as linker:
+        got = linker.link(docs)
+        with pytest.raises(ValueError, match=rf"k must be an integer in \[1, {live}\]"):
+            linker.link(docs, k=live + 1)
+    ids = [{e["id"] for e in m["entities"]} for m in got[0]["mentions"]]
+    assert all(not (set(gone) & m) and {"990000", "990001"} <= m for m in ids), ids
+    assert_same_ranking(got, encoded)
+
+
 def bound_deployments(app) -> dict:
     """name -> Deployment of an application and every deployment bound into it."""
     from ray.serve.deployment import Application
