@@ -367,8 +367,8 @@ def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
         # after it or after the next one: a step's checkpoint is saved after its loss is logged, so killed there
         # the group would resume exactly where it stopped and replay nothing. Not after the shard's restart: the
         # group trains on while Ray restarts the shard, and on a loaded machine (two `yes` beside `make test`)
-        # that restart took until step 22, past the last step a worker kill could be aimed at. The restart is
-        # checked below, before the driver is killed.
+        # the wait for that restart lasted until step 22, past the last step a worker kill could be aimed at.
+        # The restart is checked below, before the driver is killed.
         after = record["shard"]["steps_logged"]
 
         def unsaved_step():
