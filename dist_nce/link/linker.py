@@ -199,7 +199,7 @@ class Linker:
     def check_k(self, k: int | None) -> int:
         k = self.config.k if k is None else k
         # live entities: rows a KB delta removed stay in the row space but are never returned
-        n = int(getattr(self.store, "num_live", self.store.num_entities))
+        n = self.store.num_live
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
             raise ValueError(f"k must be an integer in [1, {n}] (the KB's entities), got {k!r}")
         return k

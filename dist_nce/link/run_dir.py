@@ -130,7 +130,7 @@ def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_
         changed = ("; the store was changed by KB deltas since (kb_version "
                    f"{store.kb_version}): link with --searcher service, which serves its current version, or "
                    "--kb encode, or compact it and export a new snapshot with jobs/encode_kb.py"
-                   if getattr(store, "kb_version", 0) else "")
+                   if store.kb_version else "")
         raise ArtifactMismatch(f"{snapshot}: {manifest.get('num_entities')} entities, the store {store.path} has "
                                f"{n}{changed}")
     with open(snapshot / manifest["files"]["ids"], encoding="utf-8") as f:
