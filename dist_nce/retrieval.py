@@ -276,12 +276,7 @@ def serve_model(service: NegativeSource, retriever: Retriever, progress: bool = 
 def _serve_current_kb(service: NegativeSource, state: dict) -> None:
     """A store changed by KB deltas since the version the shards serve (a run's persisted index, encoded
     before ``jobs/update_kb.py``): serve its current KB version, as a training run does on start
-    (``NegativeService.ensure_encoded``): the added rows encoded with these weights, the removed rows
-    never returned."""
-    store_dir = getattr(service, "store_dir", None)
-    if store_dir is None or not hasattr(service, "apply_delta"):
-        return
-    from kb.store import EntityStore
-
-    if EntityStore(store_dir).kb_version > service.sync_kb():
-        service.apply_delta(entity_state=state)
+    (``NegativeService.serve_current_kb``). A source without KB deltas serves what it has."""
+    catch_up = getattr(service, "serve_current_kb", None)
+    if catch_up is not None:
+        catch_up(state)

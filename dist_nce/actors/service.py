@@ -379,16 +379,27 @@ class NegativeService:
             reusable = newest <= version and all(versions[version]["encoder"] == fp
                                                  for versions in lineage if version in versions)
             served = self.refresh(state_ref, version if reusable else newest + 1, wait=True).wait()
-        self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
-        if these_weights and self.store_dir is not None:
-            from kb.store import EntityStore
-
-            if EntityStore(self.store_dir).kb_version > self.kb_version:
-                # A run starting on a store changed by deltas: serve its current version (only the rows
-                # added since version 0 are encoded). A resumed run (a descendant version) stays on the KB
-                # version it trained with, so it replays; a delta is then asked for (train.kb_control).
-                served = self.apply_delta(entity_state=state_ref)
+        if these_weights:
+            # A run starting on a store changed by deltas: serve its current version (only the rows added
+            # since version 0 are encoded). A resumed run (a descendant version) stays on the KB version
+            # it trained with, so it replays; a delta is then asked for (train.kb_control).
+            caught_up = self.serve_current_kb(state_ref)
+            served = served if caught_up is None else caught_up
+        else:
+            self.sync_kb()
         return served
+
+    def serve_current_kb(self, entity_state: dict | Any = None) -> int | None:
+        """Where the store's current KB version is newer than the one the shards serve (an index encoded
+        before ``jobs/update_kb.py``), serve it with :meth:`apply_delta`: the rows added since encoded with
+        ``entity_state``, which must be the weights of the version served, the removed rows never
+        returned. Returns the new index version; None when the shards already serve the current KB."""
+        from kb.store import EntityStore
+
+        self.sync_kb()  # the version served may encode an earlier KB version than the store's current one
+        if self.store_dir is None or EntityStore(self.store_dir).kb_version <= self.kb_version:
+            return None
+        return self.apply_delta(entity_state=entity_state)
 
     def same_weights(self, a: int, b: int) -> bool:
         """Every shard holds versions ``a`` and ``b``, encoded from the same entity-encoder weights (e.g. a

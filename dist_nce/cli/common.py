@@ -45,7 +45,7 @@ def interrupted(run: Any) -> int:
     elif "://" in run.storage_path:
         said = "interrupted: run the same command again to resume from its last checkpoint"
     else:
-        said = "interrupted before Ray Train recorded a checkpoint: the same command again starts the run over"
+        said = "interrupted before a whole checkpoint was written: the same command again starts the run over"
     print(said, file=sys.stderr, flush=True)
     return 130
 

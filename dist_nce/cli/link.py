@@ -19,8 +19,9 @@ an index encoded by other weights than the model's is refused, never searched.
 
 Input lines (JSONL) are ``{"text": ..., "mentions": [[start, end], ...]}`` (character spans)
 or KILT inputs ``{"id": ..., "input": "left [START_ENT] mention [END_ENT] right"}``; output
-lines are the same documents with, per mention, the top-k entities (id, title, retriever
-score, reranker score when ``--reranker`` is given). ``--format kilt`` writes KILT guess
+lines are the same documents, every field kept, with ``mentions`` holding per mention its span,
+its text and the top-k entities (id, title, store row, retriever score, reranker score when
+``--reranker`` is given). ``--output`` is written whole or not at all. ``--format kilt`` writes KILT guess
 lines instead (one per input id: answer = top-1 title, provenance = ranked ids).
 
 The KB is searched in this process (``--searcher local``: the run's exported KB snapshot,
@@ -141,23 +142,31 @@ def kilt_lines(docs: list[tuple[int, dict]], linked: list[dict]) -> list[dict]:
 
 
 def batch(linker: Linker, args: argparse.Namespace, docs: list[tuple[int, dict]]) -> None:
+    """Link ``docs`` to ``args.output`` (written whole or not at all: a file is renamed into place once
+    every document is linked), or to stdout as they are linked."""
+    import contextlib
+
     from tqdm.auto import tqdm
 
-    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    from dist_nce.core.artifacts import atomic_path
+
     mentions = 0
-    try:
-        with tqdm(total=len(docs), desc="link", unit="doc", disable=not linker.config.progress,
-                  mininterval=1.0) as bar:
-            for a in range(0, len(docs), CHUNK):
-                chunk = docs[a:a + CHUNK]
-                linked = linker.link([d for _, d in chunk], progress=False)
-                lines = kilt_lines(chunk, linked) if args.format == "kilt" else linked
-                sink.write("".join(json.dumps(x, ensure_ascii=args.format == "kilt") + "\n" for x in lines))
-                mentions += sum(len(x["mentions"]) for x in linked)
-                bar.update(len(chunk))
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
+    with contextlib.ExitStack() as stack:
+        if args.output:
+            sink = stack.enter_context(open(stack.enter_context(atomic_path(args.output)), "w", encoding="utf-8"))
+        else:
+            sink = sys.stdout
+        bar = stack.enter_context(tqdm(total=len(docs), desc="link", unit="doc", mininterval=1.0,
+                                       disable=not linker.config.progress))
+        for a in range(0, len(docs), CHUNK):
+            chunk = docs[a:a + CHUNK]
+            linked = linker.link([d for _, d in chunk], progress=False)
+            # each input document with every field it came with; its mentions replaced by the linked ones
+            lines = kilt_lines(chunk, linked) if args.format == "kilt" else \
+                [{**doc, **ans} for (_, doc), ans in zip(chunk, linked)]
+            sink.write("".join(json.dumps(x, ensure_ascii=args.format == "kilt") + "\n" for x in lines))
+            mentions += sum(len(x["mentions"]) for x in linked)
+            bar.update(len(chunk))
     print(f"linked {mentions} mentions in {len(docs)} documents" + (f" -> {args.output}" if args.output else ""),
           file=sys.stderr)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -185,6 +186,9 @@ def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any],
     return state
 
 
+ZERO_PARTITION = re.compile(r"(.*zero_pp_rank_)(\d+)(_.*\.pt)")  # DeepSpeed's file of one rank's partition
+
+
 def incomplete(directory: str | Path) -> str | None:
     """Why the checkpoint directory cannot be resumed from (a part missing, cut short or unreadable), or None.
 
@@ -210,6 +214,17 @@ def incomplete(directory: str | Path) -> str | None:
     for f in sorted(tag.rglob("*.pt")):
         if not zipfile.is_zipfile(f):
             return f"{f}: not a whole torch.save archive"
+    # Each rank copies its own files, so a kill can leave some absent while every file there is whole:
+    # the module's states (mp_rank_00_model_states.pt; under ZeRO-3 one per rank), and each kind of ZeRO
+    # partition (zero_pp_rank_<r>_mp_rank_00_optim_states.pt, bf16_..., ...) for every data-parallel rank
+    names = {f.name for f in tag.rglob("*.pt")}
+    if not any(n.endswith("model_states.pt") for n in names):
+        return f"{tag}: no model states"
+    kinds = {(m[1], m[3]) for m in map(ZERO_PARTITION.fullmatch, names) if m}
+    for head, tail in sorted(kinds):
+        for rank in range(ranks):
+            if f"{head}{rank}{tail}" not in names:
+                return f"{tag}: no {head}{rank}{tail}"
     for f in sorted(directory.glob("*.safetensors")):
         size = f.stat().st_size
         with f.open("rb") as fh:

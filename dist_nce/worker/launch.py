@@ -23,51 +23,64 @@ def storage_uri(path: str) -> str:
 
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the checkpoints a rerun resumes from
-RESUME_FROM = "resume_from"  # train_loop_config key: the checkpoint directory recover_cut_snapshot chose
+RESUME_FROM = "resume_from"  # train_loop_config key: the checkpoint directory recover_unrecorded chose
 
 
-def recover_cut_snapshot(storage_path: str, name: str, log: Callable[[str], None] = print) -> str | None:
+def recover_unrecorded(storage_path: str, name: str, log: Callable[[str], None] = print) -> str | None:
     """The checkpoint directory a rerun of run ``name`` resumes from when Ray Train's snapshot of its
-    checkpoints was cut off; None when there is nothing to recover (no snapshot, a readable one, or a
-    storage that is not a local path).
+    checkpoints does not record them: cut off, or never written; None when Ray Train's own choice stands
+    (a readable snapshot, no run yet, no whole checkpoint without a snapshot, or a storage that is not a
+    local path).
 
-    Why: Ray Train (2.60, ``CheckpointManager._write_state_to_storage``) rewrites that snapshot in place
-    after every checkpoint, so a driver killed between the truncation and the write leaves it empty, and
-    the rerun's controller fails to parse it instead of resuming (seen in tests/jobs/test_chaos.py). Then
-    the snapshot is moved aside (``<snapshot>.cut``, kept) and the newest checkpoint directory that is
-    whole (:func:`dist_nce.worker.checkpoint.incomplete`) is resumed from, by step: the workers get it in
+    Why: a worker copies its checkpoint into the run's storage before the controller records it in the
+    snapshot (Ray Train 2.60, ``CheckpointManager._write_state_to_storage``), and rewrites that snapshot
+    in place after every checkpoint. So a Ctrl-C or a kill between the copy and the first record leaves
+    whole checkpoints and no snapshot: the rerun started over from step 0 and later wrote its own
+    ``step_...`` directories over them. A driver killed between the truncation and the write leaves the
+    snapshot empty: the rerun's controller failed to parse it (seen in tests/jobs/test_chaos.py). Then
+    the newest checkpoint directory that is whole (:func:`dist_nce.worker.checkpoint.incomplete`) is
+    resumed from, by step, a cut snapshot moved aside (``<snapshot>.cut``, kept): the workers get it in
     ``train_loop_config[RESUME_FROM]`` and load it while Ray Train has no checkpoint of this rerun
-    (:func:`resume_checkpoint`). With none whole, ValueError says so rather than restarting the run from
-    step 0 over its own storage."""
+    (:func:`resume_checkpoint`). A cut snapshot with no whole checkpoint is a ValueError that says so
+    rather than a restart of the run from step 0 over its own storage."""
     from pathlib import Path
 
-    if read_snapshot(storage_path, name) != CUT:
-        return None
+    snapshot_read = read_snapshot(storage_path, name)
     run_dir = Path(storage_path) / name
+    if snapshot_read is not None and snapshot_read != CUT:
+        return None
+    if snapshot_read is None and ("://" in storage_path or not run_dir.is_dir()):
+        return None
     snapshot = run_dir / SNAPSHOT
     found = whole_checkpoints(run_dir, log)
+    if not found and snapshot_read is None:
+        return None  # interrupted before any checkpoint was whole: nothing to resume, the run starts over
     if not found:
         raise ValueError(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed) and no "
                          f"whole checkpoint is left in {run_dir}; move {run_dir} away to start run.name={name} "
                          "again from step 0, or use another run.name")
     step, _, best = max(found)
-    snapshot.replace(snapshot.with_name(SNAPSHOT + ".cut"))
-    log(f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed mid-write); kept as "
-        f"{SNAPSHOT}.cut; resuming from the newest whole checkpoint, {best.name} (step {step})")
+    if snapshot_read == CUT:
+        snapshot.replace(snapshot.with_name(SNAPSHOT + ".cut"))
+        why = f"{snapshot}: Ray Train's checkpoint snapshot was cut off (its writer was killed mid-write); kept as " \
+              f"{SNAPSHOT}.cut"
+    else:
+        why = f"{run_dir}: the run was stopped before Ray Train recorded a checkpoint (no {SNAPSHOT})"
+    log(f"{why}; resuming from the newest whole checkpoint, {best.name} (step {step})")
     return str(best)
 
 
 def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
     """(step, checkpoint directory) that a rerun of run ``name`` resumes from, chosen as Ray Train and
-    :func:`recover_cut_snapshot` choose it: the latest checkpoint Ray Train's snapshot records (a
+    :func:`recover_unrecorded` choose it: the latest checkpoint Ray Train's snapshot records (a
     checkpoint a worker wrote after it, before an abort, is not used); the newest whole checkpoint
-    directory when the snapshot was cut off; None without a snapshot (the rerun starts at step 0) or for
-    a remote storage."""
+    directory when the snapshot was cut off or never written; None when there is none (the rerun starts
+    at step 0) or for a remote storage."""
     from pathlib import Path
 
     snapshot = read_snapshot(storage_path, name)
     run_dir = Path(storage_path) / name
-    if snapshot == CUT:
+    if snapshot == CUT or (snapshot is None and "://" not in storage_path and run_dir.is_dir()):
         found = whole_checkpoints(run_dir)
         if not found:
             return None
@@ -116,7 +129,7 @@ def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None)
 
 def resume_checkpoint(loop_config: dict[str, Any]) -> Callable[[], Any]:
     """A worker's ``get_checkpoint``: Ray Train's latest checkpoint of this run, else the directory
-    :func:`recover_cut_snapshot` chose (``loop_config[RESUME_FROM]``), else None."""
+    :func:`recover_unrecorded` chose (``loop_config[RESUME_FROM]``), else None."""
     import ray.train
 
     fallback = loop_config.get(RESUME_FROM)
@@ -160,7 +173,7 @@ def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, l
     from dist_nce.worker.process_group import LocalGroupTorchConfig
 
     run, gpu = cfg.run, use_gpu(cfg)
-    recovered = recover_cut_snapshot(storage_uri(run.storage_path), run.name)
+    recovered = recover_unrecorded(storage_uri(run.storage_path), run.name)
     if recovered is not None:  # Ray Train 2.60 refuses resume_from_checkpoint: the workers get it themselves
         loop_config = {**loop_config, RESUME_FROM: recovered}
     return TorchTrainer(

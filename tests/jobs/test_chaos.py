@@ -198,7 +198,7 @@ def latest_checkpoint(storage: Path) -> int | None:
     """The step of the newest checkpoint Ray Train registered (the one a rerun resumes from).
     Directories of checkpoints written but not yet registered when the driver died do not count.
     A driver killed while Ray rewrote its snapshot leaves it empty: the rerun then resumes from the
-    newest whole checkpoint directory (worker.launch.recover_cut_snapshot), which this finds alike."""
+    newest whole checkpoint directory (worker.launch.recover_unrecorded), which this finds alike."""
     from dist_nce.worker.launch import whole_checkpoints
 
     snapshots = list(storage.glob("*/checkpoint_manager_snapshot.json"))

@@ -114,7 +114,7 @@ def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tin
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "stopped at step 16" in first.stdout and "gold inserted for" in first.stdout
     # Ray Train's snapshot of the run's checkpoints as a driver killed mid-rewrite leaves it: empty. The rerun
-    # resumes from the newest whole checkpoint instead (worker.launch.recover_cut_snapshot) ...
+    # resumes from the newest whole checkpoint instead (worker.launch.recover_unrecorded) ...
     snapshot = tmp / "ray" / "zeshel_reranker_test_tiny" / "checkpoint_manager_snapshot.json"
     assert json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]["step"] == 16
     snapshot.write_text("")

@@ -1,6 +1,7 @@
 """jobs/link.py as a user runs it (a subprocess): one sentence, JSONL batch, KILT guesses, interactive."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -37,12 +38,13 @@ def test_one_sentence_prints_the_ranked_entities(tiny_run, api):
 
 
 @pytest.mark.slow
-def test_batch_jsonl_equals_the_python_api_and_kilt_guesses(tiny_run, api, dev_file, tmp_path):
+def test_batch_jsonl_equals_the_python_api_and_kilt_guesses(tiny_run, api, dev_file, tmp_path, monkeypatch):
     docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")]
-    docs.append({"text": "Paris is in France .", "mentions": [[12, 18], [0, 5]]})
+    docs.append({"text": "Paris is in France .", "mentions": [[12, 18], [0, 5]], "source": {"page": 3}})
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs) + "\n")
     out = tmp_path / "out.jsonl"
+    out.write_text("an older file\n")
     r = run_job("--run", str(tiny_run), "--k", "3", "--input", str(src), "--output", str(out))
     assert r.returncode == 0, r.stderr
     assert f"linked {len(docs) + 1} mentions in {len(docs)} documents" in r.stderr
@@ -50,6 +52,31 @@ def test_batch_jsonl_equals_the_python_api_and_kilt_guesses(tiny_run, api, dev_f
     want = api.link(docs)
     assert [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in got] == \
         [[[e["row"] for e in m["entities"]] for m in d["mentions"]] for d in want]
+    # the same documents: every field the input had (KILT's id/input/output, a user's own), the mentions
+    # linked in place (their spans as given)
+    for d, g in zip(docs, got):
+        assert {k: v for k, v in g.items() if k != "mentions"} == {k: v for k, v in d.items() if k != "mentions"}
+    assert got[-1]["source"] == {"page": 3} and [m["span"] for m in got[-1]["mentions"]] == [[12, 18], [0, 5]]
+    assert [m["mention"] for m in got[-1]["mentions"]] == ["France", "Paris"]
+    # stopped part way (Ctrl-C after the first chunk was written): the file before it is left as it was
+    from dist_nce.cli import link as cli
+
+    class Stopped:
+        config, calls = api.config, 0
+
+        def link(self, docs, progress=None):
+            Stopped.calls += 1
+            if Stopped.calls == 2:
+                raise KeyboardInterrupt
+            return api.link(docs, progress=progress)
+
+    kept = out.read_text()
+    monkeypatch.setattr(cli, "CHUNK", 2)
+    args = argparse.Namespace(output=str(out), format="jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        cli.batch(Stopped(), args, list(enumerate(docs, 1)))
+    assert Stopped.calls == 2 and out.read_text() == kept
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.jsonl")] == []  # no temporary left
     # KILT guess lines: one per id, answer = top-1 title, provenance = the ranked ids
     guess = tmp_path / "guess.jsonl"
     r = run_job("--run", str(tiny_run), "--k", "3", "--input", str(dev_file), "--output", str(guess),

@@ -249,19 +249,25 @@ def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_
     assert main(["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"),
                  *(a for s in sets for a in ("--set", s))]) == 130
     assert capsys.readouterr().err == \
-        "interrupted before Ray Train recorded a checkpoint: the same command again starts the run over\n"
+        "interrupted before a whole checkpoint was written: the same command again starts the run over\n"
     cfg = tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets[:3])
     run_dir = Path(cfg.run.storage_path) / cfg.run.name
     for step in (4, 5):
         for rank in (1, 0):
             checkpoint.save(engine, run_dir / f"step_{step:08d}", checkpoint.WorkerState(step=step), rank=rank,
                             plan=plan_for(cfg).as_dict())
+        for part in (run_dir / f"step_{step:08d}").rglob("*zero_pp_rank_0_*"):  # this one-process engine wrote
+            part.with_name(part.name.replace("rank_0_", "rank_1_")).write_bytes(part.read_bytes())  # rank 0's only
+    # stopped before Ray Train recorded either (no snapshot): the rerun resumes the newest whole one
+    assert interrupted(cfg.run) == 130
+    assert capsys.readouterr().err == \
+        f"interrupted: run the same command again to resume from step 5 ({run_dir / 'step_00000005'})\n"
     (run_dir / SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": {
         "checkpoint_dir_name": "step_00000004", "metrics": {"step": 4}}}))
     assert interrupted(cfg.run) == 130  # step 5 was written after the last report Ray Train took
     assert capsys.readouterr().err == \
         f"interrupted: run the same command again to resume from step 4 ({run_dir / 'step_00000004'})\n"
-    (run_dir / SNAPSHOT).write_text("")  # cut off: recover_cut_snapshot takes the newest whole checkpoint
+    (run_dir / SNAPSHOT).write_text("")  # cut off: recover_unrecorded takes the newest whole checkpoint
     assert interrupted(cfg.run) == 130
     assert capsys.readouterr().err == \
         f"interrupted: run the same command again to resume from step 5 ({run_dir / 'step_00000005'})\n"

@@ -8,11 +8,14 @@ tests/cluster/test_multinode.py.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dist_nce.worker import checkpoint
+from dist_nce.worker.launch import SNAPSHOT
 from dist_nce.worker.tb import read_metrics
 from tests.train.tinyrun import losses, prepare_tiny, tiny_config, train
 
@@ -93,9 +96,20 @@ def test_zero3_and_bf16_refresh_and_resume_exactly(ds, straight, kb, tiny_model_
                               "run.stop_after_steps=5")
     first, _ = train(interrupted)
     assert not first["done"] and first["step"] == 5
+    run_dir = Path(interrupted.run.storage_path) / interrupted.run.name
+    written = sorted(d.name for d in run_dir.iterdir() if d.is_dir())
+    # both ranks' parts of each checkpoint (ZeRO partitions, RNG) are there: whole, as incomplete() reads them
+    assert written and [checkpoint.incomplete(run_dir / d) for d in written] == [None] * len(written), written
+    if ds == "zero2_bf16":
+        # As a stop between the workers' copy and Ray Train's first record leaves it: the checkpoints and no
+        # snapshot. The rerun resumes from the newest whole one (worker.launch.recover_unrecorded), not step 0.
+        (run_dir / SNAPSHOT).unlink()
     final, _ = train(tiny_config(kb, tiny_model_dir, tmp_path / "interrupted", *common, *monitor))
     assert final["done"] and final["step"] == 8
     resumed = losses(interrupted)
+    logged = [json.loads(line)["step"] for line in (Path(interrupted.run.output_dir) / "metrics.jsonl").open()
+              if "train/loss" in line]
+    assert logged == list(range(8)), logged  # the rerun trained steps 5-7 only: it resumed, not started over
     np.testing.assert_allclose([resumed[s] for s in range(8)], [ref[s] for s in range(8)], rtol=1e-5)
     bias = read_metrics(Path(interrupted.run.output_dir) / "metrics.jsonl")
     assert [s for s in sorted(bias) if "bias/norm" in bias[s]] == [3, 7] and np.isfinite(bias[7]["bias/norm"])
