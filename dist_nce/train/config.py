@@ -120,8 +120,8 @@ class RefreshConfig:
 class BiasConfig:
     every_steps: int = _help(
         "Measure Theorem 1's gradient bias every N steps on a fixed probe set of training mentions (0 = off): "
-        "one extra scoring pass over the KB plus probe_mentions x draws mining queries (dist_nce.train."
-        "bias_monitor); logged as bias/* to TensorBoard and metrics.jsonl.", AT_LEAST_0, default=0)
+        "one extra scoring pass over the KB plus probe_mentions x draws mining queries (dist_nce.bias."
+        "monitor); logged as bias/* to TensorBoard and metrics.jsonl.", AT_LEAST_0, default=0)
     probe_mentions: int = _help("Training mentions in the probe set (the first eligible ones).", AT_LEAST_1,
                                 default=16)
     draws: int = _help("Candidate sets drawn per probe mention for the Monte Carlo term (its SE shrinks as "
