@@ -142,7 +142,8 @@ def ray_head(tmp_path_factory):
     home = tmp_path_factory.mktemp("fresh_home")
     fresh = {"HOME": str(home), "RAY_AUTH_TOKEN": "", "RAY_AUTH_TOKEN_PATH": ""}
     with LocalHead(num_cpus=2, env=fresh) as head:
-        yield {"address": head.address, "env": head.env, "home": home, "bin_dir": head.bin_dir}
+        yield {"address": head.address, "env": head.env, "home": home, "bin_dir": head.bin_dir,
+               "gcs_address": head.gcs_address}
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
+from dist_nce.cli.common import ConfigJob, error, interrupted, interrupted_preparing, retriever_models
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths
 
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         check_prepared(cfg, cfg.data.prepared_dir)
     except (ArtifactMismatch, FileNotFoundError, ValueError) as e:
         return error(e)
+    except KeyboardInterrupt:
+        return interrupted_preparing(cfg.data.prepared_dir)
     # 3. the service (S shards over the KB, index version 0 from the initial weights), then training:
     # workers evaluate and export. Meanwhile a KB delta asked for through <run.output_dir>/kb_update.json
     # is served live (dist_nce/train/kb_control.py).

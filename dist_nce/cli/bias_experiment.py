@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=number(int, AT_LEAST_0), help="shorthand for --set updates=N")
     ap.add_argument("--threads", type=number(int, AT_LEAST_1), default=1, help="torch intra-op threads [%(default)s]")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    ap.add_help_config(SyntheticConfig)
     args = ap.parse_args(argv)
     if Path(args.out).exists() and not Path(args.out).is_dir():  # written only after the experiment ran
         return refuse("--out", args.out, "not a directory")

@@ -50,6 +50,14 @@ def interrupted(run: Any) -> int:
     return 130
 
 
+def interrupted_preparing(where: str) -> int:
+    """After a Ctrl-C while a job prepared its data (``where``: the store's directory): say how it goes
+    on, as ``jobs/prepare_kb.py`` does, instead of a KeyboardInterrupt traceback; exit status 130."""
+    print(f"interrupted while preparing the data ({where}): the chunks done are kept; run the same command "
+          "again to resume", file=sys.stderr, flush=True)
+    return 130
+
+
 def dry_run_ok(what: str) -> int:
     print(f"{what}: config and inputs OK (dry run: no data generated or prepared, no Ray started)")
     return 0

@@ -48,11 +48,14 @@ def _plain(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dist_nce.train.config import TrainJobConfig
+
     ap = FlagParser(description=__doc__.split("\n")[0])
     # The job runs in a copy of this checkout: a relative --config is read there.
     ap.add_argument("--config", type=checked(_config_file, "file"), default="configs/aida/tiny_cpu.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--name", type=checked(_plain, "name"), default="demo", help="run name: runs/<name>, data/<name>")
+    ap.add_help_config(TrainJobConfig, "the AIDA job's, which the demo submits")
     args = ap.parse_args(argv)
 
     runs, data = ROOT / "runs", ROOT / "data"
@@ -66,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         f"run.name={args.name}-{stamp}",
         *args.set,
     ]
-    from dist_nce.train.config import TrainJobConfig
-
     try:  # the job would refuse a bad --set only after the head started and the job was submitted
         load_config(TrainJobConfig, ROOT / args.config, overrides)
     except ConfigError as e:

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     ap.add_argument("--only", type=names(PARTS), default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--dry-run", action="store_true", help="check the config and every cell's, list the cells, exit")
+    ap.add_help_config(MiniPaperConfig)
     args = ap.parse_args(argv)
     parts = args.only
     try:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.cli.common import dry_run_ok, error
+from dist_nce.cli.common import dry_run_ok, error, interrupted, interrupted_preparing
 from dist_nce.cli.zeshel_retriever import JOB as RETRIEVER
 from dist_nce.core.config import ConfigError
 from dist_nce.core.flags import FlagParser, existing, names
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="check every row's config and input paths, then exit (no data generation, no Ray)")
     ap.add_argument("--no-untrained", dest="untrained", action="store_false",
                     help="do not evaluate the untrained model of each architecture")
+    ap.add_help_config(ZeshelRetrieverConfig, "the base config's, which --set and the rows override")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     try:
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         stores = [ensure_zeshel_stores(cfg, log) for _, cfg in configs]
     except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
         return error(e)
+    except KeyboardInterrupt:
+        return interrupted_preparing(", ".join(sorted({p for _, c in configs
+                                                       for p in (c.data.prepared_dir, c.zeshel.eval_store)})))
     fingerprints = [[*(store_fingerprint(s) for s in pair), *model_fingerprints(cfg)]
                     for pair, (_, cfg) in zip(stores, configs)]
     configs = [(row, keyed(cfg, row.name, out, result_key(cfg, fps)))
@@ -104,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             arch, neg = labels(cfg)
             log(f"[grid] {row.name}: training {arch} with {neg} negatives")
-            summary = run_retriever(cfg, progress=False, log=log)
+            try:
+                summary = run_retriever(cfg, progress=False, log=log)
+            except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the row's run
+                print(f"[grid] {row.name}: the rows before it are done and kept", file=sys.stderr, flush=True)
+                return interrupted(cfg.run)
         metrics = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
         losses = [m["train/loss"] for _, m in sorted(metrics.items()) if "train/loss" in m]
         cells.append(cell(row.name, cfg, summary, losses))

@@ -40,13 +40,36 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dist_nce.cli.common import ConfigJob, error, interrupted
-from dist_nce.core.config import to_dict
+from dist_nce.core.config import ConfigError, to_dict
 from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths
 
+if TYPE_CHECKING:
+    from dist_nce.rerank.data import RerankPlan
+
+
+def check_rerun(cfg: RerankJobConfig, plan: RerankPlan | None = None) -> None:
+    """A rerun of run.name whose plan (``plan``, else computed from the data as the workers compute it)
+    differs from its checkpoint's is refused here, before Ray starts (raises ConfigError); the local
+    backend keeps no checkpoints."""
+    from dist_nce.rerank.data import load_training_set, make_plan
+    from dist_nce.worker import launch
+
+    if cfg.run.backend == "local":
+        return
+    storage = launch.storage_uri(cfg.run.storage_path)
+    if launch.resume_point(storage, cfg.run.name) is None:
+        return
+    try:  # a data error (a candidates file, too few mentions) is one too, said as the run would say it
+        launch.check_rerun(storage, cfg.run.name, (plan or make_plan(cfg, load_training_set(cfg))).as_dict())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 JOB = ConfigJob(RerankJobConfig, "experiment YAML (configs/zeshel/reranker_*.yaml)", with_absolute_paths,
-                lambda cfg: {"model.reranker.model": cfg.model.reranker.model}, check_inputs)
+                lambda cfg: {"model.reranker.model": cfg.model.reranker.model}, check_inputs, prepared=check_rerun)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)
     ts = load_training_set(cfg)
     plan = make_plan(cfg, ts)
+    try:
+        check_rerun(cfg, plan)
+    except ConfigError as e:
+        return error(e)
     if cfg.run.backend == "local":
         from dist_nce.rerank.loop import local_device, run_local
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, interrupted, retriever_models
+from dist_nce.cli.common import ConfigJob, error, interrupted, interrupted_preparing, retriever_models
 from dist_nce.core.config import ConfigError
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs
 
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         ensure_zeshel_stores(cfg, log)
     except (ArtifactMismatch, PrepareError, FileNotFoundError, ValueError) as e:
         return error(e)
+    except KeyboardInterrupt:
+        return interrupted_preparing(f"{cfg.data.prepared_dir}, {cfg.zeshel.eval_store}")
     try:  # what the store's size or the cluster's resources cannot hold is refused before any encoding
         summary = run_retriever(cfg, progress=args.progress, log=log)
     except ConfigError as e:

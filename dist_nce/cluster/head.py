@@ -138,7 +138,10 @@ class LocalHead:
     def _start_once(self) -> str | None:
         """One ``ray start``: None once it is up (module docstring), else why not."""
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), env=self._start_env, stdout=self._log,
+        # The node's processes are told its address (this attempt's ports): with another Ray on the machine,
+        # Ray's state API called with no address (Ray Train's placement-group cleaner) found several.
+        env = {**self._start_env, "RAY_ADDRESS": self.gcs_address}
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + self.timeout_s
         while True:

@@ -258,6 +258,7 @@ def ray_runtime_env_vars() -> dict[str, str]:
 # In the environment of a local node init_ray starts, beside the workers' settings: a process on that
 # node (a Serve replica starting shards) knows that the node passes the settings on.
 NODE_SETTINGS_MARK = "DIST_NCE_NODE_HAS_SETTINGS"
+GCS_PORT_VAR = "RAY_GCS_SERVER_PORT"  # read by Ray 2.60's node.py when a process starts a head node
 _local_node: str | None = None  # the GCS address of the local node this process started (init_ray)
 
 
@@ -335,8 +336,14 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         if dashboard:  # a new port each attempt: a failed start's port may still be held
             options.setdefault("dashboard_host", "127.0.0.1")
             options.setdefault("dashboard_port", free_port())
-        # the node's (this process's environment is restored after)
-        with environment({**env_vars, **local_node_env(), NODE_SETTINGS_MARK: "1"}):
+        # The node's (this process's environment is restored after), with its own address: Ray Train's
+        # placement-group cleaner asks the state API with no address, which looks for a GCS on the
+        # machine and, with another Ray running there (a second job, another user's), raised "Found
+        # multiple active Ray instances" in that actor and ended its watch. The GCS port is chosen
+        # here so that every process of the node is told it (RAY_ADDRESS wins over that search).
+        gcs_port = free_port(taken={options.get("dashboard_port", 0)})
+        own = {GCS_PORT_VAR: str(gcs_port), "RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}
+        with environment({**env_vars, **local_node_env(), NODE_SETTINGS_MARK: "1", **own}):
             return ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
                             runtime_env=runtime_env, **options)
 

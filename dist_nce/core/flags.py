@@ -26,6 +26,19 @@ class FlagParser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices:
             raise argparse.ArgumentError(action, f"{value}: must be one of {', '.join(map(str, action.choices))}")
 
+    def add_help_config(self, kind: type, note: str = "") -> None:
+        """``--help-config``: print every field of the config dataclass ``kind`` (type, default, help) and
+        exit 0, before any other flag is checked (as ``--help`` does)."""
+        from dist_nce.core.config import describe
+
+        class HelpConfig(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+                print(describe(kind))
+                parser.exit(0)
+
+        self.add_argument("--help-config", nargs=0, action=HelpConfig,
+                          help="print every config field and exit" + (f" ({note})" if note else ""))
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # "argument --k: 0: must be >= 1" is a refused value: the usage block would only bury it. Other
         # mistakes (a missing required flag, an unknown one) keep argparse's usage reminder.

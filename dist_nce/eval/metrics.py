@@ -198,11 +198,15 @@ def linking_report(
     ``ranked`` [N, K] is the retriever's list. With ``pred`` [N] (the reranker's choice),
     adds ``accuracy`` (= unnormalized) and ``normalized_accuracy`` at ``k_norm``; without it
     ``accuracy`` is the retriever's own top-1 accuracy. Also reports ``n_mentions`` and
-    ``n_gold_not_in_kb`` (gold == -1; counted as misses, never dropped).
+    ``n_gold_not_in_kb`` (gold == -1; counted as misses, never dropped). A k in ``ks`` (or ``k_norm``)
+    above K is refused: recall there would repeat recall@K, not measure what was not retrieved.
     """
     r = _int_array(ranked, "ranked", 2)
     g = _int_array(gold, "gold", 1)
     _check_n(r.shape[0], gold=g)
+    beyond = sorted({k for k in ks if k > r.shape[1]} | ({k_norm} if pred is not None and k_norm > r.shape[1] else set()))
+    if beyond:
+        raise ValueError(f"linking_report: recall@{beyond} needs that many ranked candidates, got K={r.shape[1]}")
     top1 = r[:, 0] if r.shape[1] else np.full(g.shape, PAD)
     p = top1 if pred is None else _int_array(pred, "pred", 1)
 

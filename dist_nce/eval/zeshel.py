@@ -49,6 +49,12 @@ TFIDF_KEY = "tfidf_candidates"
 RECALL_KS = (1, 4, 8, 16, 32, 64)
 
 
+def recall_ks(k: int) -> list[int]:
+    """The recall cut-offs reported for a top-``k`` list: :data:`RECALL_KS` up to ``k``, and ``k``. Above k
+    the list has nothing more to find: recall@32 of a top-16 list would repeat recall@16 as if measured."""
+    return sorted({*(x for x in RECALL_KS if x <= k), k})
+
+
 class CandidateFileError(ValueError):
     """A malformed candidates file, or one that does not cover the mentions."""
 
@@ -317,7 +323,7 @@ def evaluate_retriever_split(
     if candidates_path is not None:
         write_candidates(candidates_path, mentions.mention_ids, ranked_source_ids(store, result.own.rows))
     return {"split": mentions.split, "k": k, "worlds": {w: list(ab) for w, ab in ranges.items()},
-            **recall_report(result, mentions.gold_rows, sorted({*RECALL_KS, k}))}
+            **recall_report(result, mentions.gold_rows, recall_ks(k))}
 
 
 def evaluate_reranker_split(

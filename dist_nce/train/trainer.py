@@ -107,25 +107,18 @@ def plan_for(cfg: TrainJobConfig) -> TrainPlan:
 
 def check_resume(cfg: TrainJobConfig) -> None:
     """Refuse, before Ray starts, a rerun that could not resume its own checkpoints: the plan of ``cfg``
-    over the store as it is now (:func:`plan_for`) against the newest whole checkpoint's in the run's
-    local storage (a changed KB, batch or worker count). Without it the workers find out, each
-    restart (``run.max_failures``) logging their tracebacks, after the shards have encoded the KB."""
-    from pathlib import Path
-
-    from dist_nce.core.artifacts import read_manifest
+    over the store as it is now (:func:`plan_for`) against that of the checkpoint the rerun would resume
+    from (a changed KB, batch or worker count; :func:`~dist_nce.worker.launch.check_rerun`). Without it
+    the workers find out, each restart (``run.max_failures``) logging their tracebacks, after the shards
+    have encoded the KB."""
     from dist_nce.core.config import ConfigError
-    from dist_nce.worker.checkpoint import KIND, check_resumable
-    from dist_nce.worker.launch import storage_uri, whole_checkpoints
+    from dist_nce.worker.launch import check_rerun, resume_point, storage_uri
 
-    if "://" in cfg.run.storage_path:  # remote storage: the workers check it when they load
+    storage = storage_uri(cfg.run.storage_path)
+    if resume_point(storage, cfg.run.name) is None:  # nothing to resume (or a remote storage): no plan needed
         return
-    run_dir = Path(storage_uri(cfg.run.storage_path)) / cfg.run.name
-    found = whole_checkpoints(run_dir) if run_dir.is_dir() else []
-    if not found:
-        return
-    _, _, newest = max(found)
     try:
-        check_resumable(read_manifest(newest, KIND), plan_for(cfg).as_dict(), str(newest))
+        check_rerun(storage, cfg.run.name, plan_for(cfg).as_dict())
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -91,6 +91,24 @@ def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
     return None if step is None else (int(step), run_dir / latest["checkpoint_dir_name"])
 
 
+def check_rerun(storage_path: str, name: str, plan: dict[str, Any]) -> None:
+    """Refuse (ValueError naming each difference) a rerun of run ``name`` whose ``plan`` (a plan's
+    ``as_dict()``) differs from that of the checkpoint it would resume from (:func:`resume_point`), before
+    any cluster work: the workers refuse it too, but each restart (``run.max_failures``) logs a traceback
+    and the job ends in Ray Train's error. A remote storage is left to the workers."""
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.worker.checkpoint import KIND, check_resumable
+
+    point = resume_point(storage_path, name)
+    if point is None:
+        return
+    try:
+        manifest = read_manifest(point[1], KIND)
+    except (OSError, ValueError):  # gone or unreadable: what the rerun then does is Ray Train's to say
+        return
+    check_resumable(manifest, plan, str(point[1]))
+
+
 CUT = "cut"  # read_snapshot: the snapshot is there but does not parse
 
 

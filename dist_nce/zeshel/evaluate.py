@@ -22,7 +22,7 @@ import numpy as np
 
 from dist_nce.core.artifacts import write_manifest
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.eval.zeshel import RECALL_KS, evaluate_retriever_split, split_world_ranges, write_candidates
+from dist_nce.eval.zeshel import evaluate_retriever_split, recall_ks, split_world_ranges, write_candidates
 from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
@@ -73,7 +73,7 @@ def evaluate_split(retriever: Retriever, store: EntityStore, mentions: MentionTa
     rows = own_world_topk(retriever, store, mentions, k, config, batch_size, progress)
     if candidates_path is not None:
         write_candidates(candidates_path, mentions.mention_ids, ranked_source_ids(store, rows))
-    ks = sorted({*RECALL_KS, k})
+    ks = recall_ks(k)
     return {"split": mentions.split, "k": k,
             "worlds": {w: list(ab) for w, ab in split_world_ranges(store, mentions).items()},
             "own_world": linking_report(rows, mentions.gold_rows, list(mentions.worlds), tuple(ks))}

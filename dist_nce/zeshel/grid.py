@@ -113,10 +113,19 @@ def model_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
 
 
 def keyed(cfg: ZeshelRetrieverConfig, row: str, out_dir: str | Path, key: str) -> ZeshelRetrieverConfig:
-    """``cfg`` run as ``<row>-<key>``: in ``<out_dir>/<row>-<key>/``, Ray Train run ``zeshel_grid_<row>-<key>``."""
-    import dataclasses
+    """``cfg`` run as ``<row>-<key>``: in ``<out_dir>/<row>-<key>/``, Ray Train run
+    ``zeshel_grid_<row>-<key>-<grid>``, where ``<grid>`` hashes ``out_dir``.
 
-    run = dataclasses.replace(cfg.run, name=f"zeshel_grid_{row}-{key}", output_dir=str(Path(out_dir) / f"{row}-{key}"))
+    Why the grid's hash: the checkpoints live in ``run.storage_path`` (shared by every grid, and the
+    user's to choose: a cluster's shared disk), so a second grid (another ``--out``) of the same row
+    found the first grid's finished checkpoints, "resumed" at its last step and trained nothing,
+    leaving its own directory without the losses."""
+    import dataclasses
+    import hashlib
+
+    grid = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:6]
+    run = dataclasses.replace(cfg.run, name=f"zeshel_grid_{row}-{key}-{grid}",
+                              output_dir=str(Path(out_dir) / f"{row}-{key}"))
     return dataclasses.replace(cfg, run=run)
 
 

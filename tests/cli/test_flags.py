@@ -237,3 +237,36 @@ def test_link_output_in_a_missing_directory_is_refused(paths, capsys):
     err = refused("link", ["--run", "{dir}", "--input", "{file}", "--output", "/no/such/dir/out.jsonl"], paths,
                   capsys)
     assert "--output: /no/such/dir/out.jsonl: directory /no/such/dir not found" in err
+
+
+@pytest.mark.parametrize("job", ["aida_finetune", "zeshel_retriever", "zeshel_reranker", "zeshel_grid", "mini_paper",
+                                 "bias_experiment", "demo", "link"])
+def test_every_job_with_a_config_prints_its_fields(job, capsys, monkeypatch, ray_inits):
+    """``--help-config`` (the README promises it for every job with ``--config``/``--set``): each field with
+    its type and help, status 0, no Ray and nothing else needed (no other flag)."""
+    monkeypatch.chdir(REPO)
+    main = importlib.import_module(f"dist_nce.cli.{job}").main
+    capsys.readouterr()
+    try:
+        code = main(["--help-config"])
+    except SystemExit as e:  # printed during parsing, as --help is
+        code = e.code
+    out = capsys.readouterr().out
+    assert code in (0, None) and re.search(r"^ *\w+: .+  # ", out, re.M), out[:2000]
+    assert not ray_inits
+
+
+def test_the_jobs_with_a_config_are_the_ones_above():
+    """Every job whose --help offers --config and --set is in the list above."""
+    import contextlib
+    import io
+
+    with_config = []
+    for job in JOBS:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+            importlib.import_module(f"dist_nce.cli.{job}").main(["--help"])
+        if "--config" in text.getvalue() and "--set" in text.getvalue():
+            with_config.append(job)
+    assert sorted(with_config) == sorted(["aida_finetune", "zeshel_retriever", "zeshel_reranker", "zeshel_grid",
+                                          "mini_paper", "bias_experiment", "demo", "link"])

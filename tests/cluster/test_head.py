@@ -75,8 +75,11 @@ def test_demo_head_on_a_fresh_home_requires_the_token(ray_head):
     # Refused without the token and with a wrong one, over HTTP and through the CLI.
     assert _submit(address, {}) in (401, 403)
     assert _submit(address, {"Authorization": "Bearer " + "0" * 64}) in (401, 403)
-    cmd = [str(ray_head["bin_dir"] / "ray"), "job", "submit", "--address", address, "--",
-           "python", "-c", "print('hello')"]
+    # the job asks an actor of the head's node which cluster its processes are told they are in
+    # (RAY_ADDRESS: Ray's state API, used by Ray Train's placement-group cleaner, reads it first)
+    ask = ("import os, ray; ray.init(); print('node address:', ray.get(ray.remote(num_cpus=0)("
+           "lambda: os.environ.get('RAY_ADDRESS')).remote()))")
+    cmd = [str(ray_head["bin_dir"] / "ray"), "job", "submit", "--address", address, "--", "python", "-c", ask]
     # Accepted with it: the client finds the token where the head made it (HOME/.ray).
     for _ in range(30):  # the job agent comes up a little after the dashboard
         ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -84,6 +87,7 @@ def test_demo_head_on_a_fresh_home_requires_the_token(ray_head):
             break
         time.sleep(2)
     assert ok.returncode == 0 and "succeeded" in ok.stdout + ok.stderr, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert f"node address: {ray_head['gcs_address']}" in ok.stdout, ok.stdout[-3000:]
     wrong = subprocess.run(cmd, env={**env, "RAY_AUTH_TOKEN": "0" * 64}, capture_output=True, text=True,
                            timeout=120, cwd=REPO)
     said = (wrong.stdout + wrong.stderr).lower()

@@ -105,6 +105,18 @@ worker_env, worker_actor_env = ray.get(ray.remote(num_cpus=0)(
 job_env = {"runtime_env": ray.get_runtime_context().runtime_env, "worker": worker_env,
            "driver": {k: os.environ.get(k) for k in NAMES},
            "actor_runtime_env": {"driver": runtime.actor_runtime_env(), "worker": worker_actor_env}}
+
+def state_api_from_a_worker():  # as Ray Train's placement-group cleaner asks it: no address given
+    from ray.util.state import list_actors
+    return os.environ.get("RAY_ADDRESS"), [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")])]
+
+class Marker:
+    pass
+
+marker = ray.remote(num_cpus=0)(Marker).remote()
+ray.get(marker.__ray_ready__.remote())
+job_env["address"] = {"gcs": ray.get_runtime_context().gcs_address, "driver": os.environ.get("RAY_ADDRESS"),
+                      "worker": ray.get(ray.remote(num_cpus=0)(state_api_from_a_worker).remote())}
 # Only this cluster's sockets: the processes init_ray started descend from this one, so other
 # programs on the machine (another Ray, a server) cannot make the check fail or pass.
 new = sorted(listening(socket_inodes(descendants(os.getpid()))))
@@ -119,7 +131,7 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 @pytest.fixture(scope="module")
 def local_start():
     """SCRIPT's report: one local Ray started by init_ray after a start that timed out."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
                                                                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
                                                                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
@@ -152,6 +164,20 @@ def test_a_local_rays_workers_get_the_settings_from_the_node_not_from_a_runtime_
                              "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": None}, env
     # ... and so do the shards started there, by the driver or by a worker (a Serve replica)
     assert env["actor_runtime_env"] == {"driver": {}, "worker": {}}, env
+
+
+@pytest.mark.ray
+def test_a_local_rays_processes_know_their_own_cluster(local_start):
+    """Ray's state API, called with no address in a process of the node (Ray Train's placement-group
+    cleaner does), searched the machine for a GCS and failed with another Ray running there ("Found
+    multiple active Ray instances"). The node's processes are told their own address; the driver's
+    environment is as it was. (The suite runs other clusters beside this one, so the search would meet
+    them; the answer below can only come from this cluster.)"""
+    address = local_start[0]["env"]["address"]
+    assert address["driver"] is None, address
+    seen, alive = address["worker"]
+    assert seen == address["gcs"] and seen.startswith("127.0.0.1:"), address
+    assert "Marker" in alive, alive  # this cluster's actor, found through the state API
 
 
 def test_actors_started_under_a_plain_ray_init_get_the_settings_as_their_runtime_env(monkeypatch):

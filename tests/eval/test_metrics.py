@@ -168,3 +168,20 @@ def test_linking_report_shape_and_counts():
     assert rep["accuracy"]["micro"] == pytest.approx(2 / 6)
     # without pred, accuracy is the retriever's top-1 accuracy (= recall@1)
     assert M.linking_report(RANKED, GOLD, WORLDS, ks=(1,))["accuracy"]["micro"] == pytest.approx(2 / 6)
+
+
+def test_linking_report_refuses_a_recall_cut_off_above_the_ranked_list():
+    """Recall@k' of a top-K list with k' > K would repeat recall@K as if it had been measured."""
+    width = np.asarray(RANKED).shape[1]
+    with pytest.raises(ValueError, match=rf"recall@\[{width + 1}\] needs that many ranked candidates, got K={width}"):
+        M.linking_report(RANKED, GOLD, WORLDS, ks=(1, width + 1))
+    with pytest.raises(ValueError, match="needs that many"):
+        M.linking_report(RANKED, GOLD, WORLDS, ks=(1,), pred=np.zeros(len(GOLD), int), k_norm=width + 1)
+    assert f"recall@{width}" in M.linking_report(RANKED, GOLD, WORLDS, ks=(1, width))
+
+
+def test_recall_cut_offs_stop_at_k():
+    from dist_nce.eval.zeshel import recall_ks
+
+    assert recall_ks(64) == [1, 4, 8, 16, 32, 64] and recall_ks(16) == [1, 4, 8, 16]
+    assert recall_ks(10) == [1, 4, 8, 10] and recall_ks(100) == [1, 4, 8, 16, 32, 64, 100] and recall_ks(1) == [1]

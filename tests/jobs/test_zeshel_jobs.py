@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -27,10 +28,10 @@ K = 16  # zeshel.k and the reranker's C in the test configs
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
-def run(job: str, config: str, address: str, *sets: str) -> subprocess.CompletedProcess:
+def run(job: str, config: str, address: str, *sets: str, flags: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """The job in its own process, joining the test process's local Ray through RAY_ADDRESS, as under
     ``ray job submit`` (a job that starts its own local Ray: tests/jobs/test_chaos.py)."""
-    cmd = [sys.executable, str(REPO / "jobs" / job), "--config", str(REPO / "configs" / "zeshel" / config)]
+    cmd = [sys.executable, str(REPO / "jobs" / job), "--config", str(REPO / "configs" / "zeshel" / config), *flags]
     for s in sets:
         cmd += ["--set", s]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -126,6 +127,15 @@ def test_reranker_job_trains_resumes_and_evaluates(ray_local, retriever_run, tin
     # ... and Ray Train wrote a whole snapshot of its own since, naming the last checkpoint: a next rerun
     # resumes from it as usual (a readable snapshot is left to Ray: tests/worker/test_launch.py)
     assert json.loads(snapshot.read_text())["latest_checkpoint_result"]["metrics"]["step"] == 32
+    # A rerun with another batch is refused before Ray or any worker starts (the workers refused it, each
+    # restart with a traceback, and the job ended in Ray Train's error); its dry run says so too
+    for flags in (["--dry-run"], []):
+        changed = run("zeshel_reranker.py", "reranker_test_tiny.yaml", ray_local, *sets, "optim.batch_size=8",
+                      flags=flags)
+        assert changed.returncode == 2 and "cannot resume this run with a different plan" in changed.stderr, \
+            changed.stdout[-2000:] + changed.stderr[-2000:]
+        assert "global_batch: checkpoint 4, now 8" in changed.stderr and "Traceback" not in changed.stderr
+        assert "run zeshel_reranker_test_tiny:" not in changed.stdout  # stopped before the plan was shown
 
     summary = json.loads((tmp / "rerank" / "summary.json").read_text())
     assert summary["done"] and summary["step"] == summary["plan"]["total_steps"] == 32

@@ -250,6 +250,16 @@ def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_
                  *(a for s in sets for a in ("--set", s))]) == 130
     assert capsys.readouterr().err == \
         "interrupted before a whole checkpoint was written: the same command again starts the run over\n"
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    # Ctrl-C while the job prepares its KB: how it goes on, as jobs/prepare_kb.py says it, not a traceback
+    monkeypatch.setattr("dist_nce.train.data.ensure_prepared", stopped)
+    assert main(["--config", str(REPO / "configs" / "aida" / "test_tiny.yaml"),
+                 *(a for s in sets for a in ("--set", s))]) == 130
+    assert capsys.readouterr().err == f"interrupted while preparing the data ({root / 'store'}): the chunks done " \
+        "are kept; run the same command again to resume\n"
     cfg = tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets[:3])
     run_dir = Path(cfg.run.storage_path) / cfg.run.name
     for step in (4, 5):

@@ -100,7 +100,12 @@ def test_result_key_changes_with_what_the_result_depends_on_only(tmp_path):
         result_key(base, ["t", "e"], ("model", "data", "zeshel"))
 
     run = keyed(base, "dual_hard", tmp_path, key)
-    assert run.run.output_dir == str(tmp_path / f"dual_hard-{key}") and run.run.name == f"zeshel_grid_dual_hard-{key}"
+    assert run.run.output_dir == str(tmp_path / f"dual_hard-{key}")
+    assert run.run.name.startswith(f"zeshel_grid_dual_hard-{key}-") and run.run.storage_path == base.run.storage_path
+    # another grid (--out) of the same row: its own Ray Train run in the shared storage, not the first grid's
+    # checkpoints (it resumed them at their last step and trained nothing); the same grid again: the same run
+    assert keyed(base, "dual_hard", tmp_path / "other", key).run.name != run.run.name
+    assert keyed(base, "dual_hard", tmp_path / "." , key).run.name == run.run.name
 
     model = tmp_path / "model"
     model.mkdir()
@@ -137,3 +142,38 @@ def test_a_rows_file_with_a_repeated_key_is_refused(tmp_path):
     rows_file.write_text("rows:\n  - name: a\n    set: [negatives.mode=hard]\n    set: [negatives.mode=random]\n")
     with pytest.raises(ConfigError, match=r"rows\.yaml:4: duplicate key 'rows\[0\]\.set' \(first at line 3\)"):
         load_rows(rows_file)
+
+
+def test_a_ctrl_c_says_how_the_grid_goes_on(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Ctrl-C while the grid prepares its stores, or while a row trains (Ray Train aborts its run, the driver's
+    ray.get raises SystemExit(1)): status 130 and what the same command does next, as the retriever job says it,
+    instead of a traceback or status 1 with no word. The grid's own steps around them run as they are."""
+    from dist_nce.cli import zeshel_grid
+
+    rows = tmp_path / "rows.yaml"
+    rows.write_text("rows:\n  - name: dual_random\n    set: [negatives.mode=random]\n")
+    argv = ["--config", str(BASE), "--rows", str(rows), "--out", str(tmp_path / "grid"), "--no-untrained",
+            "--set", f"model.retriever.mention_model={tiny_model_dir}", "--set", f"run.storage_path={tmp_path / 'ray'}",
+            "--set", f"data.prepared_dir={tmp_path / 'train'}", "--set", f"zeshel.eval_store={tmp_path / 'eval'}"]
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dist_nce.zeshel.data.ensure_zeshel_stores", stopped)
+    capsys.readouterr()
+    assert zeshel_grid.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err == f"interrupted while preparing the data ({tmp_path / 'eval'}, {tmp_path / 'train'}): the chunks " \
+                  "done are kept; run the same command again to resume\n", err
+
+    def aborted(*a, **k):
+        raise SystemExit(1)  # what ray.get raises in the driver once Ray Train aborted the run
+
+    monkeypatch.setattr("dist_nce.zeshel.data.ensure_zeshel_stores", lambda cfg, log: ("train", "eval"))
+    monkeypatch.setattr("dist_nce.index.encode.store_fingerprint", lambda store: f"fingerprint of {store}")
+    monkeypatch.setattr("dist_nce.zeshel.run.run_retriever", aborted)
+    assert zeshel_grid.main(argv) == 130
+    captured = capsys.readouterr()
+    assert "[grid] dual_random: training dual with random negatives" in captured.out
+    assert captured.err == "[grid] dual_random: the rows before it are done and kept\n" \
+        "interrupted before a whole checkpoint was written: the same command again starts the run over\n", captured.err

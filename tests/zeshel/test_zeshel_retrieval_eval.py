@@ -67,6 +67,11 @@ def test_evaluate_retriever_writes_labelled_reports_and_candidates(stores, retri
         own, union = rep["own_world"]["recall@16"], rep["split_union"]["recall@16"]
         # The union ranks a superset: a gold in its top k is in its own world's top k.
         assert union["micro"] <= own["micro"] and set(own["per_world"]) == set(rep["worlds"])
+        # cut-offs up to k only: recall@32 of a top-16 list was reported, and equalled recall@16
+        for setting in ("own_world", "split_union"):
+            assert sorted(int(m.split("@")[1]) for m in rep[setting] if m.startswith("recall@")) == [1, 4, 8, 16]
+    assert sorted(m for m in reports["train"]["own_world"] if m.startswith("recall@")) == \
+        ["recall@1", "recall@16", "recall@4", "recall@8"]
     assert set(reports["val"]["worlds"]) == {"muppets", "ice_hockey"}
     assert "split_union" not in reports["train"]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
