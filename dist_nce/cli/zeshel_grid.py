@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--only: {','.join(wanted)}: no rows named {', '.join(unknown)} in {args.rows}")
             rows = [r for r in rows if r.name in wanted]
         configs = [(r, row_config(args.config, r, out, args.set)) for r in rows]
+        grid_keys = {s.split("=", 1)[0].strip() for s in args.set}
+        for r in rows:  # the row's overrides come last: say where one wins over the grid's --set
+            both = sorted(grid_keys & {s.split("=", 1)[0].strip() for s in r.overrides})
+            if both:
+                print(f"[grid] {r.name}: the row sets {', '.join(both)} over the grid's --set (the row's value is "
+                      f"used; {r.source or '--rows'})", file=sys.stderr, flush=True)
         for _, cfg in configs:
             RETRIEVER.ready(cfg)
     except (ConfigError, FileExistsError) as e:

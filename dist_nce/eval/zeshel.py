@@ -45,6 +45,7 @@ from kb.store import EntityStore, MentionTable
 from kb.zeshel import ZESHEL_SPLITS, worlds_for_split
 
 CANDIDATES_KEY = "candidates"
+CANDIDATES_KIND = "zeshel_candidates"  # the manifest of a retriever's candidates directory (zeshel.evaluate)
 TFIDF_KEY = "tfidf_candidates"
 RECALL_KS = (1, 4, 8, 16, 32, 64)
 
@@ -287,7 +288,8 @@ def write_predictions(path: str | Path, pred: np.ndarray, cands: CandidateSet, m
     """The reranker's choice per mention as JSONL, in the table's order, written atomically: ``mention_id``,
     ``world``, ``gold`` and ``prediction`` (document ids; null: no gold in the KB / no candidate chosen, which
     includes a mention whose gold is not among its candidates: evaluation does not rerank those, being wrong
-    whatever the choice),
+    whatever the choice), ``gold_label`` (the document id the mention is labelled with, also where that
+    document is not in the KB),
     ``gold_rank`` (the gold's 0-based place among the candidates, -1 if absent) and ``correct``. Enough to
     recompute U.Acc and N.Acc (:func:`reranker_report`) and to pair two systems mention by mention.
 
@@ -298,11 +300,13 @@ def write_predictions(path: str | Path, pred: np.ndarray, cands: CandidateSet, m
         raise ValueError(f"{path}: {len(pred)} predictions for {len(gold)} mentions")
     ids = lambda rows: store.source_ids(np.maximum(rows, 0)) if len(rows) else []  # noqa: E731
     gold_ids, pred_ids = ids(gold), ids(np.asarray(pred, dtype=np.int64))
+    labels = mentions.table.column("gold_source_id").to_pylist()
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             for i, (mid, world) in enumerate(zip(mentions.mention_ids, mentions.worlds)):
                 f.write(json.dumps({
                     "mention_id": mid, "world": world, "gold": gold_ids[i] if gold[i] >= 0 else None,
+                    "gold_label": labels[i],
                     "prediction": pred_ids[i] if pred[i] >= 0 else None, "gold_rank": int(cands.gold_pos[i]),
                     "correct": bool(gold[i] >= 0 and pred[i] == gold[i])}) + "\n")
 

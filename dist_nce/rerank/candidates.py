@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 from dist_nce.eval.metrics import PAD
-from dist_nce.eval.zeshel import CANDIDATES_KEY, TFIDF_KEY, read_candidates
+from dist_nce.eval.zeshel import CANDIDATES_KEY, CANDIDATES_KIND, TFIDF_KEY, CandidateFileError, read_candidates
 
 Format = Literal["retriever", "tfidf"]
 
@@ -67,11 +67,33 @@ def written_by(fmt: Format) -> str:
     return "Zeshel's own tfidf_candidates/ directory, from the Zeshel download"
 
 
+def check_listed(directory: Path, split: str, path: Path) -> None:
+    """Refuse (CandidateFileError) a retriever's candidates file that its directory's manifest does not list: a
+    later retriever run over fewer splits (``zeshel.candidate_splits``) rewrote the manifest and left an
+    earlier run's file, which would otherwise be read as if that run had written it. A directory without a
+    manifest (written by hand, or before manifests) is read as it is."""
+    import json
+
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        return
+    m = json.loads(manifest.read_text(encoding="utf-8"))
+    if m.get("kind") != CANDIDATES_KIND:
+        return
+    listed = m.get("splits") or {}
+    if split not in listed or listed[split].get("file") != path.name:
+        raise CandidateFileError(f"{path}: not written by the retriever run that {manifest} describes (it lists "
+                         f"{', '.join(sorted(listed)) or 'no split'}): an earlier run's file. Run the retriever "
+                         f"with {split} in zeshel.candidate_splits, or use that earlier run's directory")
+
+
 def read_split_candidates(directory: str | Path, split: str, fmt: Format) -> tuple[dict[str, list[str]], Path]:
     """mention_id -> ranked document ids of ``split``, and the file read."""
     path = candidates_path(directory, split, fmt)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no {fmt} candidates for split {split!r} ({written_by(fmt)})")
+    if fmt == "retriever":
+        check_listed(Path(directory), split, path)
     return read_candidates(path, CANDIDATES_KEY if fmt == "retriever" else TFIDF_KEY), path
 
 

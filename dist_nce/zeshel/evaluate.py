@@ -22,7 +22,8 @@ import numpy as np
 
 from dist_nce.core.artifacts import write_manifest
 from dist_nce.eval.metrics import PAD, linking_report
-from dist_nce.eval.zeshel import evaluate_retriever_split, recall_ks, split_world_ranges, write_candidates
+from dist_nce.eval.zeshel import (CANDIDATES_KIND, evaluate_retriever_split, recall_ks, split_world_ranges,
+                                  write_candidates)
 from dist_nce.index.config import IndexConfig
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
@@ -30,7 +31,6 @@ from dist_nce.retrieval import build_local_index, default_index_config, ranked_s
 from dist_nce.zeshel.config import TRAIN_STORE_SPLITS, ZeshelConfig
 from kb.store import EntityStore, MentionTable
 
-CANDIDATES_KIND = "zeshel_candidates"
 SETTINGS = ("own_world", "split_union")
 
 

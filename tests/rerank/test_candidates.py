@@ -73,3 +73,20 @@ def test_num_candidates_is_bounded_by_the_longest_list():
     assert num_candidates_problem(lists, "x/candidates_val.json", 4) == (
         "data.num_candidates: 4: x/candidates_val.json holds at most 3 candidates per mention (longest of its 2 "
         "lists); C must be 3 or fewer (a smaller C uses each list's top C)")
+
+
+def test_a_file_the_directorys_manifest_does_not_list_is_refused(tmp_path):
+    """A retriever rerun over fewer splits rewrote the manifest and left an earlier run's candidates_test.json:
+    read as if the later run had written it, it silently mixed two retrievers' candidates."""
+    from dist_nce.core.artifacts import write_manifest
+    from dist_nce.eval.zeshel import CANDIDATES_KIND, CandidateFileError
+
+    for split in ("val", "test"):
+        (tmp_path / f"candidates_{split}.json").write_text(json.dumps({"mention_id": "m", "candidates": ["a"]}) + "\n")
+    write_manifest(tmp_path, CANDIDATES_KIND, 1, k=1, splits={"val": {"file": "candidates_val.json"}})
+    assert read_split_candidates(tmp_path, "val", "retriever")[0] == {"m": ["a"]}
+    with pytest.raises(CandidateFileError, match=r"candidates_test\.json: not written by the retriever run that "
+                                                 r".*manifest\.json describes \(it lists val\): an earlier run's file"):
+        read_split_candidates(tmp_path, "test", "retriever")
+    (tmp_path / "manifest.json").unlink()  # a directory without a manifest (by hand): read as it is
+    assert read_split_candidates(tmp_path, "test", "retriever")[0] == {"m": ["a"]}

@@ -176,6 +176,9 @@ def test_sharded_evaluation_equals_reranking_every_mention(setup, reranker, fmt,
     for s in sets:
         lines = [json.loads(x) for x in (pred_dir / f"{s.split}.jsonl").read_text().splitlines()]
         assert [x["mention_id"] for x in lines] == list(s.mentions.mention_ids)
+        # the labelled document, also for a mention whose gold is not in the KB ("gold" is null there)
+        assert [x["gold_label"] for x in lines] == s.mentions.table.column("gold_source_id").to_pylist()
+        assert all(x["gold_label"] == x["gold"] for x in lines if x["gold"] is not None)
         assert got[s.split]["predictions_file"] == str(pred_dir / f"{s.split}.jsonl")
         scored = [x for x in lines if x["gold_rank"] >= 0]
         assert all(x["correct"] == (x["prediction"] == x["gold"] is not None) for x in lines)

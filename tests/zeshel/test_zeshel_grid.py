@@ -161,6 +161,11 @@ def test_a_ctrl_c_says_how_the_grid_goes_on(tmp_path, tiny_model_dir, monkeypatc
 
     monkeypatch.setattr("dist_nce.zeshel.data.ensure_zeshel_stores", stopped)
     capsys.readouterr()
+    # (and a grid --set that the row sets again is named: the row's value is the one used)
+    assert zeshel_grid.main([*argv, "--set", "negatives.mode=hard"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith(f"[grid] dual_random: the row sets negatives.mode over the grid's --set (the row's value "
+                          f"is used; {rows})\n"), err
     assert zeshel_grid.main(argv) == 130
     err = capsys.readouterr().err
     assert err == f"interrupted while preparing the data ({tmp_path / 'eval'}, {tmp_path / 'train'}): the chunks " \
