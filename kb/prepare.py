@@ -260,9 +260,7 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
     if not differs:
         return _build(cfg, out, todo, spec, tok_fp, log)
     if not cfg.overwrite:
-        raise PrepareError(f"{out} already holds a prepared store from other inputs (differs in: "
-                           f"{', '.join(differs)}); replace it (kb.prepare --overwrite) or prepare into "
-                           "another directory")
+        raise PrepareError(_other_inputs(out, differs))
     new = staging_dir(out)
     log(f"{out}: prepared from other inputs (differs in: {', '.join(differs)}); building its replacement in {new} "
         "(the old store stays in place until the new one is complete)")
@@ -274,6 +272,33 @@ def prepare(cfg: PrepareConfig, log: Callable[[str], None] = print) -> dict:
     swap_in(new, out)
     log(f"{out}: replaced by the new store")
     return staged
+
+
+def _other_inputs(out: Path, differs: list[str]) -> str:
+    return (f"{out} already holds a prepared store from other inputs (differs in: {', '.join(differs)}); replace "
+            "it (kb.prepare --overwrite) or prepare into another directory")
+
+
+def conflict(cfg: PrepareConfig, regenerate_from: str | os.PathLike | None = None) -> str | None:
+    """What :func:`ensure_store` would refuse at once, without preparing anything: ``cfg.out`` holding a store
+    prepared from other inputs or settings (a ``--dry-run``'s check; the run checks it again). None when
+    there is no store yet, the same one, or one it would replace (``overwrite``, or derived from
+    ``regenerate_from``). Reads the inputs' fingerprints and the store's manifest; writes nothing."""
+    from dist_nce.core.text import tokenizer_fingerprint
+
+    out = Path(cfg.out)
+    if cfg.overwrite or not (out / MANIFEST).exists():
+        return None
+    if regenerate_from is not None and derived_from(out, regenerate_from):
+        return None
+    try:
+        cfg.validate()
+    except ValueError as e:
+        return str(e)
+    tok_fp = tokenizer_fingerprint(tokenizer(cfg.model_dir))
+    spec = _spec(cfg, plan(cfg, tok_fp["sha256"], log=lambda s: None).fingerprints, tok_fp)
+    existing, differs = _existing(out, spec)
+    return None if existing is not None or not differs else _other_inputs(out, differs)
 
 
 def _build(cfg: PrepareConfig, dest: Path, todo: Plan, spec: dict, tok_fp: dict,

@@ -38,6 +38,11 @@ from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel
 def _check_existing_store(cfg: ZeshelRetrieverConfig) -> None:
     from dist_nce.train.trainer import check_existing_store
     from dist_nce.zeshel.config import training_config
+    from dist_nce.zeshel.data import store_conflicts
+
+    problems = store_conflicts(cfg)  # a store the run would refuse to prepare over
+    if problems:
+        raise ConfigError("\n".join(problems))
 
     check_existing_store(training_config(cfg))  # the training store (data.prepared_dir)
 

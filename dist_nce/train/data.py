@@ -22,7 +22,7 @@ from dist_nce.train.config import DataConfig, data_source_problems, prepared_len
 def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str], None] = print) -> str:
     """Return ``d.prepared_dir``, (re)preparing it first unless it already holds the store
     the configured sources give."""
-    from kb.prepare import PrepareConfig, ensure_store
+    from kb.prepare import ensure_store
 
     problems = data_source_problems(d)  # also checked with the config; here again against the store as it is now
     if problems:
@@ -53,12 +53,28 @@ def ensure_prepared(d: DataConfig, tokenizer_dir: str | None, log: Callable[[str
     if not (out / "manifest.json").exists():
         log(f"preparing {out} (entity max {d.entity_max_len}, mention max {d.mention_max_len} tokens)")
     with skip_hint():
-        ensure_store(PrepareConfig(out=str(out), kilt_ks=kilt_ks, blink_entities=blink, aida_dir=aida_dir,
-                                   zeshel_root=zeshel_root, model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
-                                   entity_max_len=d.entity_max_len, workers=d.prepare_workers,
-                                   on_bad_record=d.on_bad_record, progress=False),
-                     log, regenerate_from=synthetic)
+        ensure_store(_prepare_config(d, tokenizer_dir, kilt_ks, aida_dir), log, regenerate_from=synthetic)
     return str(out)
+
+
+def _prepare_config(d: DataConfig, tokenizer_dir: str | None, kilt_ks: str | None, aida_dir: str | None):
+    from kb.prepare import PrepareConfig
+
+    return PrepareConfig(out=str(d.prepared_dir), kilt_ks=kilt_ks, blink_entities=d.blink_entities, aida_dir=aida_dir,
+                         zeshel_root=d.zeshel_root, model_dir=tokenizer_dir, mention_max_len=d.mention_max_len,
+                         entity_max_len=d.entity_max_len, workers=d.prepare_workers, on_bad_record=d.on_bad_record,
+                         progress=False)
+
+
+def store_conflict(d: DataConfig, tokenizer_dir: str | None) -> str | None:
+    """For ``--dry-run``: what preparing ``d.prepared_dir`` from the configured real sources would refuse at
+    once (a store there prepared from other inputs or settings: ``kb.prepare.conflict``), without preparing.
+    Synthetic data is left out: a store derived from it is prepared again, not refused."""
+    from kb.prepare import conflict
+
+    if not (d.kilt_knowledge_source or d.blink_entities or d.zeshel_root) or data_source_problems(d):
+        return None
+    return conflict(_prepare_config(d, tokenizer_dir, d.kilt_knowledge_source, d.aida_dir))
 
 
 @contextlib.contextmanager

@@ -141,9 +141,14 @@ def check_existing_store(cfg: TrainJobConfig) -> None:
 
     from dist_nce.core.config import ConfigError
 
+    from dist_nce.train.data import store_conflict
+
     store = Path(cfg.data.prepared_dir)
     if not (store / "manifest.json").is_file():
         return
+    problem = store_conflict(cfg.data, cfg.model.retriever.mention_model)  # the run would refuse to prepare over it
+    if problem:
+        raise ConfigError(problem)
     try:
         check_prepared(cfg, str(store))
     except ValueError as e:

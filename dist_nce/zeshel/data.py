@@ -35,7 +35,7 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     a store already prepared from the same inputs and leaves it; one from other real inputs
     is an error, one from an older synthetic tree is prepared again)."""
     from dist_nce.train.data import skip_hint
-    from kb.prepare import PrepareConfig, ensure_store
+    from kb.prepare import ensure_store
 
     present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
     if not present:
@@ -45,14 +45,42 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     if not (Path(out) / "manifest.json").exists():
         log(f"preparing {out}: {worlds} worlds, mentions {', '.join(present)} (entity max {d.entity_max_len}, "
             f"mention max {d.mention_max_len} tokens)")
-    synthetic = cfg.zeshel.synthetic_entities_per_world > 0 and not cfg.data.zeshel_root
     with skip_hint():
-        ensure_store(PrepareConfig(out=out, zeshel_root=root, zeshel_worlds=worlds, zeshel_splits=",".join(present),
-                                   zeshel_strip_title=cfg.zeshel.strip_title,
-                                   model_dir=cfg.model.retriever.mention_model, mention_max_len=d.mention_max_len,
-                                   entity_max_len=d.entity_max_len, workers=d.prepare_workers,
-                                   on_bad_record=d.on_bad_record, progress=False),
-                     log, regenerate_from=root if synthetic else None)
+        ensure_store(_prepare_config(root, out, worlds, present, cfg), log, regenerate_from=_regenerated(cfg, root))
+    return out
+
+
+def _prepare_config(root: str, out: str, worlds: str, present: list[str], cfg: ZeshelRetrieverConfig):
+    from kb.prepare import PrepareConfig
+
+    d = cfg.data
+    return PrepareConfig(out=out, zeshel_root=root, zeshel_worlds=worlds, zeshel_splits=",".join(present),
+                         zeshel_strip_title=cfg.zeshel.strip_title, model_dir=cfg.model.retriever.mention_model,
+                         mention_max_len=d.mention_max_len, entity_max_len=d.entity_max_len,
+                         workers=d.prepare_workers, on_bad_record=d.on_bad_record, progress=False)
+
+
+def _regenerated(cfg: ZeshelRetrieverConfig, root: str) -> str | None:
+    """The synthetic tree a store derived from is prepared again from (None: a real tree's store is refused)."""
+    return root if cfg.zeshel.synthetic_entities_per_world > 0 and not cfg.data.zeshel_root else None
+
+
+def store_conflicts(cfg: ZeshelRetrieverConfig) -> list[str]:
+    """For ``--dry-run``: what preparing the two stores would refuse at once (a store there prepared from
+    other inputs or settings: ``kb.prepare.conflict``), without generating or preparing anything. A tree
+    not generated yet has nothing to compare."""
+    from kb.prepare import conflict
+
+    root = cfg.data.zeshel_root or (cfg.zeshel.synthetic_dir if cfg.zeshel.synthetic_entities_per_world > 0 else None)
+    if root is None or not Path(root).is_dir():
+        return []
+    out = []
+    for store, worlds, splits in ((cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS),
+                                  (cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS)):
+        present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
+        problem = conflict(_prepare_config(root, store, worlds, present, cfg), _regenerated(cfg, root)) \
+            if present else None
+        out += [problem] if problem else []
     return out
 
 

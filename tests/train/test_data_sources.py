@@ -115,6 +115,18 @@ def test_a_malformed_source_line_stops_the_job_with_its_key_or_is_skipped(tmp_pa
     got = json.loads((tmp_path / "kb" / "manifest.json").read_text())
     assert got["entities"]["count"] == 119 and got["skipped"]["count"] == 1
     assert got["skipped"]["records"][0]["line"] == 8
+    # --dry-run (check_existing_store) without the skip: refused as the run refuses to prepare over that store,
+    # not "OK" and then refused at once by the run; with it, OK
+    from dist_nce.train.trainer import check_existing_store
+
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'kb'} already holds a prepared store from other inputs "
+                                          r"\(differs in: on_bad_record\)"):
+        check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "data.synthetic_entities=0"))
+    check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "data.synthetic_entities=0",
+                                     "data.on_bad_record=skip"))
+    with pytest.raises(ValueError, match="differs in: on_bad_record"):  # what the run says, for comparison
+        ensure_prepared(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets).data, tiny_model_dir,
+                        log=lambda s: None)
 
 
 def test_a_missing_shipped_path_run_elsewhere_says_where_it_is(tmp_path, tiny_model_dir, monkeypatch):

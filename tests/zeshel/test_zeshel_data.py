@@ -105,3 +105,27 @@ def test_a_malformed_line_of_a_given_tree_names_the_key_that_skips_it(tmp_path, 
                                   lambda _m: None)
     assert EntityStore(got).manifest["skipped"]["count"] == 1
     assert len(MentionTable(got, "train")) == len(lines) - 1
+
+
+def test_dry_run_refuses_a_store_the_run_would_refuse_to_prepare_over(tmp_path, tiny_model_dir):
+    """A user's tree (data.zeshel_root) prepared with data.on_bad_record=skip, then the same command without
+    it: the run refuses the stores (prepared from other settings), so --dry-run must not say OK. A synthetic
+    tree's stores are prepared again instead, so nothing is refused there."""
+    from dist_nce.cli.zeshel_retriever import _check_existing_store
+    from dist_nce.core.config import ConfigError
+    from dist_nce.zeshel.data import store_conflicts
+
+    ensure_zeshel_stores(config(tmp_path, tiny_model_dir), lambda _m: None)  # generates the tree in src/
+    real = ["zeshel.synthetic_entities_per_world=0", f"data.zeshel_root={tmp_path / 'src'}",
+            f"data.prepared_dir={tmp_path / 'own_train'}", f"zeshel.eval_store={tmp_path / 'own_eval'}"]
+    ensure_zeshel_stores(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip"), lambda _m: None)
+    assert store_conflicts(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip")) == []
+    said = store_conflicts(config(tmp_path, tiny_model_dir, *real))
+    assert said == [f"{tmp_path / s} already holds a prepared store from other inputs (differs in: on_bad_record); "
+                    "replace it (kb.prepare --overwrite) or prepare into another directory"
+                    for s in ("own_train", "own_eval")], said
+    with pytest.raises(ConfigError, match="differs in: on_bad_record"):
+        _check_existing_store(config(tmp_path, tiny_model_dir, *real))  # the job's --dry-run hook
+    with pytest.raises(ValueError, match="differs in: on_bad_record"):  # what the run says
+        ensure_zeshel_stores(config(tmp_path, tiny_model_dir, *real), lambda _m: None)
+    assert store_conflicts(config(tmp_path, tiny_model_dir, "data.on_bad_record=skip")) == []  # synthetic
