@@ -204,7 +204,8 @@ def linking_report(
     r = _int_array(ranked, "ranked", 2)
     g = _int_array(gold, "gold", 1)
     _check_n(r.shape[0], gold=g)
-    beyond = sorted({k for k in ks if k > r.shape[1]} | ({k_norm} if pred is not None and k_norm > r.shape[1] else set()))
+    asked = {*ks, *([k_norm] if pred is not None else [])}
+    beyond = sorted(k for k in asked if k > r.shape[1])
     if beyond:
         raise ValueError(f"linking_report: recall@{beyond} needs that many ranked candidates, got K={r.shape[1]}")
     top1 = r[:, 0] if r.shape[1] else np.full(g.shape, PAD)

@@ -83,8 +83,9 @@ def check_listed(directory: Path, split: str, path: Path) -> None:
     listed = m.get("splits") or {}
     if split not in listed or listed[split].get("file") != path.name:
         raise CandidateFileError(f"{path}: not written by the retriever run that {manifest} describes (it lists "
-                         f"{', '.join(sorted(listed)) or 'no split'}): an earlier run's file. Run the retriever "
-                         f"with {split} in zeshel.candidate_splits, or use that earlier run's directory")
+                                 f"{', '.join(sorted(listed)) or 'no split'}): an earlier run's file. Run the "
+                                 f"retriever with {split} in zeshel.candidate_splits, or use that earlier run's "
+                                 "directory")
 
 
 def read_split_candidates(directory: str | Path, split: str, fmt: Format) -> tuple[dict[str, list[str]], Path]:

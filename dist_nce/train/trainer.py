@@ -140,7 +140,6 @@ def check_existing_store(cfg: TrainJobConfig) -> None:
     from pathlib import Path
 
     from dist_nce.core.config import ConfigError
-
     from dist_nce.train.data import store_conflict
 
     store = Path(cfg.data.prepared_dir)

@@ -121,7 +121,8 @@ def test_a_malformed_source_line_stops_the_job_with_its_key_or_is_skipped(tmp_pa
 
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'kb'} already holds a prepared store from other inputs "
                                           r"\(differs in: on_bad_record\)"):
-        check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "data.synthetic_entities=0"))
+        check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets,
+                                         "data.synthetic_entities=0"))
     check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "data.synthetic_entities=0",
                                      "data.on_bad_record=skip"))
     with pytest.raises(ValueError, match="differs in: on_bad_record"):  # what the run says, for comparison
