@@ -144,6 +144,17 @@ def test_a_missing_shipped_path_run_elsewhere_says_where_it_is(tmp_path, tiny_mo
 
 # --------------------------------------------------------------------------- a rerun that cannot resume
 
+def save_both_ranks(engine, directory: Path, step: int, plan: dict) -> None:
+    """What the plan's two workers write into one checkpoint directory, from this one-process engine: each
+    rank's part, and rank 0's ZeRO partition copied as rank 1's (the engine holds rank 0's only)."""
+    from dist_nce.worker import checkpoint
+
+    for rank in (1, 0):
+        checkpoint.save(engine, directory, checkpoint.WorkerState(step=step), rank=rank, plan=plan)
+    for part in directory.rglob("*zero_pp_rank_0_*"):
+        part.with_name(part.name.replace("rank_0_", "rank_1_")).write_bytes(part.read_bytes())
+
+
 @pytest.fixture(scope="module")
 def engine(dist_env):
     from dist_nce.worker.engine import build_engine, load_deepspeed_config
@@ -179,9 +190,8 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
     run_dir = Path(cfg.run.storage_path) / cfg.run.name
     plan = plan_for(cfg).as_dict()
 
-    def save(name: str, step: int, plan: dict) -> None:  # what each of the plan's two workers writes
-        for rank in (1, 0):
-            checkpoint.save(engine, run_dir / name, checkpoint.WorkerState(step=step), rank=rank, plan=plan)
+    def save(name: str, step: int, plan: dict) -> None:
+        save_both_ranks(engine, run_dir / name, step, plan)
         assert checkpoint.incomplete(run_dir / name) is None
 
     save("checkpoint_000000", 2, plan)
@@ -247,7 +257,6 @@ def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_
     from dist_nce.cli.aida_finetune import main
     from dist_nce.cli.common import interrupted
     from dist_nce.train.trainer import plan_for
-    from dist_nce.worker import checkpoint
     from dist_nce.worker.launch import SNAPSHOT
 
     def abort(*a, **k):
@@ -276,11 +285,7 @@ def test_a_ctrl_c_during_training_says_how_to_go_on(tmp_path, own, engine, tiny_
     cfg = tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets[:3])
     run_dir = Path(cfg.run.storage_path) / cfg.run.name
     for step in (4, 5):
-        for rank in (1, 0):
-            checkpoint.save(engine, run_dir / f"step_{step:08d}", checkpoint.WorkerState(step=step), rank=rank,
-                            plan=plan_for(cfg).as_dict())
-        for part in (run_dir / f"step_{step:08d}").rglob("*zero_pp_rank_0_*"):  # this one-process engine wrote
-            part.with_name(part.name.replace("rank_0_", "rank_1_")).write_bytes(part.read_bytes())  # rank 0's only
+        save_both_ranks(engine, run_dir / f"step_{step:08d}", step, plan_for(cfg).as_dict())
     # stopped before Ray Train recorded either (no snapshot): the rerun resumes the newest whole one
     assert interrupted(cfg.run) == 130
     assert capsys.readouterr().err == \
