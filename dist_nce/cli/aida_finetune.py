@@ -41,8 +41,14 @@ from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_pa
 
 
 def _check_existing_store(cfg: TrainJobConfig) -> None:
+    from dist_nce.core.config import ConfigError
+    from dist_nce.train.data import store_conflict
     from dist_nce.train.trainer import check_existing_store
 
+    # the store this job prepares (the Zeshel job prepares its own: zeshel.data.store_conflicts)
+    problem = store_conflict(cfg.data, cfg.model.retriever.mention_model)
+    if problem:
+        raise ConfigError(problem)
     check_existing_store(cfg)
 
 

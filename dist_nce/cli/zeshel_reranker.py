@@ -59,11 +59,9 @@ def check_rerun(cfg: RerankJobConfig, plan: RerankPlan | None = None) -> None:
 
     if cfg.run.backend == "local":
         return
-    storage = launch.storage_uri(cfg.run.storage_path)
-    if launch.resume_point(storage, cfg.run.name) is None:
-        return
     try:  # a data error (a candidates file, too few mentions) is one too, said as the run would say it
-        launch.check_rerun(storage, cfg.run.name, (plan or make_plan(cfg, load_training_set(cfg))).as_dict())
+        launch.check_rerun(launch.storage_uri(cfg.run.storage_path), cfg.run.name,
+                           lambda: (plan or make_plan(cfg, load_training_set(cfg))).as_dict())
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

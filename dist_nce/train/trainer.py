@@ -112,13 +112,10 @@ def check_resume(cfg: TrainJobConfig) -> None:
     the workers find out, each restart (``run.max_failures``) logging their tracebacks, after the shards
     have encoded the KB."""
     from dist_nce.core.config import ConfigError
-    from dist_nce.worker.launch import check_rerun, resume_point, storage_uri
+    from dist_nce.worker.launch import check_rerun, storage_uri
 
-    storage = storage_uri(cfg.run.storage_path)
-    if resume_point(storage, cfg.run.name) is None:  # nothing to resume (or a remote storage): no plan needed
-        return
     try:
-        check_rerun(storage, cfg.run.name, plan_for(cfg).as_dict())
+        check_rerun(storage_uri(cfg.run.storage_path), cfg.run.name, lambda: plan_for(cfg).as_dict())
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -140,14 +137,10 @@ def check_existing_store(cfg: TrainJobConfig) -> None:
     from pathlib import Path
 
     from dist_nce.core.config import ConfigError
-    from dist_nce.train.data import store_conflict
 
     store = Path(cfg.data.prepared_dir)
     if not (store / "manifest.json").is_file():
         return
-    problem = store_conflict(cfg.data, cfg.model.retriever.mention_model)  # the run would refuse to prepare over it
-    if problem:
-        raise ConfigError(problem)
     try:
         check_prepared(cfg, str(store))
     except ValueError as e:

@@ -47,9 +47,7 @@ def recover_unrecorded(storage_path: str, name: str, log: Callable[[str], None] 
 
     snapshot_read = read_snapshot(storage_path, name)
     run_dir = Path(storage_path) / name
-    if snapshot_read is not None and snapshot_read != CUT:
-        return None
-    if snapshot_read is None and ("://" in storage_path or not run_dir.is_dir()):
+    if not _unrecorded(storage_path, snapshot_read, run_dir):
         return None
     snapshot = run_dir / SNAPSHOT
     found = whole_checkpoints(run_dir, log)
@@ -80,7 +78,7 @@ def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
 
     snapshot = read_snapshot(storage_path, name)
     run_dir = Path(storage_path) / name
-    if snapshot == CUT or (snapshot is None and "://" not in storage_path and run_dir.is_dir()):
+    if _unrecorded(storage_path, snapshot, run_dir):
         found = whole_checkpoints(run_dir)
         if not found:
             return None
@@ -91,11 +89,12 @@ def resume_point(storage_path: str, name: str) -> tuple[int, Any] | None:
     return None if step is None else (int(step), run_dir / latest["checkpoint_dir_name"])
 
 
-def check_rerun(storage_path: str, name: str, plan: dict[str, Any]) -> None:
-    """Refuse (ValueError naming each difference) a rerun of run ``name`` whose ``plan`` (a plan's
-    ``as_dict()``) differs from that of the checkpoint it would resume from (:func:`resume_point`), before
-    any cluster work: the workers refuse it too, but each restart (``run.max_failures``) logs a traceback
-    and the job ends in Ray Train's error. A remote storage is left to the workers."""
+def check_rerun(storage_path: str, name: str, plan: Callable[[], dict[str, Any]]) -> None:
+    """Refuse (ValueError naming each difference) a rerun of run ``name`` whose plan (``plan()``, a plan's
+    ``as_dict()``, made only when there is a checkpoint to compare) differs from that of the checkpoint it
+    would resume from (:func:`resume_point`), before any cluster work: the workers refuse it too, but each
+    restart (``run.max_failures``) logs a traceback and the job ends in Ray Train's error. A remote storage
+    is left to the workers."""
     from dist_nce.core.artifacts import read_manifest
     from dist_nce.worker.checkpoint import KIND, check_resumable
 
@@ -106,10 +105,16 @@ def check_rerun(storage_path: str, name: str, plan: dict[str, Any]) -> None:
         manifest = read_manifest(point[1], KIND)
     except (OSError, ValueError):  # gone or unreadable: what the rerun then does is Ray Train's to say
         return
-    check_resumable(manifest, plan, str(point[1]))
+    check_resumable(manifest, plan(), str(point[1]))
 
 
 CUT = "cut"  # read_snapshot: the snapshot is there but does not parse
+
+
+def _unrecorded(storage_path: str, snapshot: dict[str, Any] | str | None, run_dir: Any) -> bool:
+    """Ray Train's snapshot (:func:`read_snapshot`) leaves the run's checkpoints unrecorded: cut off, or
+    absent from a local run directory that exists."""
+    return snapshot == CUT or (snapshot is None and "://" not in storage_path and run_dir.is_dir())
 
 
 def read_snapshot(storage_path: str, name: str) -> dict[str, Any] | str | None:

@@ -37,7 +37,7 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     from dist_nce.train.data import skip_hint
     from kb.prepare import ensure_store
 
-    present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
+    present = _present(root, splits)
     if not present:
         raise ConfigError(f"{root}: no mentions/{{{','.join(splits)}}}.json: the {worlds} worlds' store needs at "
                           f"least one of these mention splits")
@@ -48,6 +48,11 @@ def prepare_store(root: str, out: str, worlds: str, splits: tuple[str, ...], cfg
     with skip_hint():
         ensure_store(_prepare_config(root, out, worlds, present, cfg), log, regenerate_from=_regenerated(cfg, root))
     return out
+
+
+def _present(root: str, splits: tuple[str, ...]) -> list[str]:
+    """Those of ``splits`` whose mentions file the tree has."""
+    return [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
 
 
 def _prepare_config(root: str, out: str, worlds: str, present: list[str], cfg: ZeshelRetrieverConfig):
@@ -77,7 +82,7 @@ def store_conflicts(cfg: ZeshelRetrieverConfig) -> list[str]:
     out = []
     for store, worlds, splits in ((cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS),
                                   (cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS)):
-        present = [s for s in splits if (Path(root) / "mentions" / f"{s}.json").is_file()]
+        present = _present(root, splits)
         problem = conflict(_prepare_config(root, store, worlds, present, cfg), _regenerated(cfg, root)) \
             if present else None
         out += [problem] if problem else []

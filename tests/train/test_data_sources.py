@@ -117,7 +117,7 @@ def test_a_malformed_source_line_stops_the_job_with_its_key_or_is_skipped(tmp_pa
     assert got["skipped"]["records"][0]["line"] == 8
     # --dry-run (check_existing_store) without the skip: refused as the run refuses to prepare over that store,
     # not "OK" and then refused at once by the run; with it, OK
-    from dist_nce.train.trainer import check_existing_store
+    from dist_nce.cli.aida_finetune import _check_existing_store as check_existing_store  # the job's --dry-run hook
 
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'kb'} already holds a prepared store from other inputs "
                                           r"\(differs in: on_bad_record\)"):

@@ -120,6 +120,7 @@ def test_dry_run_refuses_a_store_the_run_would_refuse_to_prepare_over(tmp_path, 
             f"data.prepared_dir={tmp_path / 'own_train'}", f"zeshel.eval_store={tmp_path / 'own_eval'}"]
     ensure_zeshel_stores(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip"), lambda _m: None)
     assert store_conflicts(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip")) == []
+    _check_existing_store(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip"))  # OK, as the run
     said = store_conflicts(config(tmp_path, tiny_model_dir, *real))
     assert said == [f"{tmp_path / s} already holds a prepared store from other inputs (differs in: on_bad_record); "
                     "replace it (kb.prepare --overwrite) or prepare into another directory"
