@@ -9,7 +9,7 @@ The integers are the same as torch's (splitmix64 of (seed, query key, row), wrap
 arithmetic), and so are u = ((h >> 11) + 1/2) 2^-53 and -log(-log u) in float64; the logs are
 the device's (libdevice on CUDA, numpy in the interpreter), which may round the last bit
 differently from torch's. Every shard and the flat search of the GPU path use this function
-alike, so sharded == flat holds bit for bit; ``tests/kernels/test_triton_kernels.py`` checks it
+alike, so sharded == flat holds bit for bit; ``tests/sampling/test_block_fused.py`` checks it
 against ``gumbel_noise``.
 """
 from __future__ import annotations

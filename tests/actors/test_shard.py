@@ -1,6 +1,6 @@
 """EntityShard as a plain object (no Ray): encode loop, persist-then-swap, reload, refusal.
 
-The Ray actor is this same class (``dist_nce.actors.shard.start_shard``); tests/index/
+The Ray actor is this same class (``dist_nce.actors.shard.start_shard``); tests/actors/
 test_service.py covers what only Ray adds (threads, restarts, retries).
 """
 from __future__ import annotations

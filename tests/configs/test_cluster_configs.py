@@ -312,9 +312,9 @@ def test_launcher_validation_rejects_a_broken_config():
     """Guards the test above: Ray's validation does reject a bad config here."""
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    config = _load(LAUNCHER[0])
+    config = _rendered(LAUNCHER[0])  # the config the test above passes, with this one fault
     config["head_node_type"] = "no_such_type"
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="`head_node_type` must be one of `available_node_types`"):
         validate_config(prepare_config(config))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import dist_nce.index.encode as encode_module
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.core.config import ConfigError, from_dict
 from dist_nce.index.encode import (Precision, autocast_dtype, compile_encoder, compile_wanted, encode_batch,
@@ -83,7 +84,15 @@ def test_encode_precision_resolves_the_settings(monkeypatch):
     assert encode_precision("fp32", "fp32", CPU) == Precision(FP32, None)
     for dtype in ("auto", "bf16"):  # bf16 weights: the whole forward in bf16, no autocast
         assert encode_precision(dtype, "bf16", CPU) == Precision(BF16, None)
-    assert encode_precision("auto", "auto", CPU) == Precision(FP32, autocast_dtype("auto", CPU))  # CPUs keep fp32
+    # auto on a CPU: bf16 autocast over fp32 weights where oneDNN has bf16 kernels (AVX512-BF16/AMX),
+    # fp32 elsewhere (AVX2-only CI machines); both branches forced, whatever this CPU has
+    monkeypatch.setattr(encode_module, "_cpu_has_fast_bf16", lambda: True)
+    assert autocast_dtype("auto", CPU) is BF16
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, BF16)
+    monkeypatch.setattr(encode_module, "_cpu_has_fast_bf16", lambda: False)
+    assert autocast_dtype("auto", CPU) is None
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
+    monkeypatch.undo()
     assert encode_precision("bf16", "auto", CPU) == Precision(FP32, BF16)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert encode_precision("auto", "auto", CUDA) == Precision(BF16, None)  # a GPU holds bf16 weights

@@ -150,13 +150,15 @@ def test_mine_epoch_in_requests_equals_one_request():
     kw = dict(gold=lambda i: torch.from_numpy(i % 11), keys=lambda i: torch.from_numpy(i * 10), seed=lambda c: c)
     whole, _ = mine_epoch(service, SAMPLING, Weights().encode, mentions, request_size=100, **kw)
     service.served = 4
-    chunked, wait = mine_epoch(service, SAMPLING, Weights().encode, mentions, request_size=7, max_in_flight=3, **kw)
+    ticks = iter(range(100))  # a clock that advances 1 s a reading: each wait for a result reads it twice
+    chunked, wait = mine_epoch(service, SAMPLING, Weights().encode, mentions, request_size=7, max_in_flight=3,
+                               clock=lambda: float(next(ticks)), **kw)
     assert whole.ids.shape == (5, 6, 3) and torch.equal(whole.ids, chunked.ids)
     assert torch.equal(whole.hard, chunked.hard) and chunked.version.tolist() == [4] * 5
     assert len([c for c in service.calls if c[0] == "mine"]) == 1 + 5  # ceil(30 / 7) requests
     step = chunked.step(2)
     assert torch.equal(step.negatives.ids, chunked.ids[2]) and step.version == 4
-    assert wait >= 0.0
+    assert wait == 5.0  # the time blocked on each of the 5 results, summed
 
 
 def test_epoch_negatives_round_trip_through_tensors():

@@ -104,4 +104,6 @@ def test_query_keys_and_request_seeds_are_unique_and_stable():
     assert keys.dtype == torch.int64 and len(keys.unique()) == 300
     seeds = {request_seed(0, e, t, r) for e in range(3) for t in range(20) for r in range(4)}
     assert len(seeds) == 240 and all(0 <= s < 2 ** 63 for s in seeds)
-    assert request_seed(5, 1, 2, 3) == request_seed(5, 1, 2, 3)
+    # Stable across processes and releases: a run resumed from an older checkpoint must mine with the seeds
+    # its first part used (NumPy keeps SeedSequence's output fixed), so the values are pinned.
+    assert request_seed(5, 1, 2, 3) == 5935399399268843021 and request_seed(0, 0, 0, 0) == 7896617691693857887
