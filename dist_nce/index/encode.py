@@ -40,23 +40,28 @@ log = logging.getLogger(__name__)
 _TOLD: set[str] = set()
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
+    """Whether torch runs bf16 GEMMs on this CPU's bf16 units (oneDNN built in, and
+    :func:`~dist_nce.kernels.build.bf16_units_missing` finds the units)."""
+    from dist_nce.kernels.build import bf16_units_missing
+
     try:  # what torch itself consults before picking oneDNN bf16 kernels
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+    return onednn and bf16_units_missing() is None
 
 
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """``ServiceConfig.encode_dtype`` -> the autocast dtype on ``device`` (None = fp32).
 
     ``auto`` picks bf16 where the device runs it fast (CUDA with bf16 support; CPUs with
-    AVX512-BF16/AMX, ~2.3x faster than fp32 for MiniLM here), else fp32.
+    AVX512-BF16/AMX, ~2.3x faster than fp32 for MiniLM here: :func:`cpu_has_fast_bf16`), else fp32.
     """
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-        return torch.bfloat16 if _cpu_has_fast_bf16() else None
+        return torch.bfloat16 if cpu_has_fast_bf16() else None
     if name not in _AUTOCAST:
         raise ValueError(f"encode_dtype must be one of auto, {', '.join(_AUTOCAST)}; got {name!r}")
     return _AUTOCAST[name]

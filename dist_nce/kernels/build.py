@@ -127,6 +127,33 @@ def missing_flags(name: str) -> str | None:
     return "; ".join(why) or None
 
 
+# oneDNN ISAs (``$ONEDNN_MAX_CPU_ISA``, lower case) below avx512_core_bf16: capped at one of these,
+# oneDNN converts bf16 to fp32 in software even on a CPU with bf16 units
+_ONEDNN_BELOW_BF16 = frozenset({"sse41", "avx", "avx2", "avx2_vnni", "avx512_core", "avx512_core_vnni"})
+BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def bf16_units_missing() -> str | None:
+    """Why torch's CPU bf16 GEMMs would be emulated here, or None where the CPU has bf16 units.
+
+    torch's own probe (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) answers yes on every
+    AVX512BW/VL/DQ CPU, also Skylake-to-Ice-Lake servers without AVX512-BF16, where oneDNN converts
+    bf16 in software: a bf16 autocast GEMM measured 4.0x the fp32 one on this machine with oneDNN
+    capped at ``AVX512_CORE`` (0.18x uncapped). So bf16 counts as fast only with AVX512-BF16 or
+    AMX-BF16 visible (``$DIST_NCE_NATIVE_MASK`` hides them as it does from the kernels) and oneDNN
+    not capped below them.
+    """
+    have, hidden = cpu_flags(), masked_flags()
+    if not any(f in have for f in BF16_UNIT_FLAGS):
+        return f"this CPU lacks {' and '.join(BF16_UNIT_FLAGS)}"
+    if all(f in hidden or f not in have for f in BF16_UNIT_FLAGS):
+        return f"{MASK} hides {', '.join(f for f in BF16_UNIT_FLAGS if f in have)}"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    if cap in _ONEDNN_BELOW_BF16:
+        return f"ONEDNN_MAX_CPU_ISA={cap.upper()} keeps oneDNN below its bf16 instructions"
+    return None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("DIST_NCE_NATIVE_CACHE") or Path.home() / ".cache" / "dist_nce" / "native")
 

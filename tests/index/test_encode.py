@@ -86,13 +86,22 @@ def test_encode_precision_resolves_the_settings(monkeypatch):
         assert encode_precision(dtype, "bf16", CPU) == Precision(BF16, None)
     # auto on a CPU: bf16 autocast over fp32 weights where oneDNN has bf16 kernels (AVX512-BF16/AMX),
     # fp32 elsewhere (AVX2-only CI machines); both branches forced, whatever this CPU has
-    monkeypatch.setattr(encode_module, "_cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(encode_module, "cpu_has_fast_bf16", lambda: True)
     assert autocast_dtype("auto", CPU) is BF16
     assert encode_precision("auto", "auto", CPU) == Precision(FP32, BF16)
-    monkeypatch.setattr(encode_module, "_cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(encode_module, "cpu_has_fast_bf16", lambda: False)
     assert autocast_dtype("auto", CPU) is None
     assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
     monkeypatch.undo()
+    # the probe itself, on this machine: a CPU without bf16 units (reproduced by the mask, as on AVX2 or
+    # AVX512-without-BF16 CI machines) encodes in fp32, where torch's own probe would have said bf16
+    monkeypatch.setenv("DIST_NCE_NATIVE_MASK", "avx512_bf16,amx_bf16")
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
+    monkeypatch.delenv("DIST_NCE_NATIVE_MASK")
+    from dist_nce.kernels.build import bf16_units_missing
+
+    units = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and bf16_units_missing() is None
+    assert autocast_dtype("auto", CPU) is (BF16 if units else None)
     assert encode_precision("bf16", "auto", CPU) == Precision(FP32, BF16)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert encode_precision("auto", "auto", CUDA) == Precision(BF16, None)  # a GPU holds bf16 weights

@@ -135,3 +135,30 @@ def test_the_mask_hides_flags_from_every_check(monkeypatch):
     monkeypatch.setenv(native.MASK, "avx2;rm")
     with pytest.raises(ValueError, match="DIST_NCE_NATIVE_MASK takes CPU flag names"):
         native.missing_flags("block_fp32")
+
+
+# a Cascade Lake server's AVX512 (torch's own probe says bf16 there; oneDNN emulates it)
+AVX512_NO_BF16 = AVX2_LAPTOP | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}
+
+
+def test_bf16_units_need_avx512_bf16_or_amx(monkeypatch):
+    monkeypatch.delenv(native.MASK, raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for flags in (AVX2_LAPTOP, AVX512_NO_BF16):
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
+        assert native.bf16_units_missing() == "this CPU lacks avx512_bf16 and amx_bf16"
+    for flags in ({"avx512_bf16"}, {"amx_bf16"}, {"avx512_bf16", "amx_bf16"}):
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: AVX512_NO_BF16 | flags)
+        assert native.bf16_units_missing() is None
+    # the mask reproduces a CPU without them; hiding one of two leaves the other
+    monkeypatch.setenv(native.MASK, "avx512_bf16")
+    assert native.bf16_units_missing() is None
+    monkeypatch.setenv(native.MASK, "avx512_bf16 amx_bf16")
+    assert native.bf16_units_missing() == "DIST_NCE_NATIVE_MASK hides avx512_bf16, amx_bf16"
+    monkeypatch.delenv(native.MASK)
+    # oneDNN capped below its bf16 instructions emulates them whatever the CPU has
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert native.bf16_units_missing() == "ONEDNN_MAX_CPU_ISA=AVX512_CORE keeps oneDNN below its bf16 instructions"
+    for cap in ("AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL", ""):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert native.bf16_units_missing() is None
