@@ -37,7 +37,9 @@ them) that every kernel check treats as absent, read at every check like the swi
 ``avx512_bf16`` makes this machine choose what a CPU without AVX512-BF16 chooses (the AVX2
 kernel), ``avx2`` what one without AVX2 chooses (torch). It serves to reproduce another CPU's
 path on one machine (the tests, ``benchmarks/mining.py``'s AVX2 row) and to keep a mixed
-fleet on one kernel; it can only take kernels away, never enable one the CPU lacks.
+fleet on one kernel; it can only take kernels away, never enable one the CPU lacks. The shards'
+``encode_dtype: auto`` reads it too (:func:`bf16_units_missing`): hiding avx512_bf16 and amx_bf16
+makes them encode in fp32, as on a CPU without bf16 units.
 """
 from __future__ import annotations
 
