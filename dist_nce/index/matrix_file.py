@@ -147,6 +147,14 @@ def _only_tensor(obj: Any, source: str) -> _Tensor:
 
 
 def _open_zip(path: Path) -> MatrixFile:
+    try:
+        return _read_zip(path)
+    except (zipfile.BadZipFile, EOFError) as exc:  # a cut copy loses the zip's directory, stored at its end
+        raise MatrixFileError(f"{path}: not a whole zip file (truncated or damaged: {exc}); "
+                              "copy the torch.save file again") from None
+
+
+def _read_zip(path: Path) -> MatrixFile:
     source = str(path)
     with zipfile.ZipFile(path) as z:
         names = z.namelist()

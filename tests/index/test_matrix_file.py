@@ -72,7 +72,7 @@ def test_a_hostile_pickle_is_refused_without_running_it(tmp_path, capsys):
     assert "pwned" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["3d", "two", "noncontig", "truncated", "text", "int"])
+@pytest.mark.parametrize("case", ["3d", "two", "noncontig", "truncated", "zip-truncated", "text", "int"])
 def test_bad_files_get_errors_naming_the_file(tmp_path, x, case):
     path = tmp_path / f"{case}.t7"
     if case == "3d":
@@ -84,6 +84,9 @@ def test_bad_files_get_errors_naming_the_file(tmp_path, x, case):
     elif case == "truncated":
         torch.save(x, path, **LEGACY)
         path.write_bytes(path.read_bytes()[:-40])
+    elif case == "zip-truncated":  # a copy cut short loses the zip's central directory
+        torch.save(x, path)
+        path.write_bytes(path.read_bytes()[:600])
     elif case == "text":
         path.write_text("not a matrix\n")
     else:
