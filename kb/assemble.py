@@ -214,9 +214,28 @@ def _resolve(store: EntityStore, gold_ids: list, gold_titles: list) -> tuple[np.
     return rows, status, ambiguous
 
 
-def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStore, max_len: int) -> dict:
+def _repeated_mention_ids(chunk: Chunk, bad: BadRecordLog) -> pa.Table:
+    """``chunk.table`` without the rows whose mention id an earlier row of the split has, each reported to
+    ``bad`` (under the error policy the first raises). Ids compare as KILT compares them (stripped strings):
+    KILT scores a guess file keyed by id, and linking reports answer by id."""
+    first: dict[str, int] = {}
+    keep = np.ones(chunk.table.num_rows, dtype=bool)
+    for row, mention_id in enumerate(chunk.table.column("mention_id").to_pylist()):
+        key = str(mention_id).strip()
+        if key in first:
+            path, line = _where(chunk, row)
+            first_line = _where(chunk, first[key])[1]
+            bad.report(path, line, f"duplicate mention id {mention_id!r} (first at line {first_line})")
+            keep[row] = False
+        else:
+            first[key] = row
+    return chunk.table if keep.all() else chunk.table.filter(pa.array(keep))
+
+
+def assemble_mentions(out_dir: Path, split: str, chunk: Chunk, store: EntityStore, max_len: int,
+                      bad: BadRecordLog) -> dict:
     """Write ``mentions/<split>/mentions.arrow``; return the split's manifest section."""
-    table = chunk.table
+    table = _repeated_mention_ids(chunk, bad)
     gold_ids = table.column("gold_source_id").to_pylist()
     gold_titles = table.column("gold_title").to_pylist()
     rows, status, ambiguous = _resolve(store, gold_ids, gold_titles)

@@ -348,7 +348,7 @@ def _build(cfg: PrepareConfig, dest: Path, todo: Plan, spec: dict, tok_fp: dict,
     shutil.rmtree(dest / MENTIONS_DIR, ignore_errors=True)  # splits of an earlier attempt
     mentions = {}
     for (split, _, path), chunk in zip(todo.mention_tasks, mention_chunks):
-        section = assemble_mentions(dest, split, chunk, store, cfg.mention_max_len)
+        section = assemble_mentions(dest, split, chunk, store, cfg.mention_max_len, assembly_bad)
         section["source"] = str(path)
         section["gold_resolution"] = gold_resolution(section["gold"], cfg.min_gold_resolution)
         for warning in (resolution_warning(split, str(path), section["gold_resolution"]),

@@ -57,7 +57,7 @@ from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json, write_m
 from dist_nce.core.config import AT_LEAST_1, ConfigError, from_dict, load_config, parse_overrides, to_dict
 from dist_nce.core.flags import FlagParser, checked, existing, int_list, names, number
 from dist_nce.core.text import tokenizer_fingerprint
-from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, kilt_scores, read_jsonl, write_guess_file
+from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, id_lines, kilt_scores, read_jsonl, write_guess_file
 from dist_nce.eval.metrics import recall_at_k
 from dist_nce.index.encode import state_fingerprint, store_fingerprint
 from dist_nce.modeling.resolve import load_retriever
@@ -179,12 +179,11 @@ def open_searcher(args: argparse.Namespace, retriever: Retriever, store: EntityS
 
 
 def evaluate_split(args: argparse.Namespace, retriever: Retriever, store: EntityStore, searcher: Searcher,
-                   mentions: MentionTable, gold_file: Path, ks: list[int]) -> dict:
-    """Retrieve, write the guess file, score it if the file has answers."""
+                   mentions: MentionTable, gold_file: Path, records: list[dict], ks: list[int]) -> dict:
+    """Retrieve, write the guess file, score it if ``records`` (``gold_file``'s) have answers."""
     split = mentions.split
     got = retrieve(retriever, mentions, searcher, args.k, batch_size=args.batch_size, progress=args.progress,
                    desc=f"retrieve {split}")
-    records = read_jsonl(gold_file)
     ids = [r["id"] for r in records]
     ranked, answers, n_absent = guess_rows(ids, mentions.mention_ids, got.rows, store)
     guess = Path(args.out) / f"{split}_guess.jsonl"
@@ -225,6 +224,9 @@ def evaluate(args: argparse.Namespace, cfg: ServiceConfig) -> int:
             "the directory the store was prepared from; pass --aida-dir" if recorded else "no --aida-dir given"
         raise FileNotFoundError(f"{aida_dir} ({where}): AIDA files not found: {', '.join(missing)} (KILT's file "
                                 f"names; --splits picks the splits: {', '.join(splits)})")
+    gold = {s: read_jsonl(files[s]) for s in splits}  # before any retrieval: a bad line or repeated id ends it
+    for s in splits:
+        id_lines(gold[s], files[s])
     tables = {s: MentionTable(args.store, s) for s in splits}
     fit_backend(args, cfg, is_inner_product(retriever.spec))
 
@@ -232,7 +234,8 @@ def evaluate(args: argparse.Namespace, cfg: ServiceConfig) -> int:
     with contextlib.ExitStack() as stack:
         searcher, snapshot = open_searcher(args, retriever, store, cfg, stack)
         t_index = time.perf_counter() - t0
-        results = {s: evaluate_split(args, retriever, store, searcher, tables[s], files[s], ks) for s in splits}
+        results = {s: evaluate_split(args, retriever, store, searcher, tables[s], files[s], gold[s], ks)
+                   for s in splits}
 
     print_table(results, ks)
     report = {"model": str(Path(args.model).resolve()), "store": str(Path(args.store).resolve()), "k": args.k,

@@ -131,6 +131,17 @@ def _key(rec: dict) -> str:
     return str(rec["id"]).strip()
 
 
+def id_lines(records: list[dict], path: str | Path) -> dict[str, int]:
+    """{id as KILT compares it: line in ``path``} of ``read_jsonl(path)``; a repeated id is an error naming
+    both lines (KILT keys its guesses by id: the second would silently take the first one's score)."""
+    lines: dict[str, int] = {}
+    for lineno, rec in enumerate(records, 1):
+        if _key(rec) in lines:
+            raise KiltFileError(f"{path}:{lineno}: duplicate id {rec['id']!r} (first at line {lines[_key(rec)]})")
+        lines[_key(rec)] = lineno
+    return lines
+
+
 def align(
     gold: list[dict],
     guess: list[dict],
@@ -152,11 +163,7 @@ def align(
             raise KiltFileError(f"{where}: gold 'provenance' must be a list")
         if not isinstance(g.get("input"), str):
             raise KiltFileError(f"{where}: gold needs an 'input' string (KILT's entity_in_input reads it)")
-    gold_line: dict[str, int] = {}
-    for lineno, g in enumerate(gold, 1):
-        if _key(g) in gold_line:
-            raise KiltFileError(f"{gold_path}:{lineno}: duplicate id {g['id']!r} (first at line {gold_line[_key(g)]})")
-        gold_line[_key(g)] = lineno
+    gold_line = id_lines(gold, gold_path)
     by_id: dict[str, dict] = {}
     guess_line: dict[str, int] = {}
     for lineno, p in enumerate(guess, 1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,26 @@ def test_job_refuses_a_store_of_another_tokenizer(setup, tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "tokenizer_sha256" in r.stderr and "re-run jobs/prepare_kb.py" in r.stderr
+
+
+def test_a_repeated_gold_id_is_refused_before_retrieval(setup, tmp_path):
+    """A gold file changed after prepare (or another --aida-dir) with an id twice: the error names the gold
+    file and both lines, before any retrieval, and writes nothing (it used to name a guess file never written)."""
+    root, src = setup
+    aida = tmp_path / "aida"
+    shutil.copytree(root / "src", aida)
+    dev = aida / src["dev"].name
+    lines = dev.read_text().splitlines()
+    rec = json.loads(lines[6])
+    rec["id"] = json.loads(lines[1])["id"]
+    lines[6] = json.dumps(rec)
+    dev.write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, str(JOB), "--model", str(root / "model"), "--store", str(root / "kb"), "--out",
+           str(tmp_path / "o"), "--aida-dir", str(aida), "--searcher", "local", "--splits", "dev", "--no-progress"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{dev}:7: duplicate id {rec['id']!r} (first at line 2)" in r.stderr
+    assert "retrieve" not in r.stdout + r.stderr and not (tmp_path / "o").exists()
 
 
 def test_a_blink_biencoder_file_evaluates_like_its_imported_retriever(setup):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -208,6 +209,25 @@ def test_kilt_aida_store_and_gold_resolution(tmp_path, kilt_src, minilm_dir):
     text = summarize(out)
     assert "entities: 90" in text and "mentions train: 5; gold by id 3, by title 1, missing 1" in text
     assert "4 EU" in text
+
+
+def test_duplicate_mention_ids_are_bad_records(tmp_path, kilt_src, minilm_dir):
+    """KILT keys guesses by id (stripped): a repeated id in a split is refused at prepare, not after retrieval."""
+    shared, pages = kilt_src
+    root = tmp_path / "src"  # the fixture's files are shared by the module's tests
+    shutil.copytree(shared, root)
+    dev = root / "aida" / "aidayago2-dev-kilt.jsonl"
+    dev.write_text(aida_line("d1", "Lost", "777", "Lost Page") + "\n"
+                   + aida_line("d2", pages[1][1], str(pages[1][0]), pages[1][1]) + "\n"
+                   + aida_line(" d1", pages[2][1], str(pages[2][0]), pages[2][1]) + "\n")
+    common = dict(kilt_ks=str(root / "ks.json"), aida_dir=str(root / "aida"), model_dir=minilm_dir, chunk_size="2K")
+    with pytest.raises(BadRecord, match=r"aidayago2-dev-kilt.jsonl:3: duplicate mention id ' d1' \(first at line 1\)"):
+        prepare(cfg(tmp_path, **common), **QUIET)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    m = prepare(cfg(tmp_path, on_bad_record="skip", **common), **QUIET)
+    assert [r["mention_id"] for r in mention_rows(tmp_path / "out", "dev")] == ["d1", "d2"]
+    assert m["mentions"]["dev"]["count"] == 2 and m["mentions"]["train"]["count"] == 5
+    assert [(r["path"], r["line"]) for r in m["skipped"]["records"]] == [(str(dev), 3)]
 
 
 def _compare_stores(a: Path, b: Path) -> None:
