@@ -108,6 +108,7 @@ RULES: list[tuple[str, str, str]] = [
     ("shell", r"ray get-auth-token --generate > /dev/null && chmod 600 ~/\.ray/auth_token",
      "writes the token under a scratch HOME"),
     ("shell", r"export RAY_AUTH_MODE=token", "a shell builtin"),
+    ("shell", r"export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS=127\.0\.0\.1:6379", "a shell builtin"),
     ("ray", r"ray start .*", "flags checked against `ray start --help`; not started (port 6379)"),
     ("ray", r"ray job submit .* -- python jobs/\w+\.py .*", "flags checked; the submitted job dry-run"),
     ("dry_run", r"python jobs/(aida_finetune|zeshel_retriever|zeshel_reranker|zeshel_grid|mini_paper)\.py .*",
