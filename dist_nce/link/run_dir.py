@@ -124,6 +124,18 @@ def resolve(run_dir: str | os.PathLike | None, model: str | os.PathLike | None =
     return dataclasses.replace(art, snapshot=_snapshot_dir(snapshot)) if snapshot else art
 
 
+def check_snapshot_for_store(art: RunArtifacts) -> None:
+    """What :func:`snapshot_index` checks of ``art.snapshot`` against ``art.store`` without loading the model:
+    that it exists and indexes the store's rows now (a KB delta since makes it stale). For a caller that
+    starts processes which would each refuse it later (the Serve app's replicas)."""
+    if art.snapshot is None:
+        where = f"{art.run_dir}: no kb_snapshot/ (the run exported none)" if art.run_dir else \
+            f"{art.model}: no KB snapshot to search; give snapshot (the --out of jobs/encode_kb.py)"
+        raise FileNotFoundError(f"{where}; or kb: encode to encode the store in the searcher")
+    manifest = read_manifest(art.snapshot, SNAPSHOT_KIND, SNAPSHOT_SCHEMA)
+    _check_snapshot(art.snapshot, manifest, EntityStore(art.store), None)
+
+
 def _check_snapshot(snapshot: Path, manifest: dict, store: EntityStore, encoder_fingerprint: str | None) -> None:
     n = store.num_entities
     if manifest.get("num_entities") != n:

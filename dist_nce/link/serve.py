@@ -383,15 +383,17 @@ def replica_options(cfg: ServeConfig) -> dict[str, dict]:
 def build_app(args: dict) -> Any:
     """The application for ``serve run`` / ``serve deploy`` (``import_path: dist_nce.link.serve:build_app``);
     ``args`` are :class:`~dist_nce.link.config.ServeConfig` fields (unknown keys refused)."""
-    from dist_nce.link.run_dir import resolve
+    from dist_nce.link.run_dir import check_snapshot_for_store, resolve
 
     cfg = from_dict(ServeConfig, args, "serve args")
     if not cfg.run and not cfg.link.model:
         raise ConfigError("serve args: run: give the run directory (runs/<name>/<time>), or link.model (a retriever "
                           "directory or BLINK biencoder file) and link.store")
-    try:  # a wrong path fails here, before any replica starts
+    try:  # a wrong path, or a snapshot the searcher would refuse, fails here, before any replica starts
         art = resolve(cfg.run or None, cfg.link.model, cfg.link.store, cfg.link.snapshot)
-    except ValueError as e:
+        if cfg.link.searcher == "local" and cfg.link.kb == "snapshot":
+            check_snapshot_for_store(art)
+    except ValueError as e:  # ArtifactMismatch too
         raise ConfigError(f"serve args: {e}") from None
     actor = replica_options(cfg)
     # A replica queues at most max_ongoing_requests calls: room for a full batch and the next one.

@@ -240,7 +240,7 @@ def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, de
         assert_same_ranking(linker.link(docs), local)
 
 
-def test_the_service_searcher_serves_the_stores_current_kb_version(ray_local, tiny_run, tmp_path):
+def test_the_service_searcher_serves_the_stores_current_kb_version(ray_local, tiny_run, tmp_path, capsys):
     """A persisted index encoded before a KB delta (a run's shards, then jobs/update_kb.py): the service
     searcher serves the store's current version, as the in-process encode does: removed entities never
     returned, added ones ranked; k is bounded by the live entities."""
@@ -272,6 +272,20 @@ def test_the_service_searcher_serves_the_stores_current_kb_version(ray_local, ti
     assert after.kb_version == 1 and live == before.num_entities - 1
     with pytest.raises(ValueError, match=r"changed by KB deltas since \(kb_version 1\): link with --searcher service"):
         Linker.from_pretrained(tiny_run, k=4, progress=False, store=str(store))  # the run's snapshot: version 0
+    # The Serve app refuses that snapshot before any replica starts (each replica used to load the model and fail,
+    # three times, and the deploy ended in a traceback), and the command line says so in one line
+    from dist_nce.cli.serve_link import main as serve_link
+    from dist_nce.core.config import ConfigError
+    from dist_nce.link.serve import build_app
+
+    with pytest.raises(ConfigError, match=r"serve args: .*kb_snapshot: \d+ entities, the store .* changed by KB del"):
+        build_app({"run": str(tiny_run), "link": {"store": str(store)}})
+    build_app({"run": str(tiny_run), "link": {"store": str(store), "kb": "encode"}})  # or searcher: service
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"applications:\n- name: link\n  import_path: dist_nce.link.serve:build_app\n  args:\n"
+                      f"    run: {tiny_run}\n    link: {{store: {store}}}\n")
+    assert serve_link([str(config)]) == 2
+    assert "changed by KB deltas since (kb_version 1)" in capsys.readouterr().err
     encoded = Linker.from_pretrained(tiny_run, k=live, progress=False, kb="encode", store=str(store)).link(docs)
     with Linker.from_pretrained(tiny_run, k=live, progress=False, searcher="service", store=str(store),
                                 service=service) as linker:
