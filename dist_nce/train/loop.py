@@ -157,8 +157,10 @@ class Worker(WorkerScaffold):
                                    torch.from_numpy(self.train_gold[self.probe]), cfg.bias.draws,
                                    self.plan.seed) if cfg.bias.every_steps else None
         if cfg.negatives.schedule == "pipelined":
+            # Ahead up to the run's last step, not this job's (run.stop_after_steps): the end checkpoint then
+            # holds the negatives the uninterrupted run mines for the next job's first steps.
             self.prefetcher = NegativePrefetcher(self.service, self.sampling, self.encode, self.request,
-                                                 self.end, cfg.negatives.prefetch)
+                                                 self.plan.total_steps, cfg.negatives.prefetch)
             self.prefetcher.start(self.state.step, self.restored_pending)
 
     # ------------------------------------------------------------------ negatives

@@ -81,6 +81,12 @@ class WorkerScaffold:
         self.setup()
         self.resume()
         self.before_training()
+        # Hugging Face's from_pretrained hands its models over in eval mode (every dropout off) and DeepSpeed
+        # keeps the mode it is given. Before this, the reranker's encoder trained without its dropout, and the
+        # retriever got train mode only from its negatives' mention encodes (which restore it): a run resumed
+        # with restored prefetched negatives encoded nothing first and trained those steps without dropout,
+        # other losses than the uninterrupted run's.
+        self.module.train()
         for step in range(self.state.step, self.end):
             self.after_step(step, self.train_step(step))
         return self.finish()

@@ -39,13 +39,15 @@ def _recording(base):
             pass
 
         def train_step(self, step: int):
+            # every module in train mode (from_pretrained hands the encoder over in eval mode: dropout off)
+            self.modes = [*getattr(self, "modes", []), all(m.training for m in self.module.modules())]
             metrics = super().train_step(step)
             self.losses = [*getattr(self, "losses", []), metrics["train/loss"]]
             return metrics
 
         def finish(self):
             out = super().finish()
-            out["losses"] = list(self.losses)
+            out["losses"], out["modes"] = list(self.losses), list(self.modes)
             out["weights"] = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
             return out
 
@@ -68,6 +70,7 @@ def test_local_worker_takes_the_deepspeed_workers_steps(setup, tiny_model_dir, t
         outs[name] = _recording(base)(cfg, 0, 1, "cpu").run()
     ds, local = outs["deepspeed"], outs["local"]
     assert ds["done"] and local["done"] and len(local["losses"]) == ds["plan"]["total_steps"] >= 8
+    assert all(ds["modes"]) and all(local["modes"]) and len(local["modes"]) == len(local["losses"])
     # Warm-up, decay, weight decay and clipping at 0.5 (it binds) must all match for these to.
     np.testing.assert_allclose(local["losses"], ds["losses"], rtol=1e-6, atol=1e-7)
     # These get no gradient in exact arithmetic: a key bias adds the same amount to every score of
