@@ -103,10 +103,14 @@ def load_zeshel_documents_text(
     return texts
 
 
-def parse_zeshel_mention(line: str, path: str, lineno: int, documents: Mapping[str, str]) -> MentionRecord:
+def parse_zeshel_mention(line: str, path: str, lineno: int, documents: Mapping[str, str] | None,
+                         worlds: Mapping[str, Mapping[str, str]] | None = None) -> MentionRecord:
     """One mention line -> MentionRecord, cut from ``documents[context_document_id]``.
 
-    ``category`` is optional (None when absent); every other field is required.
+    ``category`` is optional (None when absent); every other field is required. ``worlds`` (instead of
+    ``documents``): ``{world: {document_id: text}}`` of the ``documents/<world>.json`` files; the mention's
+    ``corpus`` must be one of them and its context document in that world's file (evaluation groups
+    mentions by world: one whose world has no entities used to pass here and fail after training).
     """
     obj = load_object(line, path, lineno)
     mention_id = require(obj, "mention_id", str, path, lineno)
@@ -118,6 +122,11 @@ def parse_zeshel_mention(line: str, path: str, lineno: int, documents: Mapping[s
     label_id = require(obj, "label_document_id", str, path, lineno)
     category = require(obj, "category", str, path, lineno) if "category" in obj else None
 
+    if worlds is not None:
+        if corpus not in worlds:
+            raise BadRecord(path, lineno, f"corpus {corpus!r} has no documents/{corpus}.json (the worlds with "
+                                          f"one: {', '.join(sorted(worlds)) or 'none'})")
+        documents = worlds[corpus]
     context = documents.get(context_id)
     if context is None:
         raise BadRecord(path, lineno, f"context document {context_id!r} (corpus {corpus!r}) not found in "
@@ -178,9 +187,10 @@ def iter_zeshel_mentions(
     path = Path(root) / "mentions" / f"{split}.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: Zeshel mentions file for split {split!r} not found")
-    if documents is None:
+    worlds = None
+    if documents is None:  # world by world: a mention's context document must be in its own world's file
         needed, corpora = _context_needs(path)
         present = [w for w in sorted(corpora) if (Path(root) / "documents" / f"{w}.json").is_file()]
-        documents = load_zeshel_documents_text(root, present, only=needed, bad=bad) if present else {}
+        worlds = {w: load_zeshel_documents_text(root, [w], only=needed, bad=bad) for w in present}
     docs = documents
-    return read_records(path, lambda line, p, n: parse_zeshel_mention(line, p, n, docs), bad)
+    return read_records(path, lambda line, p, n: parse_zeshel_mention(line, p, n, docs, worlds), bad)

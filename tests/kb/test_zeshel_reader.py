@@ -130,7 +130,22 @@ def test_bad_mention_names_mentions_file_and_line(tmp_path, line, reason):
 
 def test_mention_whose_world_has_no_documents_file(tmp_path):
     root = make_root(tmp_path, [mention_line(), mention_line(corpus="yugioh", context_document_id="Y1")])
-    with pytest.raises(BadRecord, match=r"train\.json:2: context document 'Y1' \(corpus 'yugioh'\) not found"):
+    with pytest.raises(BadRecord, match=r"train\.json:2: corpus 'yugioh' has no documents/yugioh\.json \(the "
+                                        r"worlds with one: lego\)"):
+        list(iter_zeshel_mentions(root, "train"))
+    # also when its context document exists in another world's file (it passed, and evaluation failed after
+    # the whole training run: that world has no entities)
+    root = make_root(tmp_path / "other", [mention_line(), mention_line(corpus="yugioh")])
+    with pytest.raises(BadRecord, match=r"train\.json:2: corpus 'yugioh' has no documents/yugioh\.json"):
+        list(iter_zeshel_mentions(root, "train"))
+
+
+def test_mention_whose_context_document_is_in_another_world(tmp_path):
+    docs = {"lego": [{"document_id": "D1", "title": "w0", "text": DOC}],
+            "muppets": [{"document_id": "D9", "title": "w0", "text": DOC}]}
+    root = make_root(tmp_path, [mention_line(), mention_line(corpus="muppets")], docs)
+    with pytest.raises(BadRecord, match=r"train\.json:2: context document 'D1' \(corpus 'muppets'\) not found in "
+                                        r"documents/muppets\.json"):
         list(iter_zeshel_mentions(root, "train"))
 
 
