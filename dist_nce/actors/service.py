@@ -125,6 +125,12 @@ def even_ranges(n: int, parts: int, grid: int = 1) -> list[tuple[int, int]]:
     return ranges
 
 
+def entity_dim(config: RetrieverConfig) -> int:
+    """The vector width the shards are created with when the caller gives none: the hidden size in the
+    config.json of ``config``'s entity model (its mention model, else the default model)."""
+    return _hidden_size(_model_dir(config))
+
+
 def _model_dir(config: RetrieverConfig) -> str:
     from dist_nce.core.models import default_model_dir
 

@@ -52,8 +52,15 @@ def _check_existing_store(cfg: TrainJobConfig) -> None:
     check_existing_store(cfg)
 
 
+def _check(cfg: TrainJobConfig) -> None:
+    from dist_nce.train.model import check_blink_init
+
+    check_inputs(cfg)
+    check_blink_init(cfg.model, cfg.optim.seed)  # loads the checkpoint: after the cheap checks passed
+
+
 JOB = ConfigJob(TrainJobConfig, "experiment YAML (configs/aida/*.yaml)", with_absolute_paths,
-                lambda cfg: retriever_models(cfg.model), check_inputs, _check_existing_store)
+                lambda cfg: retriever_models(cfg.model), _check, _check_existing_store)
 
 
 def main(argv: list[str] | None = None) -> int:

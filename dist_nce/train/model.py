@@ -25,6 +25,33 @@ MODEL_DIR = "model"
 BLINK_FILE = "biencoder_blink.bin"
 
 
+def check_blink_init(cfg: ModelConfig, seed: int = 0) -> None:
+    """Raise ConfigError when a run from ``cfg.blink_checkpoint`` would fail once its cluster is up: the
+    checkpoint does not load into the architecture of ``model.retriever.mention_model`` (its config.json),
+    or it does but its hidden size is not the one the shards are sized from (that model's, MiniLM's
+    without one). Loads the checkpoint (seconds for BLINK's 2.6 GB file); nothing without one."""
+    if not cfg.blink_checkpoint:
+        return
+    from dist_nce.actors.service import entity_dim
+    from dist_nce.core.config import ConfigError
+
+    r = cfg.retriever
+    arch = r.mention_model
+    try:
+        hidden = build_retriever(cfg, seed).hidden_size
+    except ValueError as e:  # BlinkCheckpointError: a shape the architecture does not have, or no checkpoint
+        where = f" (the architecture is model.retriever.mention_model's: {arch}/config.json)" if arch else ""
+        raise ConfigError(f"model.blink_checkpoint: {e}{where}") from None
+    want = entity_dim(r)
+    if hidden != want:
+        source = ("model.retriever.entity_model" if r.entity_model else "model.retriever.mention_model"
+                  if r.mention_model else "the default model (MiniLM; model.retriever.mention_model is unset)")
+        raise ConfigError(f"model.blink_checkpoint: {cfg.blink_checkpoint} holds encoders of hidden size {hidden}, "
+                          f"but the shards are sized from {source}: {want}; set model.retriever.mention_model to a "
+                          "directory with the checkpoint's config.json and tokenizer (bert-large-uncased for "
+                          "BLINK's released biencoder)")
+
+
 def build_retriever(cfg: ModelConfig, seed: int) -> Retriever:
     torch.manual_seed(seed)
     if cfg.blink_checkpoint:

@@ -182,3 +182,6 @@ def check_zeshel_inputs(cfg: ZeshelRetrieverConfig) -> None:
         problems.extend(str(e).split("\n  ")[1:])
     if problems:
         raise ConfigError("invalid inputs:\n  " + "\n  ".join(problems))
+    from dist_nce.train.model import check_blink_init
+
+    check_blink_init(train.model, train.optim.seed)  # loads the checkpoint: after the cheap checks passed

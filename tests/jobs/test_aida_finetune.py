@@ -45,6 +45,29 @@ def test_missing_files_are_all_named_before_any_cluster_work(tmp_path):
     assert r.returncode == 2 and "none.yaml: config file not found" in r.stderr
 
 
+def test_a_blink_checkpoint_of_another_architecture_fails_before_any_cluster_work(tmp_path, tiny_model_dir):
+    """A BLINK biencoder (tiny: hidden 64) must match the architecture the shards are sized from: it passed
+    --dry-run, then failed after Ray started (shards of MiniLM's 384 refusing its encodings, or a shape
+    mismatch naming no key)."""
+    from dist_nce.core.models import make_tiny_bert
+    from tests.blink_helpers import write_blink_biencoder
+
+    bi = write_blink_biencoder(tmp_path / "biencoder_wiki_large.bin")
+    common = ["--config", "configs/aida/test_tiny.yaml", "--set", f"model.blink_checkpoint={bi}",
+              "--set", f"data.prepared_dir={tmp_path / 'kb'}", "--set", "data.synthetic_entities=8", "--dry-run"]
+    r = run_job(*common, "--set", "model.retriever.mention_model=null")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"model.blink_checkpoint: {bi} holds encoders of hidden size 64, but the shards are sized from the "
+            "default model (MiniLM; model.retriever.mention_model is unset): 384") in r.stderr, r.stderr[-2000:]
+    r = run_job(*common, "--set", f"model.retriever.mention_model={tiny_model_dir}")  # hidden 32
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"(the architecture is model.retriever.mention_model's: {tiny_model_dir}/config.json)" in r.stderr
+    # the checkpoint's own architecture (tests/blink_helpers.tiny_bert's) passes
+    same = make_tiny_bert(tmp_path / "bert64", hidden_size=64, num_layers=2, num_heads=1, intermediate_size=96)
+    r = run_job(*common, "--set", f"model.retriever.mention_model={same}")
+    assert r.returncode == 0 and "config and inputs OK" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_path, monkeypatch):
