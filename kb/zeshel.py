@@ -124,8 +124,7 @@ def parse_zeshel_mention(line: str, path: str, lineno: int, documents: Mapping[s
 
     if worlds is not None:
         if corpus not in worlds:
-            raise BadRecord(path, lineno, f"corpus {corpus!r} has no documents/{corpus}.json (the worlds with "
-                                          f"one: {', '.join(sorted(worlds)) or 'none'})")
+            raise BadRecord(path, lineno, f"corpus {corpus!r} has no documents/{corpus}.json beside mentions/")
         documents = worlds[corpus]
     context = documents.get(context_id)
     if context is None:
@@ -180,9 +179,9 @@ def iter_zeshel_mentions(
     """Stream MentionRecords from ``mentions/<split>.json``.
 
     ``documents`` maps document_id -> text; by default only the context documents the
-    split names are loaded, from the worlds its ``corpus`` fields name. A mention whose
-    context document is missing, or whose indices fall outside it, is a bad record
-    naming ``mentions/<split>.json:<line>``.
+    split names are loaded, from the worlds its ``corpus`` fields name. A mention whose world
+    has no ``documents/<world>.json``, whose context document is not in its world's file, or
+    whose indices fall outside it, is a bad record naming ``mentions/<split>.json:<line>``.
     """
     path = Path(root) / "mentions" / f"{split}.json"
     if not path.is_file():

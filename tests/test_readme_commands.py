@@ -108,8 +108,8 @@ RULES: list[tuple[str, str, str]] = [
     ("shell", r"ray get-auth-token --generate > /dev/null && chmod 600 ~/\.ray/auth_token",
      "writes the token under a scratch HOME"),
     ("shell", r"export RAY_AUTH_MODE=token", "a shell builtin"),
-    ("shell", r"export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS=127\.0\.0\.1:6379", "a shell builtin"),
-    ("ray", r"ray start .*", "flags checked against `ray start --help`; not started (port 6379)"),
+    ("ray", r"(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS=127\.0\.0\.1:6379 )?ray start .*",
+     "flags checked against `ray start --help`; not started (port 6379)"),
     ("ray", r"ray job submit .* -- python jobs/\w+\.py .*", "flags checked; the submitted job dry-run"),
     ("dry_run", r"python jobs/(aida_finetune|zeshel_retriever|zeshel_reranker|zeshel_grid|mini_paper)\.py .*",
      "a training run or grid takes minutes to hours: config and inputs checked (make zeshel runs the "
@@ -313,6 +313,8 @@ def ray_options(*sub: str) -> set[str]:
 
 def check_ray(root: Path, cmd: Command) -> None:
     words = list(cmd.words)
+    while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value before the command
+        words.pop(0)
     inner: tuple[str, ...] = ()
     if "--" in words:
         words, inner = words[:words.index("--")], tuple(words[words.index("--") + 1:])

@@ -59,8 +59,8 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     AVX512-BF16/AMX, ~2.3x faster than fp32 for MiniLM here: :func:`cpu_has_fast_bf16`), else fp32.
     """
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+        if device.type == "cuda":  # not emulated bf16 (V100, T4: torch answers yes there by default)
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
         return torch.bfloat16 if cpu_has_fast_bf16() else None
     if name not in _AUTOCAST:
         raise ValueError(f"encode_dtype must be one of auto, {', '.join(_AUTOCAST)}; got {name!r}")

@@ -129,7 +129,7 @@ def missing_flags(name: str) -> str | None:
     return "; ".join(why) or None
 
 
-# oneDNN ISAs (``$ONEDNN_MAX_CPU_ISA``, lower case) below avx512_core_bf16: capped at one of these,
+# oneDNN ISAs (``$ONEDNN_MAX_CPU_ISA`` or ``$DNNL_MAX_CPU_ISA``, lower case) below avx512_core_bf16: capped at one of these,
 # oneDNN converts bf16 to fp32 in software even on a CPU with bf16 units
 _ONEDNN_BELOW_BF16 = frozenset({"sse41", "avx", "avx2", "avx2_vnni", "avx512_core", "avx512_core_vnni"})
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -150,9 +150,11 @@ def bf16_units_missing() -> str | None:
         return f"this CPU lacks {' and '.join(BF16_UNIT_FLAGS)}"
     if all(f in hidden or f not in have for f in BF16_UNIT_FLAGS):
         return f"{MASK} hides {', '.join(f for f in BF16_UNIT_FLAGS if f in have)}"
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    # oneDNN reads ONEDNN_MAX_CPU_ISA, else its older name DNNL_MAX_CPU_ISA
+    var = next((v for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(v, "").strip()), None)
+    cap = os.environ[var].strip().lower() if var else ""
     if cap in _ONEDNN_BELOW_BF16:
-        return f"ONEDNN_MAX_CPU_ISA={cap.upper()} keeps oneDNN below its bf16 instructions"
+        return f"{var}={cap.upper()} keeps oneDNN below its bf16 instructions"
     return None
 
 

@@ -44,12 +44,15 @@ def check_blink_init(cfg: ModelConfig, seed: int = 0) -> None:
         raise ConfigError(f"model.blink_checkpoint: {e}{where}") from None
     want = entity_dim(r)
     if hidden != want:
-        source = ("model.retriever.entity_model" if r.entity_model else "model.retriever.mention_model"
-                  if r.mention_model else "the default model (MiniLM; model.retriever.mention_model is unset)")
+        if r.entity_model:  # both towers are built from mention_model's architecture; the shards read entity_model
+            source, fix = "model.retriever.entity_model", "unset model.retriever.entity_model"
+        else:
+            source = ("model.retriever.mention_model" if r.mention_model else
+                      "the default model (MiniLM; model.retriever.mention_model is unset)")
+            fix = ("set model.retriever.mention_model to a directory with the checkpoint's config.json and "
+                   "tokenizer (bert-large-uncased for BLINK's released biencoder)")
         raise ConfigError(f"model.blink_checkpoint: {cfg.blink_checkpoint} holds encoders of hidden size {hidden}, "
-                          f"but the shards are sized from {source}: {want}; set model.retriever.mention_model to a "
-                          "directory with the checkpoint's config.json and tokenizer (bert-large-uncased for "
-                          "BLINK's released biencoder)")
+                          f"but the shards are sized from {source}: {want}; {fix}")
 
 
 def build_retriever(cfg: ModelConfig, seed: int) -> Retriever:

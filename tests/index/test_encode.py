@@ -93,11 +93,18 @@ def test_encode_precision_resolves_the_settings(monkeypatch):
     assert autocast_dtype("auto", CPU) is None
     assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
     monkeypatch.undo()
-    # the probe itself, on this machine: a CPU without bf16 units (reproduced by the mask, as on AVX2 or
-    # AVX512-without-BF16 CI machines) encodes in fp32, where torch's own probe would have said bf16
+    # the probe itself: where torch's own probe says bf16 (any AVX512BW CPU), a CPU without bf16 units (an
+    # AVX512-without-BF16 server's flags, or this machine's with the mask hiding them) encodes in fp32
+    import dist_nce.kernels.build as native
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}))
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512bw", "avx512_bf16", "amx_bf16"}))
+    assert encode_precision("auto", "auto", CPU) == Precision(FP32, BF16)
     monkeypatch.setenv("DIST_NCE_NATIVE_MASK", "avx512_bf16,amx_bf16")
     assert encode_precision("auto", "auto", CPU) == Precision(FP32, None)
-    monkeypatch.delenv("DIST_NCE_NATIVE_MASK")
+    monkeypatch.undo()
     assert encode_precision("bf16", "auto", CPU) == Precision(FP32, BF16)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert encode_precision("auto", "auto", CUDA) == Precision(BF16, None)  # a GPU holds bf16 weights
@@ -105,6 +112,9 @@ def test_encode_precision_resolves_the_settings(monkeypatch):
     assert encode_precision("fp16", "auto", CUDA) == Precision(FP32, torch.float16)
     assert encode_precision("fp32", "auto", CUDA) == Precision(FP32, None)
     assert encode_precision("bf16", "fp32", CUDA) == Precision(FP32, BF16)
+    # a GPU that only emulates bf16 (V100, T4: torch's default answer counts emulation) encodes in fp32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert encode_precision("auto", "auto", CUDA) == Precision(FP32, None)
     # what manifests record
     assert Precision(BF16, None).compute is BF16 and Precision(BF16, None).label == "bfloat16"
     assert Precision(FP32, BF16).label == "bfloat16" and Precision(FP32, None).label == "float32"

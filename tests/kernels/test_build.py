@@ -162,3 +162,7 @@ def test_bf16_units_need_avx512_bf16_or_amx(monkeypatch):
     for cap in ("AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL", ""):
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
         assert native.bf16_units_missing() is None
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx2")  # the older name, read when the new one is unset
+    assert native.bf16_units_missing() == "DNNL_MAX_CPU_ISA=AVX2 keeps oneDNN below its bf16 instructions"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # the new name wins
+    assert native.bf16_units_missing() is None
