@@ -41,8 +41,8 @@ class ServiceConfig:
     encode_batch_size: int = _help("Entities per encoder forward when a shard re-encodes its rows.",
                                    AT_LEAST_1, default=64)
     encode_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _help(
-        "Autocast dtype of re-encoding: auto = bf16 where the device has bf16 units (CUDA; CPUs with AVX512-BF16 "
-        "or AMX-BF16), else fp32 (an AVX512 CPU without them emulates bf16, slower than fp32).",
+        "Autocast dtype of re-encoding: auto = bf16 where the device has bf16 units (GPUs from Ampere on; CPUs "
+        "with AVX512-BF16 or AMX-BF16), else fp32 (elsewhere bf16 is emulated, slower than fp32).",
         default="auto")
     encode_weights: Literal["auto", "fp32", "bf16"] = _help(
         "Dtype of the weights of each shard's entity encoder: fp32 = autocast to encode_dtype (weights cast "

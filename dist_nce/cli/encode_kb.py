@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=number(int, AT_LEAST_1), default=1, help="intra-op threads per shard")
     p.add_argument("--batch-size", type=number(int, AT_LEAST_1), default=64, help="entities per encoder forward")
     p.add_argument("--encode-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="autocast dtype (auto: bf16 where the device has bf16 units: CUDA, AVX512-BF16, AMX)")
+                   help="autocast dtype (auto: bf16 where the device has bf16 units: Ampere+ GPUs, AVX512-BF16, AMX)")
     p.add_argument("--overwrite", action="store_true", help="replace a snapshot of another model/store in --out")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
