@@ -6,7 +6,9 @@ ONE Ray session, over ONE pair of prepared stores (the base config's), each row 
 ``<out>/<row>-<key>/``, where the key hashes the row's config and the stores' identities. A
 row whose ``summary.json`` says it finished is not run again, so an interrupted grid
 continues where it stopped; a row whose settings or data changed gets a new key, so a
-stale result is never reused (its old directory is left as it was). The untrained model of
+stale result is never reused (its old directory is left as it was). A grid time-boxed with
+``--set run.stop_after_steps=N`` lists the rows it stopped as unfinished (no recall, no
+verdict) and continues them when run again with N raised or removed. The untrained model of
 each architecture is evaluated too (``untrained``, kept in
 ``<out>/<architecture>_untrained-<key>/``), the reference point for what training did.
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.worker.tb import read_metrics
     from dist_nce.zeshel.data import ensure_zeshel_stores
     from dist_nce.zeshel.grid import (
-        cell, comparison_text, comparisons, keyed, labels, markdown_table, model_fingerprints, noise_note, plot,
+        cell, comparison_text, comparisons, input_fingerprints, keyed, labels, markdown_table, noise_note, plot,
         result_key,
     )
     from dist_nce.zeshel.run import SUMMARY, run_retriever
@@ -99,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted_preparing(", ".join(sorted({p for _, c in configs
                                                        for p in (c.data.prepared_dir, c.zeshel.eval_store)})))
-    fingerprints = [[*(store_fingerprint(s) for s in pair), *model_fingerprints(cfg)]
+    fingerprints = [[*(store_fingerprint(s) for s in pair), *input_fingerprints(cfg)]
                     for pair, (_, cfg) in zip(stores, configs)]
     configs = [(row, keyed(cfg, row.name, out, result_key(cfg, fps)))
                for (row, cfg), fps in zip(configs, fingerprints)]
-    cells = []
+    cells, pending = [], []
     if args.untrained:
         cells += untrained_cells(configs, fingerprints, out, log)
     for row, cfg in configs:
@@ -119,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the row's run
                 print(f"[grid] {row.name}: the rows before it are done and kept", file=sys.stderr, flush=True)
                 return interrupted(cfg.run)
+        if not (summary.get("done") and summary.get("zeshel")):  # stopped at run.stop_after_steps: no recall yet
+            pending.append(f"{row.name} (at step {summary.get('step')})")
+            continue
         metrics = read_metrics(Path(cfg.run.output_dir) / "metrics.jsonl")
         losses = [m["train/loss"] for _, m in sorted(metrics.items()) if "train/loss" in m]
         cells.append(cell(row.name, cfg, summary, losses))
@@ -128,14 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{Path(args.config).name} x {Path(args.rows).name}: top-{k} recall in %, macro over worlds. "
              "own world = each mention ranked among its own world's entities (Zeshel protocol); split union = "
              "among all entities of the split's worlds.")
-    text = "\n\n".join([f"# Zeshel retriever grid\n\n{title}", markdown_table(cells),
-                        "Do hard / mixed negatives beat random (own world, val and test)?\n\n"
-                        + comparison_text(verdicts), f"Resolution ({noise_note(cells)})."])
+    unfinished = (f"Not finished, so not in the table: {', '.join(pending)} (stopped at run.stop_after_steps; "
+                  "run the grid again with it raised or unset to continue them).") if pending else ""
+    text = "\n\n".join(filter(None, [f"# Zeshel retriever grid\n\n{title}", markdown_table(cells), unfinished,
+                                      "Do hard / mixed negatives beat random (own world, val and test)?\n\n"
+                                      + comparison_text(verdicts), f"Resolution ({noise_note(cells)})."]))
     atomic_write_text(out / "grid.md", text + "\n")
     atomic_write_json(out / "grid.json", {"config": str(Path(args.config).resolve()), "rows": str(Path(args.rows)),
-                                          "cells": cells, "comparisons": verdicts,
+                                          "cells": cells, "comparisons": verdicts, "unfinished": pending,
                                           "seconds": round(time.perf_counter() - start, 1)})
-    plot(cells, out / "grid.png", f"Zeshel grid ({Path(args.config).name}): top-{k} recall, own world, macro")
+    if cells:
+        plot(cells, out / "grid.png", f"Zeshel grid ({Path(args.config).name}): top-{k} recall, own world, macro")
     print(text, flush=True)
     print(f"wrote {out / 'grid.md'}, grid.json, grid.png in {time.perf_counter() - start:.0f} s", flush=True)
     return 0

@@ -27,6 +27,17 @@ SUMMARY = "summary.json"
 OUT = "<out>"
 
 
+# Overrides that change where a cell's job stops or checkpoints and what it reports, not its result (resumes are
+# exact): in the key, `run.stop_after_steps=N` made a time-boxed cell another cell at each N (trained from step 0),
+# and at the same N the cell stopped at once, run after run.
+BOOKKEEPING = ("run.stop_after_steps", "run.checkpoint_every_steps", "run.num_to_keep", "run.max_failures",
+               "run.tracking")
+
+
+def _bookkeeping(key: str) -> bool:
+    return any(key == b or key.startswith(b + ".") for b in BOOKKEEPING)
+
+
 @dataclass(frozen=True)
 class Cell:
     part: str                      # zeshel | reranker | aida
@@ -38,8 +49,10 @@ class Cell:
     after: tuple[str, ...] = ()    # cells that must be done first (by name)
 
     def key(self, root: Path) -> str:
-        """10 hex digits of sha256 over the job, the base config's text and the overrides."""
-        blob = json.dumps([self.job, _config_text(root / self.config), list(self.sets)], sort_keys=True)
+        """10 hex digits of sha256 over the job, the base config's text and the overrides that change its
+        result (not :data:`BOOKKEEPING`'s)."""
+        sets = [s for s in self.sets if not _bookkeeping(s.split("=", 1)[0].strip())]
+        blob = json.dumps([self.job, _config_text(root / self.config), sets], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
     def dir(self, out: Path, root: Path) -> Path:

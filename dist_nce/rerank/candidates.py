@@ -80,6 +80,9 @@ def check_listed(directory: Path, split: str, path: Path) -> None:
     m = json.loads(manifest.read_text(encoding="utf-8"))
     if m.get("kind") != CANDIDATES_KIND:
         return
+    if m.get("complete") is False:
+        raise CandidateFileError(f"{path}: the retriever run writing {directory} stopped before it wrote every "
+                                 f"candidates file ({manifest} lists none): run it again to the end")
     listed = m.get("splits") or {}
     if split not in listed or listed[split].get("file") != path.name:
         raise CandidateFileError(f"{path}: not written by the retriever run that {manifest} describes (it lists "

@@ -129,7 +129,16 @@ def load_deepspeed_config(
     accum = cfg.get("gradient_accumulation_steps", 1)
     if accum == "auto":
         accum = 1
-    cfg["gradient_accumulation_steps"] = int(accum)
+    if accum != 1:
+        # Each step of the plan is one optimizer step over optim.batch_size mentions: the workers call
+        # engine.step() once per step and the LR schedule counts steps. With accumulation DeepSpeed steps the
+        # optimizer every N calls (warm-up and decay stretched N-fold), and its checkpoints keep neither the
+        # micro-step count nor the gradients accumulated so far (a resume between boundaries lost them).
+        raise ConfigError(
+            f"{path}: gradient_accumulation_steps={accum!r}: not supported (each training step is one optimizer "
+            f'step over optim.batch_size mentions); set it to 1 or "auto" and put the whole batch in '
+            f"optim.batch_size")
+    cfg["gradient_accumulation_steps"] = 1
     for key, ours, yaml_key in (("train_micro_batch_size_per_gpu", micro_batch, "optim.batch_size / run.num_workers"),
                                 ("gradient_clipping", grad_clip, "optim.grad_clip")):
         given = cfg.get(key, "auto")
@@ -140,12 +149,12 @@ def load_deepspeed_config(
                 f'{path}: {key}={given!r} disagrees with {yaml_key}={ours}; set it to "auto" to take '
                 f"the YAML's value (the shipped JSONs do), or make the two agree")
     if cfg.get("train_batch_size", "auto") == "auto":
-        cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * accum * world_size
-    expected = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world_size
+        cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * world_size
+    expected = cfg["train_micro_batch_size_per_gpu"] * world_size
     if cfg["train_batch_size"] != expected:
         raise ConfigError(
             f"{path}: train_batch_size={cfg['train_batch_size']} != micro batch "
-            f"{cfg['train_micro_batch_size_per_gpu']} x accumulation {accum} x workers {world_size}")
+            f"{cfg['train_micro_batch_size_per_gpu']} x workers {world_size}")
     if zero_stage is not None:
         if zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"deepspeed.zero_stage: must be 0..3, got {zero_stage}")

@@ -96,6 +96,13 @@ def evaluate_retriever(retriever: Retriever, train_store: str, eval_store: str, 
     out = Path(candidates_dir)
     reports: dict[str, Any] = {}
     files: dict[str, dict[str, Any]] = {}
+    if z.candidate_splits:
+        # Files are rewritten one split at a time: until the last is written, the manifest lists none, so a
+        # run stopped half way (a rerun into the same directory) leaves no old manifest vouching for a mix
+        # of this run's files and the last run's (rerank.candidates.check_listed refuses them all).
+        out.mkdir(parents=True, exist_ok=True)
+        write_manifest(out, CANDIDATES_KIND, 1, k=z.k, preset=retriever.config.preset, m=retriever.config.m,
+                       setting="own_world", splits={}, complete=False)
     for split in dict.fromkeys([*z.eval_splits, *z.candidate_splits]):
         store_dir = train_store if split in TRAIN_STORE_SPLITS else eval_store
         store = EntityStore(store_dir, tokenizer_sha256=sha)
@@ -110,7 +117,7 @@ def evaluate_retriever(retriever: Retriever, train_store: str, eval_store: str, 
             files[split] = {"file": path.name, "store": reports[split]["store"], "mentions": len(mentions)}
     if files:
         write_manifest(out, CANDIDATES_KIND, 1, k=z.k, preset=retriever.config.preset, m=retriever.config.m,
-                       setting="own_world", splits=files)
+                       setting="own_world", splits=files, complete=True)
     return reports
 
 

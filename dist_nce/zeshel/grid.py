@@ -68,47 +68,73 @@ def row_config(base: str | Path, row: GridRow, out_dir: str | Path, overrides: S
         raise ConfigError(f"{row.source or 'rows'}: row {row.name!r}: {what}") from None
 
 
-# Where and how visibly a run happens, not what it computes.
-_PLACEMENT = ("name", "output_dir", "storage_path", "progress", "max_failures")
+# Where and how visibly a run happens, and its bookkeeping: not what it computes. A resumed run continues
+# exactly (README), so where a job stops or checkpoints is not part of its result either: with
+# run.stop_after_steps in the key, a time-boxed grid could never finish (the same N stopped every row at
+# once; another N, or none, was another row, trained again from step 0).
+_PLACEMENT = ("name", "output_dir", "storage_path", "progress", "max_failures", "stop_after_steps",
+              "checkpoint_every_steps", "num_to_keep", "tracking")
 
 
-def result_key(cfg: ZeshelRetrieverConfig, store_fingerprints: Sequence[str], sections: Sequence[str] = ()) -> str:
+def result_key(cfg: ZeshelRetrieverConfig, fingerprints: Sequence[str], sections: Sequence[str] = ()) -> str:
     """A short hash of everything a row's result depends on: its config (``sections`` of it,
-    default all, minus where it runs) and the prepared stores' identities.
+    default all, minus where it runs and its paths) and ``fingerprints``, the identities of what
+    those paths hold (the prepared stores', :func:`input_fingerprints`).
 
     Row directories and Ray Train run names carry it, so an earlier result is reused only
     for the same config over the same data: after a change of settings (synthetic data
-    regenerated, another learning rate) the row runs again, in its own directory.
+    regenerated, another learning rate) the row runs again, in its own directory. Paths are
+    not hashed: ``ray job submit --working-dir`` runs the grid from a new copy of the project
+    after a cluster restart or any edit, so every absolute path moved and every row started over.
     """
     import hashlib
     import json
 
     from dist_nce.core.config import to_dict
+    from dist_nce.train.config import PATH_FIELDS
+    from dist_nce.zeshel.config import ZESHEL_PATH_FIELDS
 
     d = to_dict(cfg)
     d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACEMENT}
+    for dotted in (*PATH_FIELDS, *ZESHEL_PATH_FIELDS):
+        *parents, name = dotted.split(".")
+        section = d
+        for part in parents:
+            section = section.get(part) or {}
+        section.pop(name, None)
     if sections:
         d = {k: d[k] for k in sections}
-    blob = json.dumps([d, list(store_fingerprints)], sort_keys=True)
+    blob = json.dumps([d, list(fingerprints)], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def model_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
-    """Identities of the initial model directories (a model rebuilt in place is another model):
-    sha256 over each file's name, size and sampled content."""
+def _identity(path: str) -> str:
+    """sha256 over a file's or a directory's files' names, sizes and sampled content; the string itself
+    for what is not on this disk (a hub name, a URI)."""
     import hashlib
     import json
 
-    from dist_nce.core.models import default_model_dir
     from kb.ingest import file_fingerprint
 
-    out = []
-    r = cfg.model.retriever
+    p = Path(path)
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p] if p.is_file() else []
+    parts = [(str(q.relative_to(p)) if q != p else q.name,
+              {k: v for k, v in file_fingerprint(q).items() if k != "path"}) for q in files]
+    return hashlib.sha256(json.dumps(parts or path).encode()).hexdigest()
+
+
+def input_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
+    """Identities of what a row reads besides the prepared stores, by content (a model rebuilt in
+    place is another model): the initial model directories, ``model.init_from`` and
+    ``model.blink_checkpoint`` where set, and the DeepSpeed JSON (edited in place, another run)."""
+    from dist_nce.core.models import default_model_dir
+
+    r, m = cfg.model.retriever, cfg.model
     mention = r.mention_model or default_model_dir()
-    for d in dict.fromkeys((mention, r.entity_model or mention)):
-        files = sorted(p for p in Path(d).rglob("*") if p.is_file()) if Path(d).is_dir() else []
-        parts = [(str(p.relative_to(d)), {k: v for k, v in file_fingerprint(p).items() if k != "path"}) for p in files]
-        out.append(hashlib.sha256(json.dumps(parts or d).encode()).hexdigest())
+    out = [_identity(d) for d in dict.fromkeys((mention, r.entity_model or mention))]
+    out += [f"{key}:{_identity(path)}" for key, path in (("init_from", m.init_from),
+                                                          ("blink_checkpoint", m.blink_checkpoint)) if path]
+    out.append(f"deepspeed:{_identity(cfg.deepspeed.config)}")
     return out
 
 

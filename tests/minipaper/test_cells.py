@@ -51,6 +51,16 @@ def test_keys_follow_settings_and_a_changed_start_rekeys_its_branches(tmp_path):
     assert c["zeshel-dual-start"].key(REPO) != a["zeshel-dual-start"].key(REPO)
     assert c["zeshel-dual-hard-s0"].key(REPO) != a["zeshel-dual-hard-s0"].key(REPO)
     assert c["zeshel-dual-hard-s0"].key(REPO) != a["zeshel-dual-hard-s1"].key(REPO)
+    # where a cell's job stops or checkpoints is not its result: a cell time-boxed with run.stop_after_steps
+    # keeps its key (its directory and Ray Train run), so the next run continues it instead of starting over
+    cfg = config(tmp_path)
+    cfg.zeshel.set = [*cfg.zeshel.set, "run.stop_after_steps=5", "run.checkpoint_every_steps=1",
+                      "run.tracking.mlflow.experiment=x"]
+    boxed = zeshel_cells(cfg, REPO)
+    assert {n: c.key(REPO) for n, c in boxed.items()} == {n: c.key(REPO) for n, c in a.items()}
+    assert "--set" in (argv := boxed["zeshel-dual-hard-s0"].argv(tmp_path, REPO)) and "run.stop_after_steps=5" in argv
+    cfg.zeshel.set = [*cfg.zeshel.set, "run.eval_every_steps=3"]  # what it reports when: part of the result
+    assert zeshel_cells(cfg, REPO)["zeshel-dual-hard-s0"].key(REPO) != a["zeshel-dual-hard-s0"].key(REPO)
 
 
 def test_argv_places_the_run_in_the_cells_directory(tmp_path):

@@ -170,6 +170,16 @@ def test_bad_deepspeed_configs(tmp_path):
     inconsistent.write_text(json.dumps({"train_batch_size": 5, "train_micro_batch_size_per_gpu": 2}))
     with pytest.raises(ConfigError, match="train_batch_size=5"):
         load_deepspeed_config(inconsistent, 2, 2, 1.0)
+    # DeepSpeed would step the optimizer and the LR schedule every 2nd step of the plan, and its checkpoints
+    # keep neither the micro-step count nor the gradients accumulated so far
+    accum = tmp_path / "accum.json"
+    for given in (2, "2"):
+        accum.write_text(json.dumps({"gradient_accumulation_steps": given}))
+        with pytest.raises(ConfigError, match=rf"accum.json: gradient_accumulation_steps={given!r}: not supported"):
+            load_deepspeed_config(accum, 2, 1, 1.0)
+    for given in (1, "auto"):
+        accum.write_text(json.dumps({"gradient_accumulation_steps": given}))
+        assert load_deepspeed_config(accum, 2, 1, 1.0)["gradient_accumulation_steps"] == 1
 
 
 def test_linear_warmup_decay():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dist_nce.core.config import load_config
-from dist_nce.zeshel.config import ZeshelRetrieverConfig
+from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
 from dist_nce.zeshel.grid import cell, comparison_text, comparisons, markdown_table, noise_note, plot
 
 BASE = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "retriever_tiny_cpu.yaml"
@@ -84,13 +84,23 @@ def test_plot(cells, tmp_path):
 def test_result_key_changes_with_what_the_result_depends_on_only(tmp_path):
     import dataclasses
 
-    from dist_nce.zeshel.grid import keyed, model_fingerprints, result_key
+    from dist_nce.zeshel.grid import input_fingerprints, keyed, result_key
 
     base = cfg("dual", "hard")
     key = result_key(base, ["train-store", "eval-store"])
     moved = dataclasses.replace(base, run=dataclasses.replace(base.run, name="elsewhere", output_dir="/x",
                                                               storage_path="/y", progress=True))
     assert result_key(moved, ["train-store", "eval-store"]) == key  # where it runs is not what it computes
+    # nor where a job of it stops or checkpoints (resumes are exact): a grid time-boxed with
+    # stop_after_steps continues its rows when run again without it, instead of starting them over
+    boxed = dataclasses.replace(base, run=dataclasses.replace(base.run, stop_after_steps=3, checkpoint_every_steps=1,
+                                                              num_to_keep=5))
+    assert result_key(boxed, ["train-store", "eval-store"]) == key
+    # nor where its inputs are: `ray job submit --working-dir` runs each submission from another copy of the
+    # project (every absolute path moved); what the paths hold is in the fingerprints
+    elsewhere = absolute(base, "/tmp/ray/session_2/runtime_resources/working_dir_files/_ray_pkg_1")
+    assert elsewhere.deepspeed.config != absolute(base).deepspeed.config
+    assert result_key(elsewhere, ["train-store", "eval-store"]) == result_key(absolute(base), ["train-store", "eval-store"]) == key
     other_lr = dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=1e-3))
     assert result_key(other_lr, ["train-store", "eval-store"]) != key
     assert result_key(base, ["regenerated-train-store", "eval-store"]) != key  # same config, other data
@@ -112,9 +122,30 @@ def test_result_key_changes_with_what_the_result_depends_on_only(tmp_path):
     (model / "weights.bin").write_bytes(b"a" * 100)
     with_model = dataclasses.replace(base, model=dataclasses.replace(
         base.model, retriever=dataclasses.replace(base.model.retriever, mention_model=str(model))))
-    before = model_fingerprints(with_model)
+    before = input_fingerprints(with_model)
     (model / "weights.bin").write_bytes(b"b" * 100)  # rebuilt in place
-    assert model_fingerprints(with_model) != before and len(before) == 1
+    after = input_fingerprints(with_model)
+    assert after != before and len(before) == 2 and after[1:] == before[1:]  # the model's, then the DeepSpeed JSON's
+    # a start (model.init_from) or a BLINK checkpoint retrained in place, a DeepSpeed JSON edited in place
+    start, ds = tmp_path / "start", tmp_path / "ds.json"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"a" * 100)
+    ds.write_text('{"train_micro_batch_size_per_gpu": "auto"}')
+    warm = dataclasses.replace(with_model, model=dataclasses.replace(with_model.model, init_from=str(start)),
+                               deepspeed=dataclasses.replace(with_model.deepspeed, config=str(ds)))
+    first = input_fingerprints(warm)
+    (start / "model.safetensors").write_bytes(b"c" * 100)
+    second = input_fingerprints(warm)
+    ds.write_text('{"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": true}}')
+    third = input_fingerprints(warm)
+    assert len({first[1], second[1], third[1]}) == 2 and first[1].startswith("init_from:")
+    assert len({first[2], second[2], third[2]}) == 2 and first[2].startswith("deepspeed:")
+    blink = tmp_path / "biencoder.bin"
+    blink.write_bytes(b"d" * 100)
+    from_blink = dataclasses.replace(base, model=dataclasses.replace(base.model, blink_checkpoint=str(blink)))
+    fp = input_fingerprints(from_blink)
+    blink.write_bytes(b"e" * 100)
+    assert input_fingerprints(from_blink)[1] != fp[1] and fp[1].startswith("blink_checkpoint:")
 
 
 def test_a_wrong_key_in_a_row_is_blamed_on_the_rows_file_and_the_row(tmp_path):
@@ -182,3 +213,54 @@ def test_a_ctrl_c_says_how_the_grid_goes_on(tmp_path, tiny_model_dir, monkeypatc
     assert "[grid] dual_random: training dual with random negatives" in captured.out
     assert captured.err == "[grid] dual_random: the rows before it are done and kept\n" \
         "interrupted before a whole checkpoint was written: the same command again starts the run over\n", captured.err
+
+
+def test_a_time_boxed_grid_lists_stopped_rows_and_continues_them(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """``--set run.stop_after_steps=N``: a row the job stopped has no recall yet. It is listed as unfinished,
+    not tabulated as a row of dashes with a "does not beat random" verdict; and the next run, with N raised or
+    unset, continues the same row (same directory, so the same Ray Train run) instead of starting it over."""
+    import json
+
+    from dist_nce.cli import zeshel_grid
+
+    rows = tmp_path / "rows.yaml"
+    rows.write_text("rows:\n  - name: dual_random\n    set: [negatives.mode=random]\n"
+                    "  - name: dual_hard\n    set: [negatives.mode=hard]\n")
+    out = tmp_path / "grid"
+    argv = ["--config", str(BASE), "--rows", str(rows), "--out", str(out), "--no-untrained",
+            "--set", f"model.retriever.mention_model={tiny_model_dir}", "--set", f"run.storage_path={tmp_path / 'ray'}",
+            "--set", f"data.prepared_dir={tmp_path / 'train'}", "--set", f"zeshel.eval_store={tmp_path / 'eval'}"]
+    runs: list[tuple[str, str, int]] = []
+
+    def run_retriever(cfg, progress, log):  # the rows' own runs: what run_retriever returns and leaves
+        d = Path(cfg.run.output_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        stop = cfg.run.stop_after_steps
+        runs.append((cfg.negatives.mode, str(d), stop))
+        done = cfg.negatives.mode == "random" or not stop
+        result = {**summary(0.30, 0.20), "step": 20} if done else {"done": False, "step": stop, "seconds": 1.0}
+        (d / "metrics.jsonl").write_text('{"step": 0, "train/loss": 2.0}\n')
+        if done:
+            (d / "summary.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr("dist_nce.zeshel.data.ensure_zeshel_stores", lambda cfg, log: ("train", "eval"))
+    monkeypatch.setattr("dist_nce.index.encode.store_fingerprint", lambda store: f"fingerprint of {store}")
+    monkeypatch.setattr("dist_nce.zeshel.run.run_retriever", run_retriever)
+    assert zeshel_grid.main([*argv, "--set", "run.stop_after_steps=3"]) == 0
+    printed = capsys.readouterr().out
+    grid = json.loads((out / "grid.json").read_text())
+    assert [c["name"] for c in grid["cells"]] == ["dual_random"] and grid["comparisons"] == []
+    assert grid["unfinished"] == ["dual_hard (at step 3)"]
+    md = (out / "grid.md").read_text()
+    assert "| dual | hard |" not in md and "hard vs random" not in md
+    assert "Not finished, so not in the table: dual_hard (at step 3) (stopped at run.stop_after_steps; run the " \
+           "grid again with it raised or unset to continue them)." in md and md.strip() in printed
+
+    # the same grid without the stop: the finished row is reused, the stopped one continues in its directory
+    assert zeshel_grid.main(argv) == 0
+    assert [(mode, stop) for mode, _, stop in runs] == [("random", 3), ("hard", 3), ("hard", 0)]
+    assert runs[2][1] == runs[1][1]
+    grid = json.loads((out / "grid.json").read_text())
+    assert [c["name"] for c in grid["cells"]] == ["dual_random", "dual_hard"] and grid["unfinished"] == []
+    assert [(v["negatives"], v["beats_random"]) for v in grid["comparisons"]] == [("hard", False)]

@@ -94,6 +94,40 @@ def test_evaluate_retriever_writes_labelled_reports_and_candidates(stores, retri
         "note: world lego has 12 entities <= k = 16: its own-world R@16 is 1 by construction"
 
 
+def test_a_rerun_stopped_half_way_leaves_no_manifest_vouching_for_old_files(stores, retriever, tmp_path, monkeypatch):
+    """A retriever run again into the same candidates directory rewrites the files a split at a time. Stopped
+    after the first (a crash, Ctrl-C), the last run's manifest used to list every split, so the reranker read
+    this run's val candidates beside the last run's test candidates as one run's."""
+    from dist_nce.eval.zeshel import CandidateFileError
+    from dist_nce.rerank.candidates import read_split_candidates
+    from dist_nce.zeshel import evaluate
+
+    z = ZeshelConfig(k=16, eval_batch_size=8, eval_splits=["val", "test"], candidate_splits=["val", "test"])
+    evaluate_retriever(retriever, str(stores / "train"), str(stores / "eval"), z, tmp_path, False, lambda _: None)
+    assert read_split_candidates(tmp_path, "test", "retriever")[0]  # a finished run's files read
+
+    real, calls = evaluate.evaluate_split, []
+
+    def stops_after_one(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_split", stops_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_retriever(retriever, str(stores / "train"), str(stores / "eval"), z, tmp_path, False,
+                           lambda _: None)
+    for split in ("val", "test"):
+        with pytest.raises(CandidateFileError, match=rf"candidates_{split}\.json: the retriever run writing .* stopped "
+                                                     r"before it wrote every candidates file"):
+            read_split_candidates(tmp_path, split, "retriever")
+    monkeypatch.setattr(evaluate, "evaluate_split", real)
+    evaluate_retriever(retriever, str(stores / "train"), str(stores / "eval"), z, tmp_path, False, lambda _: None)
+    assert set(json.loads((tmp_path / "manifest.json").read_text())["splits"]) == {"val", "test"}
+    assert read_split_candidates(tmp_path, "test", "retriever")[0]
+
+
 def test_index_config_refuses_faiss_for_som(tiny_model_dir):
     torch.manual_seed(0)
     som = Retriever.build(RetrieverConfig(preset="som", mention_model=tiny_model_dir))
