@@ -157,9 +157,10 @@ def save(engine: Any, directory: str | Path, state: WorkerState, rank: int, plan
                        plan=plan)
 
 
-def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str) -> None:
+def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str, run_dir: str | None = None) -> None:
     """Refuse (ValueError naming each difference) to resume from a checkpoint whose plan (``manifest``'s)
-    differs from ``plan`` in a :data:`RESUME_KEYS` field or one of its :data:`SETTINGS`."""
+    differs from ``plan`` in a :data:`RESUME_KEYS` field or one of its :data:`SETTINGS`. ``where``: the
+    checkpoint; ``run_dir``: the run's directory in a local storage, if known (the message says to move it)."""
     saved = manifest.get("plan", {})
     diff = [f"{k}: checkpoint {saved.get(k)!r}, now {plan.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != plan.get(k)]
     old, new = saved.get(SETTINGS), plan.get(SETTINGS) or {}
@@ -167,8 +168,11 @@ def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str) 
         diff += [f"{k}: checkpoint {old.get(k)!r}, now {new.get(k)!r}"
                  for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diff:
+        # Both ways out where the run's directory is known: the grids name their runs themselves (a row's or a
+        # cell's key), so another run.name is not one there; moving the run's directory away starts it over.
+        over = f", or move {run_dir} away to start this one over from step 0" if run_dir else ""
         raise ValueError(f"{where}: cannot resume this run with a different plan ({'; '.join(diff)}); "
-                         "use another run.name for a new run")
+                         f"use another run.name for a new run{over}")
 
 
 def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any],

@@ -95,6 +95,8 @@ def check_rerun(storage_path: str, name: str, plan: Callable[[], dict[str, Any]]
     would resume from (:func:`resume_point`), before any cluster work: the workers refuse it too, but each
     restart (``run.max_failures``) logs a traceback and the job ends in Ray Train's error. A remote storage
     is left to the workers."""
+    from pathlib import Path
+
     from dist_nce.core.artifacts import read_manifest
     from dist_nce.worker.checkpoint import KIND, check_resumable
 
@@ -105,7 +107,7 @@ def check_rerun(storage_path: str, name: str, plan: Callable[[], dict[str, Any]]
         manifest = read_manifest(point[1], KIND)
     except (OSError, ValueError):  # gone or unreadable: what the rerun then does is Ray Train's to say
         return
-    check_resumable(manifest, plan(), str(point[1]))
+    check_resumable(manifest, plan(), str(point[1]), str(Path(storage_path) / name))
 
 
 CUT = "cut"  # read_snapshot: the snapshot is there but does not parse

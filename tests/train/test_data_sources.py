@@ -224,6 +224,7 @@ def test_a_rerun_its_checkpoints_cannot_resume_is_refused_before_ray(tmp_path, o
     err = capsys.readouterr().err
     assert "cannot resume this run with a different plan (data_fingerprint: checkpoint 'an earlier KB'" in err
     assert str(run_dir / "checkpoint_000001") in err and inits == []
+    assert f"use another run.name for a new run, or move {run_dir} away to start this one over from step 0" in err
 
 
 def test_a_dry_run_checks_what_the_run_checks_once_its_store_exists(tmp_path, own, tiny_model_dir, capsys):
