@@ -371,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(update(cfg, log)))
     except (BadRecord, PrepareError, ArtifactMismatch, FileNotFoundError) as e:
         return input_error(e)
+    except KeyboardInterrupt:  # the store is still at its last version: its manifest is written last
+        if cfg.compact:
+            said = f"{cfg.store} is unchanged and nothing was written to {cfg.out}; run the same command again"
+        else:
+            said = (f"{cfg.store} is still at its last version; the encoded chunks of this update are kept in "
+                    f"{Path(cfg.store).resolve() / VERSIONS_DIR}; run the same command again to resume")
+        print(f"interrupted: {said}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -63,15 +63,20 @@ class KiltFileError(ValueError):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """One JSON object per line (KILT's ``load_data``); errors name ``path:line``."""
+    """One JSON object per line (KILT's ``load_data``); errors name ``path:line``. Blank lines are skipped,
+    as ``jobs/prepare_kb.py`` skips them: a file the run trained on is scored, not refused at its end."""
+    from kb.jsonl import BadRecord, load_object
+
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KiltFileError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
-            if not isinstance(rec, dict) or "id" not in rec:
+                rec = load_object(line, str(path), lineno)
+            except BadRecord as e:
+                raise KiltFileError(str(e)) from None
+            if "id" not in rec:
                 raise KiltFileError(f"{path}:{lineno}: expected a JSON object with an 'id'")
             records.append(rec)
     return records

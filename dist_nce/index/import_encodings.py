@@ -78,6 +78,11 @@ def _as_int_ids(ids: Sequence[str]) -> np.ndarray | None:
     return np.array([int(i) for i in ids], dtype=np.int64)
 
 
+def _twice(ids_source: str, value: object, first: int, second: int) -> str:
+    return (f"{ids_source}: id {value} names matrix rows {first} and {second} (counting from 0: its ids number "
+            f"{first + 1:,} and {second + 1:,})")
+
+
 def align_rows(matrix: MatrixFile, store: EntityStore, ids: Sequence[str] | None, ids_source: str = "--ids"
                ) -> np.ndarray | None:
     """The matrix row of each store row [n] (int64), or None when they are the same rows.
@@ -99,12 +104,12 @@ def align_rows(matrix: MatrixFile, store: EntityStore, ids: Sequence[str] | None
         keys = as_int[order]
         dup = np.flatnonzero(keys[1:] == keys[:-1])
         if dup.size:
-            raise AlignmentError(f"{ids_source}: id {keys[dup[0]]} names rows {order[dup[0]]} and {order[dup[0] + 1]}")
+            raise AlignmentError(_twice(ids_source, keys[dup[0]], int(order[dup[0]]), int(order[dup[0] + 1])))
     else:
         where: dict[str, int] = {}
         for i, value in enumerate(ids):
             if where.setdefault(value, i) != i:
-                raise AlignmentError(f"{ids_source}: id {value!r} names rows {where[value]} and {i}")
+                raise AlignmentError(_twice(ids_source, repr(value), where[value], i))
     row_of = np.empty(n, dtype=np.int64)
     missing: list[str] = []
     n_missing = 0

@@ -23,7 +23,7 @@ from dist_nce.cluster.runtime import init_ray
 from dist_nce.train.config import TrainJobConfig
 from dist_nce.train.kb_control import KbWatcher
 from dist_nce.train.model import build_retriever
-from dist_nce.train.trainer import describe_plan, fit, kb_snapshot, plan_for, unflatten, use_gpu
+from dist_nce.train.trainer import describe_plan, fit, kb_delta_note, kb_snapshot, plan_for, unflatten, use_gpu
 
 
 def run_training(cfg: TrainJobConfig, store: str, *, config: dict[str, Any],
@@ -50,6 +50,8 @@ def run_training(cfg: TrainJobConfig, store: str, *, config: dict[str, Any],
         del retriever
         plan = plan_for(cfg)
         log(heading(service) + "\n" + describe_plan(cfg, plan, service.ranges, version, use_gpu(cfg)))
+        if note := kb_delta_note(cfg):
+            log(note)
         watcher = KbWatcher(service, cfg.run.output_dir, log=log) if watch_kb else None
         with watcher or contextlib.nullcontext():
             final = unflatten(fit(cfg, service).metrics or {})

@@ -92,6 +92,34 @@ def unflatten(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def kb_delta_note(cfg: TrainJobConfig) -> str:
+    """What the plan leaves out of a store changed by KB deltas (``jobs/update_kb.py``), said before the run
+    starts, or "" for an unchanged store. The data order comes from the golds as prepared (KB version 0), so
+    a resumed run replays it whatever deltas came since: a training mention whose gold only a delta added is
+    not trained on, and counted as excluded; one whose gold a delta removed is in the plan and skipped per
+    batch (``train.kb_follow``)."""
+    from kb.store import MentionTable
+
+    import numpy as np
+
+    from dist_nce.train.plan import eligible_mentions
+
+    train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
+    if not train.kb_version:
+        return ""
+    prepared, _ = eligible_mentions(train.prepared_gold_rows, cfg.data.max_train_mentions)
+    now, _ = eligible_mentions(train.gold_rows, cfg.data.max_train_mentions)
+    added, removed = len(np.setdiff1d(now, prepared)), len(np.setdiff1d(prepared, now))
+    if not added and not removed:
+        return ""
+    parts = [f"whose gold a delta added, not trained on (counted as excluded above): {added:,}"] if added else []
+    parts += [f"whose gold a delta removed, skipped when their batch comes: {removed:,}"] if removed else []
+    return (f"KB version {train.kb_version}: training mentions {'; '.join(parts)}. The data order comes from the "
+            "golds as prepared, "
+            f"so that resumed runs replay it; to train on the KB as it is now, compact it "
+            f"(jobs/update_kb.py --store {cfg.data.prepared_dir} --compact --out DIR) and train on DIR")
+
+
 def plan_for(cfg: TrainJobConfig) -> TrainPlan:
     """The plan of ``cfg`` over its prepared KB (what the workers will compute too)."""
     from kb.store import EntityStore, MentionTable

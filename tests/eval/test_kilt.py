@@ -191,9 +191,20 @@ def test_misaligned_files_are_refused_with_file_line_and_id(tmp_path, mutate, me
 
 def test_malformed_line_and_extra_ids_allowed(tmp_path, files):
     gold, guess = files
+    # a blank line is skipped, as prepare skips it (the run trained on the file): the scores are the same
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(guess.read_text().replace("\n", "\n\n", 1) + "\n")
+    assert K.kilt_scores(gold, blank) == K.kilt_scores(gold, guess)
+    # a cut line: prepare's message, with the column (json's own ended in "at" and called the newline a
+    # control character)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(guess.read_text().replace("\n", "\n\n", 1))
-    with pytest.raises(K.KiltFileError, match=r"bad\.jsonl:2: not a JSON object"):
+    lines = guess.read_text().splitlines(keepends=True)
+    bad.write_text(lines[0] + lines[1][:15] + "\n" + "".join(lines[2:]))
+    with pytest.raises(K.KiltFileError, match=r"^\S*bad\.jsonl:2: not JSON \(Unterminated string starting at "
+                                              r"column \d+\)$"):
+        K.kilt_scores(gold, bad)
+    bad.write_text(lines[0] + "[1, 2]\n")
+    with pytest.raises(K.KiltFileError, match=r"bad\.jsonl:2: expected a JSON object, got list"):
         K.kilt_scores(gold, bad)
     extra = _write_jsonl(tmp_path / "extra.jsonl", GUESS + [{"id": "Z", "output": []}])  # unread, as in KILT
     assert K.kilt_scores(gold, extra, allow_extra_ids=True) == K.kilt_scores(gold, guess)

@@ -91,8 +91,13 @@ def test_rows_are_matched_by_id_and_mismatches_are_named(store_dir, state, encod
     extra = open_matrix(shuffled)
     with pytest.raises(AlignmentError, match=r"1 store entities have no row .* row 7 \(id 1007\)"):
         align_rows(extra, store, [i if i != "1007" else "99999" for i in (ids[p] for p in perm)])
-    with pytest.raises(AlignmentError, match="id 1003 names rows"):
-        align_rows(extra, store, [i if i != "1004" else "1003" for i in (ids[p] for p in perm)])
+    twice = [i if i != "1004" else "1003" for i in (ids[p] for p in perm)]
+    a, b = [k for k, i in enumerate(twice) if i == "1003"]
+    with pytest.raises(AlignmentError, match=rf"id 1003 names matrix rows {a} and {b} \(counting from 0: its ids "
+                                             rf"number {a + 1} and {b + 1}\)"):
+        align_rows(extra, store, twice)
+    with pytest.raises(AlignmentError, match=rf"id 'x3' names matrix rows {a} and {b} \(counting from 0"):
+        align_rows(extra, store, [f"x{i[-1]}" if i == "1003" else f"y{i}" for i in twice])  # ids that are not numbers
     with pytest.raises(AlignmentError, match=f"{N - 1} ids for the {N} rows"):
         align_rows(extra, store, ids[1:])
     np.save(tmp_path / "short.npy", vecs[:-1].numpy())

@@ -147,7 +147,7 @@ def test_bad_records_are_reported_with_file_and_line(stores):
     assert (rec["added"], rec["removed"]) == (1, 1)
 
 
-def test_killed_update_leaves_the_previous_version(stores, monkeypatch):
+def test_killed_update_leaves_the_previous_version(stores, monkeypatch, capsys):
     root, model = stores["root"], stores["model"]
     store = _second_store(stores, "killed")
     (root / "k_add.json").write_text(kilt_line(5000, "Late", random.Random(1)) + "\n")
@@ -159,6 +159,13 @@ def test_killed_update_leaves_the_previous_version(stores, monkeypatch):
     monkeypatch.setattr(delta, "atomic_write_json", die)  # killed just before the manifest
     with pytest.raises(KeyboardInterrupt):
         update(cfg, log=lambda s: None)
+    # Ctrl-C in jobs/update_kb.py: what happened and what to do, as prepare_kb says it, not a traceback
+    capsys.readouterr()
+    argv = ["--store", str(store), "--add", str(root / "k_add.json"), "--model-dir", model, "--no-progress"]
+    assert delta.main(argv) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted: {store} is still at its last version; the encoded chunks of this update are kept in "
+        f"{store.resolve() / 'versions'}; run the same command again to resume")
     monkeypatch.undo()
     assert EntityStore(store).kb_version == 0 and EntityStore(store).rows_for_source_ids(["5000"]).tolist() == [-1]
     assert update(cfg, log=lambda s: None)["version"] == 1  # the same command again

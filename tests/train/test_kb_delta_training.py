@@ -84,3 +84,29 @@ def test_a_worker_follows_the_kb_and_skips_golds_a_delta_changed(tmp_path, tiny_
     assert follower.keep(np.arange(4), mined_gold).tolist() == [False, False, True, True]
     # batches mined after it, with the followed golds: the replacement is trained on
     assert follower.keep(np.arange(4), torch.as_tensor(follower.mining_gold[:4])).tolist() == [False, True, True, True]
+
+
+def test_the_run_says_which_mentions_a_changed_kb_leaves_out_of_its_plan(tmp_path, tiny_model_dir):
+    """The data order comes from the golds as prepared (resumed runs replay it), so a gold a delta added
+    (missing at prepare) is not trained on: said before the run starts, with the way to train on it."""
+    from dist_nce.train.config import TrainJobConfig
+    from dist_nce.train.trainer import kb_delta_note
+
+    golds = [1003, 1007, 1012, 2001, 2002]  # removed; replaced; untouched; missing at prepare, added by the delta
+    store = prepare_store(tmp_path, "store", entities(range(1000, 1030)), tiny_model_dir, golds)
+    cfg = TrainJobConfig()
+    cfg.data.prepared_dir = str(store)
+    assert kb_delta_note(cfg) == ""  # version 0
+    (tmp_path / "add.json").write_text("".join(v + "\n" for v in entities([1007, 2001, 2002], seed=3).values()))
+    (tmp_path / "rm.txt").write_text("1003\n1007\n")
+    update(UpdateConfig(store=str(store), add=[str(tmp_path / "add.json")], remove=str(tmp_path / "rm.txt"),
+                        model_dir=tiny_model_dir, progress=False), log=lambda s: None)
+    assert kb_delta_note(cfg) == (
+        "KB version 1: training mentions whose gold a delta added, not trained on (counted as excluded above): 2; "
+        "whose gold a delta removed, skipped when their batch comes: 1. The data order comes from the "
+        "golds as prepared, so that resumed runs replay it; to train on the KB as it is now, compact it "
+        f"(jobs/update_kb.py --store {store} --compact --out DIR) and train on DIR")
+    # the first 3 mentions only (data.max_train_mentions): none a delta added
+    cfg.data.max_train_mentions = 3
+    assert kb_delta_note(cfg).startswith("KB version 1: training mentions whose gold a delta removed, skipped when "
+                                         "their batch comes: 1. ")
