@@ -49,6 +49,7 @@ from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
+from kb.jsonl import UTF8_BOM
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
 from kb.prepare import CHUNK_SIZE, _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
@@ -108,7 +109,7 @@ def read_removals(path: Path, store: EntityStore, bad: BadRecordLog) -> np.ndarr
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                text = raw.decode("utf-8").strip()
+                text = (raw.removeprefix(UTF8_BOM) if lineno == 1 else raw).decode("utf-8").strip()
             except UnicodeDecodeError as e:
                 bad.report(str(path), lineno, f"not UTF-8 ({e.reason} at byte {e.start})")
                 continue

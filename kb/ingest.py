@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 from dist_nce.core.artifacts import atomic_write_json
 from dist_nce.core.records import BadRecord, BadRecordLog
+from kb.jsonl import UTF8_BOM
 from kb.parent_watch import exit_with_parent
 
 T = TypeVar("T")
@@ -113,6 +114,8 @@ class RangeRecords:
                     break
                 pos += len(raw)
                 self.lines += 1
+                if self.start == 0 and self.lines == 1:
+                    raw = raw.removeprefix(UTF8_BOM)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:

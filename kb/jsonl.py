@@ -19,6 +19,11 @@ T = TypeVar("T")
 _DIGITS = re.compile(r"[0-9]+")
 
 
+# A byte order mark opens files saved by some Windows editors; JSON parsers may ignore it (RFC 8259, 8.1), and
+# Python's json refuses it: read as a bad first line, it cost the file its first record.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def read_records(
     path: str | os.PathLike,
     parse: Callable[[str, str, int], T],
@@ -34,6 +39,8 @@ def read_records(
     where = str(path)
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(UTF8_BOM)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -68,7 +68,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     from kb.jsonl import BadRecord, load_object
 
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -126,3 +126,33 @@ def test_json_error_message_says_at_once():
     assert str(e.value) == "f.json:3: not JSON (Invalid control character at column 8)"
     with pytest.raises(BadRecord, match=r"not JSON \(Expecting ',' delimiter at column 8\)"):
         load_object('{"a": 1', "f.json", 3)
+
+
+def test_a_byte_order_mark_opening_a_file_is_not_a_bad_record(tmp_path, tiny_model_dir):
+    """Files saved by some Windows editors open with a UTF-8 BOM, which Python's json refuses: prepare read it
+    as a malformed first line (an error, or under skip the first entity dropped). Both readers skip it: the
+    chunked one (a chunk starting at byte 0; several chunks here) and the streaming one (AIDA). Only there:
+    a BOM inside a file is still not JSON."""
+    from kb.store import EntityStore, MentionTable
+
+    write_kilt(tmp_path / "plain.json", 40)
+    text = (tmp_path / "plain.json").read_text(encoding="utf-8")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    aida = tmp_path / "aida"
+    aida.mkdir()
+    (aida / "aidayago2-train-kilt.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + (aida_line("1", "x", "101", "X") + "\n" + aida_line("2", "y", "102", "Y") + "\n").encode())
+    out = {}
+    for name in ("plain", "bom"):
+        out[name] = tmp_path / f"kb_{name}"
+        prepare(_cfg(tmp_path, tiny_model_dir, out=str(out[name]), kilt_ks=str(tmp_path / f"{name}.json"),
+                     aida_dir=str(aida), chunk_size="2K", min_gold_resolution=0.0), log=lambda s: None)
+    plain, bom = EntityStore(out["plain"]), EntityStore(out["bom"])
+    assert bom.num_entities == plain.num_entities == 40
+    assert bom.source_ids(range(40)) == plain.source_ids(range(40))
+    assert MentionTable(out["bom"], "train").mention_ids == ["1", "2"]
+    lines = text.splitlines(keepends=True)
+    (tmp_path / "inner.json").write_bytes("".join(lines[:3]).encode() + b"\xef\xbb\xbf" + "".join(lines[3:]).encode())
+    with pytest.raises(BadRecord, match=r"inner\.json:4: not JSON \(Unexpected UTF-8 BOM"):
+        prepare(_cfg(tmp_path, tiny_model_dir, out=str(tmp_path / "kb_inner"), kilt_ks=str(tmp_path / "inner.json"),
+                     chunk_size="2K"), log=lambda s: None)
