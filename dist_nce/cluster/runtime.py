@@ -295,6 +295,18 @@ def environment(values: Mapping[str, str | None]):
         apply(before)
 
 
+def local_ray_on_loopback() -> None:
+    """RAY_LOCAL_ENV's settings where unset, and Ray's own copy of the loopback switch: a local Ray that this
+    process starts afterwards (``ray.init()``, also Ray's own call in ``serve run``) listens on loopback only."""
+    for k, v in RAY_LOCAL_ENV.items():
+        os.environ.setdefault(k, v)
+    from ray._private import ray_constants
+
+    # Ray reads the loopback switch once, when ray is first imported; a module of ours that
+    # imported ray earlier would otherwise make the local cluster bind a routable address.
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: Any):
     """Connect to ``address`` (or RAY_ADDRESS) or start a loopback-only local Ray.
 
@@ -303,13 +315,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     for k, v in RAY_LOCAL_ENV.items():
         os.environ.setdefault(k, v)
     import ray
-    from ray._private import ray_constants
 
     if ray.is_initialized():
         return ray.get_runtime_context()
-    # Ray reads the loopback switch once, when ray is first imported; a module of ours that
-    # imported ray earlier would otherwise make the local cluster bind a routable address.
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"
+    local_ray_on_loopback()
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = kwargs.pop("runtime_env", {}) or {}
     env_vars = {**ray_runtime_env_vars(), **runtime_env.get("env_vars", {})}

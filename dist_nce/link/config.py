@@ -129,6 +129,13 @@ class ServeConfig:
         "Replicas of the search deployment (each holds the KB index, or with link.searcher: service one set of "
         "shard actors); every HTTP replica searches through it.", AT_LEAST_1, default=1)
 
+    def validate(self) -> None:
+        # A request without "k" gets link.k: over max_k, every such request was refused with a 413 naming a k
+        # the client never sent.
+        if self.link.k > self.max_k:
+            raise ValueError(f"link.k: {self.link.k}: over max_k ({self.max_k}), so every request that does not "
+                             "give its own k would be refused; lower link.k or raise max_k")
+
     def limits(self) -> Limits:
         """The request limits of :mod:`dist_nce.link.request`."""
         return Limits(self.max_request_bytes, self.max_json_depth, self.max_docs, self.max_text_chars,

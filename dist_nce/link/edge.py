@@ -271,12 +271,13 @@ class Edge:
         asked = headers.get(b"x-request-timeout-seconds")
         if asked is not None:
             try:
-                timeout_s = min(timeout_s, float(asked))
+                wanted = float(asked)
             except ValueError:
                 raise BadRequest(400, f"X-Request-Timeout-Seconds {asked[:40].decode('latin-1')!r} is not a number") \
                     from None
-            if not timeout_s > 0:  # NaN too
+            if not wanted > 0:  # NaN too (checked before min(), which answers its first argument for a NaN)
                 raise BadRequest(400, "X-Request-Timeout-Seconds must be positive")
+            timeout_s = min(timeout_s, wanted)
         return declared, timeout_s
 
     async def _body(self, conn: h11.Connection, reader, charged: list[int]) -> AsyncIterator[bytes]:

@@ -385,6 +385,15 @@ def build_app(args: dict) -> Any:
     ``args`` are :class:`~dist_nce.link.config.ServeConfig` fields (unknown keys refused)."""
     from dist_nce.link.run_dir import check_snapshot_for_store, resolve
 
+    import ray
+
+    from dist_nce.cluster.runtime import local_ray_on_loopback
+
+    if not ray.is_initialized():
+        # `serve run dist_nce.link.serve:build_app run=...` (docs/linking.md) calls this builder, then starts a
+        # local Ray of its own: without the loopback switch in the environment, every Ray process of it (GCS,
+        # raylet, the replicas' gRPC) listened on the machine's routable address, unauthenticated.
+        local_ray_on_loopback()
     cfg = from_dict(ServeConfig, args, "serve args")
     if not cfg.run and not cfg.link.model:
         raise ConfigError("serve args: run: give the run directory (runs/<name>/<time>), or link.model (a retriever "
@@ -395,6 +404,13 @@ def build_app(args: dict) -> Any:
             check_snapshot_for_store(art)
     except ValueError as e:  # ArtifactMismatch too
         raise ConfigError(f"serve args: {e}") from None
+    if cfg.link.reranker:  # refused here, not by three failed replicas and their tracebacks
+        from dist_nce.modeling.resolve import check_reranker
+
+        try:
+            check_reranker(cfg.link.reranker)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"serve args: link.reranker: {e}") from None
     actor = replica_options(cfg)
     # A replica queues at most max_ongoing_requests calls: room for a full batch and the next one.
     batched = 2 * cfg.max_batch_size

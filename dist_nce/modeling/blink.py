@@ -148,9 +148,8 @@ def bert_config_from_state(state: Mapping[str, torch.Tensor], num_attention_head
     layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"encoder\.layer\.(\d+)\.", k)))
     if num_attention_heads is None:
         if hidden % 64:
-            raise BlinkCheckpointError(
-                f"hidden size {hidden} is not a multiple of 64; pass num_attention_heads (or a model directory)"
-            )
+            raise BlinkCheckpointError(f"hidden size {hidden} is not a multiple of 64, so the attention head count "
+                                       "cannot be inferred (BERT's heads are 64 wide)")
         num_attention_heads = hidden // 64
     return {
         "model_type": "bert", "vocab_size": int(vocab), "hidden_size": int(hidden),
@@ -196,11 +195,13 @@ def check_bert_weights(own: Mapping[str, torch.Tensor], state: Mapping[str, torc
 def bert_architecture(
     state: Mapping[str, torch.Tensor], model_dir: str | os.PathLike | None = None,
     num_attention_heads: int | None = None, recorded: Mapping[str, Any] | None = None,
+    source: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The ``BertConfig`` dict a checkpoint's ``BertModel`` weights are loaded into: ``model_dir``'s
     config.json when given, else the config ``recorded`` beside the file by our export
     (:func:`read_architecture_file`; ``num_attention_heads``, when given, replaces its head
-    count), else :func:`bert_config_from_state`. The exact load then checks every size."""
+    count), else :func:`bert_config_from_state`. The exact load then checks every size.
+    ``source``: the checkpoint file, named in errors."""
     if model_dir is not None:
         from transformers import AutoConfig
 
@@ -210,7 +211,15 @@ def bert_architecture(
         if num_attention_heads is not None:
             config["num_attention_heads"] = int(num_attention_heads)
         return config
-    return bert_config_from_state(state, num_attention_heads)
+    try:
+        return bert_config_from_state(state, num_attention_heads)
+    except BlinkCheckpointError as e:
+        if source is None or not Path(source).is_file():
+            raise
+        hint = (f"; keep {architecture_file(source).name}, which the export wrote beside it, next to it, or give "
+                "a model directory with the architecture's config.json (model.retriever.mention_model, "
+                "model.reranker.model)") if "multiple of 64" in str(e) else ""
+        raise BlinkCheckpointError(f"{os.fspath(source)}: {e}{hint}") from None
 
 
 def read_record(file: Path, kind: str, what: str) -> dict[str, Any] | None:
@@ -314,7 +323,7 @@ def blink_encoders(
     encoders = []
     for side, attr in BLINK_SIDES.items():
         encoder = Encoder.from_config(bert_architecture(sides[side], model_dir, num_attention_heads,
-                                                        recorded.get(attr)))
+                                                        recorded.get(attr), path))
         load_bert_state(encoder, sides[side], side, os.fspath(path))
         encoders.append(encoder)
     return encoders[0], encoders[1]

@@ -122,7 +122,7 @@ def blink_reranker_from_state(
         raise BlinkCheckpointError(f"{source}: BLINK's cross-encoder scores the pooler output; head "
                                    f"{config.head!r} cannot hold it (use head: pooler)")
     bert, head = split_crossencoder_state(state, source)
-    model = transformer_from_config(bert_architecture(bert, config.model, num_attention_heads, architecture))
+    model = transformer_from_config(bert_architecture(bert, config.model, num_attention_heads, architecture, source))
     load_bert_weights(model, bert, f"{source}: {ENCODER_ATTR}.{BERT_ATTR}")
     tokenizer = blink_tokenizer(source, tokenizer_dir or config.model, int(model.config.vocab_size))
     reranker = Reranker(config, model, tokenizer)

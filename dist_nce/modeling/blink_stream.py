@@ -106,7 +106,7 @@ def blink_entity_state(path: str | os.PathLike, config: RetrieverConfig,
     for side, attr in BLINK_SIDES.items():
         with torch.device("meta"):  # names, shapes, dtypes and config: no memory
             models[side] = transformer_from_config(bert_architecture(sides[side], config.mention_model,
-                                                                     num_attention_heads, recorded.get(attr)))
+                                                                     num_attention_heads, recorded.get(attr), path))
         kept = check_bert_weights(models[side].state_dict(), sides[side], f"{path}: {attr}")
         if side == "entity" and kept:
             return None

@@ -47,6 +47,25 @@ def is_checkpoint_file(path: str | os.PathLike, forms: str = RETRIEVER_FORMS) ->
     raise ValueError(f"{p}: neither a regular file nor a directory; expected {forms}")
 
 
+def check_reranker(path: str | os.PathLike) -> None:
+    """Raise what :func:`load_reranker` would for a path that holds no reranker, without building one: the
+    directory's manifest kind, or the file's keys (a BLINK cross-encoder's; mapped, not read, where the file
+    is zip-format). ``FileNotFoundError``, ``ValueError`` (``ArtifactMismatch``, ``BlinkCheckpointError``)."""
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.modeling.blink import BlinkCheckpointError, load_state_file
+    from dist_nce.modeling.blink_crossencoder import split_crossencoder_state
+    from dist_nce.modeling.reranker import MANIFEST_KIND
+
+    if not is_checkpoint_file(path, RERANKER_FORMS):
+        read_manifest(path, MANIFEST_KIND)
+        return
+    try:
+        state = load_state_file(path, mmap=True)
+    except BlinkCheckpointError:  # torch's legacy format cannot be mapped: read it (its own error if not a state dict)
+        state = load_state_file(path)
+    split_crossencoder_state(state, os.fspath(path))
+
+
 def load_retriever(
     path: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None,
     config: RetrieverConfig | None = None, num_attention_heads: int | None = None,

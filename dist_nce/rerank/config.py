@@ -56,8 +56,10 @@ class RerankModelConfig:
                                      default_factory=RerankerConfig)
     init_from: Optional[str] = _help(
         "Start from a reranker directory (Reranker.save_pretrained) or a BLINK cross-encoder checkpoint file "
-        "(crossencoder_wiki_large.bin; read with reranker.max_len/dropout, architecture and tokenizer from "
-        "reranker.model when set, else from the weights and the default model).", default=None)
+        "(crossencoder_wiki_large.bin; architecture and tokenizer from reranker.model when set, else from the "
+        "weights and the default model). Trained with reranker.max_len, dropout and trim_padding, and with "
+        "reranker.layout where set (unset: the checkpoint's own); reranker.head must be the checkpoint's.",
+        default=None)
 
 
 @dataclass

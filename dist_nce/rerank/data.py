@@ -28,9 +28,11 @@ from kb.store import EntityStore, MentionTable
 
 # What a resumed reranker run must share with its checkpoint besides the plan (as train.plan.RESUME_SETTINGS
 # for the retriever, and for its reasons not the model paths): the score head, the pair layout, the objective.
+# And the score head's dropout: a rerun that changed it resumed and trained its remaining steps under another
+# regularisation than the first ones, recorded in the export as if the whole run had.
 RESUME_SETTINGS = ("model.reranker.max_len", "model.reranker.head", "model.reranker.layout",
-                   "model.reranker.context_len", "model.reranker.cand_len", "optim.lr", "optim.weight_decay",
-                   "optim.warmup_proportion", "optim.grad_clip")
+                   "model.reranker.context_len", "model.reranker.cand_len", "model.reranker.dropout", "optim.lr",
+                   "optim.weight_decay", "optim.warmup_proportion", "optim.grad_clip")
 
 
 @dataclass(frozen=True)

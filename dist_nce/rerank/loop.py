@@ -28,7 +28,7 @@ from dist_nce.eval.zeshel import rerank, reranker_report, write_predictions
 from dist_nce.modeling.blink import BlinkCheckpointError
 from dist_nce.modeling.blink_crossencoder import blink_layout_note, export_blink_crossencoder
 from dist_nce.modeling.losses import nce_loss
-from dist_nce.modeling.reranker import Reranker
+from dist_nce.modeling.reranker import Reranker, RerankerConfig
 from dist_nce.modeling.resolve import load_reranker
 from dist_nce.rerank.config import RerankJobConfig
 from dist_nce.rerank.data import EvalSet, MentionRows, data_order, load_eval_sets, load_training_set, make_plan
@@ -49,12 +49,43 @@ PREDICTIONS_KIND = "rerank_predictions"
 
 def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
     """Pretrained encoder + a new score layer (seeded), or a saved reranker (``init_from``: a
-    reranker directory, or a BLINK cross-encoder file read under ``model.reranker``'s max_len and
-    dropout, its architecture and tokenizer from ``model.reranker.model`` when set)."""
+    reranker directory, or a BLINK cross-encoder file, its architecture and tokenizer from
+    ``model.reranker.model`` when set) trained under the job's settings (:func:`with_job_settings`)."""
     torch.manual_seed(seed)
     if cfg.model.init_from:
-        return load_reranker(cfg.model.init_from, config=cfg.model.reranker)
+        return with_job_settings(load_reranker(cfg.model.init_from, config=cfg.model.reranker), cfg.model.reranker,
+                                 cfg.model.init_from)
     return Reranker.build(cfg.model.reranker)
+
+
+def with_job_settings(reranker: Reranker, want: RerankerConfig, source: str) -> Reranker:
+    """``reranker`` (loaded from ``source``) trained as the job's ``model.reranker`` says: its max_len, dropout and
+    trim_padding, and its layout where set (None keeps the checkpoint's). The plan, the resume check and the
+    export record these; before, a checkpoint's own max_len (a saved directory's, or a BLINK file's layout
+    record) was trained with while the run said and recorded the config's. Raises ConfigError for a head the
+    weights do not hold."""
+    import dataclasses
+
+    from dist_nce.core.config import ConfigError
+
+    got = reranker.config
+    if got.head != want.head:
+        raise ConfigError(f"model.reranker.head: {want.head!r}, but model.init_from {source} holds a {got.head!r} "
+                          f"head; set model.reranker.head: {got.head}")
+    keep = {} if want.layout is None else {k: getattr(want, k) for k in ("layout", "context_len", "cand_len")}
+    config = dataclasses.replace(got, max_len=want.max_len, dropout=want.dropout, trim_padding=want.trim_padding,
+                                 **keep)
+    try:
+        config.validate()
+    except ValueError as e:
+        raise ConfigError(f"model.reranker: {e} (the layout of model.init_from {source})") from None
+    max_pos = getattr(reranker.model.config, "max_position_embeddings", None)
+    if max_pos is not None and config.max_len > max_pos:
+        raise ConfigError(f"model.reranker.max_len: {config.max_len} exceeds the max_position_embeddings {max_pos} "
+                          f"of model.init_from {source}")
+    reranker.config = config
+    reranker.dropout.p = config.dropout
+    return reranker
 
 
 def export_reranker(reranker: Reranker, output_dir: str | Path) -> dict[str, Any]:

@@ -123,6 +123,7 @@ def test_two_requests_on_one_connection(edge):
     ({"body": b"x" * 1001}, 413, "body of 1001 bytes; the limit is 1000"),
     ({"headers": {"X-Request-Timeout-Seconds": "soon"}}, 400, "is not a number"),
     ({"headers": {"X-Request-Timeout-Seconds": "-1"}}, 400, "must be positive"),
+    ({"headers": {"X-Request-Timeout-Seconds": "nan"}}, 400, "must be positive"),  # min(15, nan) was 15
     ({"headers": {"X-Big": "y" * 3000}}, 431, "the limit is 2048"),
 ])
 def test_refused_on_the_head_without_reaching_the_ingress(edge, kwargs, status, needle):

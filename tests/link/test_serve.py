@@ -227,6 +227,75 @@ def test_nothing_listens_beyond_loopback_while_serving(server):
     assert [entry for entry in listeners if not loopback(entry[2].ip)] == []
 
 
+# `serve run dist_nce.link.serve:build_app run=...` (docs/linking.md): Ray 2.60's CLI builds the app, then starts
+# a local Ray unless one is up (ray.serve.scripts.run). "local" here, where the CLI has no address: on a machine
+# where a `ray start` head is up (another test's), the CLI would join that head instead, and this would not test.
+SERVE_RUN = r"""
+import json, sys
+import psutil
+from dist_nce.link.serve import build_app
+
+build_app({"run": sys.argv[1]})
+import ray
+
+ray.init(address="local", namespace="serve", num_cpus=1)
+me = psutil.Process()
+listeners = []
+for proc in [me, *me.children(recursive=True)]:
+    try:
+        listeners += [[" ".join(proc.cmdline())[:60], c.laddr.ip] for c in proc.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+print(json.dumps({"node_ip": ray.util.get_node_ip_address(), "listeners": listeners}))
+ray.shutdown()
+"""
+
+
+def test_serve_run_of_the_app_builder_starts_ray_on_loopback(tiny_run):
+    """Without the loopback switch in the shell's environment (the documented development command sets none),
+    the Ray that `serve run` starts after calling the builder listened on the machine's routable address: GCS,
+    raylet and every replica's gRPC server, none authenticated. The builder now sets the switch first."""
+    import ipaddress
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    r = subprocess.run([sys.executable, "-c", SERVE_RUN, str(tiny_run)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["node_ip"] == "127.0.0.1"
+    assert len(seen["listeners"]) >= 2, seen  # the GCS and the raylet at least
+    mapped = [ipaddress.ip_address(ip.split("%")[0]) for _, ip in seen["listeners"]]
+    assert [entry for entry, a in zip(seen["listeners"], mapped)
+            if not (getattr(a, "ipv4_mapped", None) or a).is_loopback] == []
+
+
+def test_what_every_replica_would_fail_on_is_refused_before_any_starts(tiny_run, tiny_reranker, blink_files, tmp_path):
+    """A wrong link.reranker started Ray and every deployment; the reranker's replicas then failed three times
+    (178 lines of tracebacks) and the deploy ended in a RuntimeError. A default k over max_k started, and then
+    refused every request that gave no k, naming a k its client never sent. Both now fail in the builder, as a
+    wrong run directory does (serve_link: one line, exit 2)."""
+    from dist_nce.cli.serve_link import main as serve_link
+    from dist_nce.core.config import ConfigError
+    from dist_nce.link.serve import build_app
+
+    run = str(tiny_run)
+    for reranker, why in ((tmp_path / "nope", r"nope: not found; expected a dist-nce reranker directory"),
+                          (tiny_run / "model", r"model/manifest\.json: field 'kind' is 'retriever', expected 'reranker'"),
+                          (blink_files[0], r"biencoder_wiki_large\.bin: unexpected keys cand_encoder\.")):
+        with pytest.raises(ConfigError, match=rf"^serve args: link\.reranker: \S*{why}"):
+            build_app({"run": run, "link": {"reranker": str(reranker)}})
+    build_app({"run": run, "link": {"reranker": str(tiny_reranker)}})  # a reranker directory
+    build_app({"run": run, "link": {"reranker": str(blink_files[1])}})  # BLINK's cross-encoder file
+    with pytest.raises(ConfigError, match=r"link\.k: 101: over max_k \(100\), so every request that does not "):
+        build_app({"run": run, "link": {"k": 101}})
+    build_app({"run": run, "link": {"k": 101}, "max_k": 101})
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"applications:\n- name: link\n  import_path: dist_nce.link.serve:build_app\n  args:\n"
+                      f"    run: {tiny_run}\n    link: {{reranker: {tmp_path / 'nope'}}}\n")
+    assert serve_link([str(config)]) == 2
+
+
 def test_the_service_searcher_answers_as_the_local_index(ray_local, tiny_run, dev_file, tmp_path):
     from dist_nce.link import Linker
 

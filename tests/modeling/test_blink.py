@@ -1,5 +1,6 @@
 """BLINK biencoder import/export against a tiny checkpoint with BLINK's exact key layout."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,8 +96,14 @@ def test_architecture_inferred_without_a_model_dir(blink, tmp_path):
     ids, mask = batch(2)
     with torch.no_grad():
         torch.testing.assert_close(r.encode_mentions(ids, mask).vecs, cls_states(context, ids, mask), rtol=0, atol=1e-6)
-    with pytest.raises(BlinkCheckpointError, match="hidden size 32 is not a multiple of 64; pass num_attention_heads"):
+    # a file copied without the architecture record our exports write beside it: what to do, and which file
+    with pytest.raises(BlinkCheckpointError) as e:
         load_blink_retriever(path, RetrieverConfig())
+    assert str(e.value) == (
+        f"{path}: hidden size 32 is not a multiple of 64, so the attention head count cannot be inferred (BERT's "
+        f"heads are 64 wide); keep {Path(path).with_suffix('.architecture.json').name}, which the export wrote "
+        "beside it, next to it, or give a model directory with the architecture's config.json "
+        "(model.retriever.mention_model, model.reranker.model)")
 
 
 def test_legacy_names_and_position_ids_buffer(blink, tiny_model_dir, tmp_path):

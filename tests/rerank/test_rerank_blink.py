@@ -27,6 +27,33 @@ def test_init_from_a_blink_file_and_export_both_layouts(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), reranker.state_dict().values()))
 
 
+def test_a_start_is_trained_with_the_jobs_pair_length_and_dropout(tmp_path, tiny_model_dir):
+    """model.init_from with its own max_len (a saved directory's config, or the layout record our export writes
+    beside a BLINK file): the run printed, checked on resume and recorded the config's max_len (48) but trained
+    and exported the checkpoint's (64). Now the job's max_len and dropout are trained with; the layout is the
+    checkpoint's unless the config sets one; a head the weights do not hold is refused."""
+    reranker = Reranker(RerankerConfig(max_len=64, dropout=0.0), load_transformer(tiny_model_dir),
+                        load_tokenizer(tiny_model_dir))
+    paths = export_reranker(reranker, tmp_path / "start")
+    for init in (paths["model"], paths["blink"]):
+        cfg = RerankJobConfig()
+        cfg.model.init_from = init
+        cfg.model.reranker = RerankerConfig(model=tiny_model_dir, max_len=48, dropout=0.3)
+        got = build_reranker(cfg, seed=0)
+        assert (got.config.max_len, got.config.dropout, got.dropout.p, got.config.layout) == (48, 0.3, 0.3, "packed")
+        assert export_reranker(got, tmp_path / "out")  # and what the export records
+        assert load_reranker(tmp_path / "out" / MODEL_DIR).config.max_len == 48
+        cfg.model.reranker = RerankerConfig(model=tiny_model_dir, max_len=48, layout="blink", context_len=16)
+        assert (build_reranker(cfg, seed=0).config.layout, build_reranker(cfg, seed=0).config.context_len) == \
+            ("blink", 16)
+    cls = Reranker(RerankerConfig(head="cls", max_len=64), load_transformer(tiny_model_dir),
+                   load_tokenizer(tiny_model_dir))
+    cfg.model.init_from = export_reranker(cls, tmp_path / "cls")["model"]
+    cfg.model.reranker = RerankerConfig(model=tiny_model_dir, max_len=48)
+    with pytest.raises(ConfigError, match=r"model.reranker.head: 'pooler', but model.init_from .* holds a 'cls' "):
+        build_reranker(cfg, seed=0)
+
+
 def test_a_cls_head_exports_its_directory_only(tmp_path, tiny_model_dir):
     reranker = Reranker(RerankerConfig(head="cls", max_len=64), load_transformer(tiny_model_dir),
                         load_tokenizer(tiny_model_dir))

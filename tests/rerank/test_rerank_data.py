@@ -110,6 +110,11 @@ def test_a_resume_with_another_model_or_objective_is_refused(setup):
     other.optim.lr, other.model.reranker.head = 0.5, "cls"
     with pytest.raises(ValueError, match=r"model.reranker.head: checkpoint 'pooler', now 'cls'; optim.lr: "):
         check_resumable({"plan": plan}, make_plan(other, ts).as_dict(), "ckpt")
+    # the score head's dropout: resumed, the rest of the run trained under another one than its first steps
+    other = config(setup)
+    other.model.reranker.dropout = 0.5
+    with pytest.raises(ValueError, match=r"model.reranker.dropout: checkpoint 0.1, now 0.5"):
+        check_resumable({"plan": plan}, make_plan(other, ts).as_dict(), "ckpt")
 
 
 def test_num_candidates_beyond_the_lists_is_refused(setup):
