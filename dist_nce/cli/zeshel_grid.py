@@ -25,7 +25,14 @@ The paper's Table 1 on a GPU cluster (or --only som_hard,som_mixed50 for some ro
 
     ray job submit --address http://HEAD:8265 --working-dir . -- python jobs/zeshel_grid.py \\
         --config configs/zeshel/retriever_paper_gpu.yaml --rows configs/zeshel/table1_rows.yaml \\
-        --out /mnt/shared/runs/zeshel_grid --set data.zeshel_root=/mnt/shared/zeshel
+        --out /mnt/shared/runs/zeshel_grid --set data.zeshel_root=/mnt/shared/zeshel \\
+        --set data.prepared_dir=/mnt/shared/prepared/zeshel_train \\
+        --set zeshel.eval_store=/mnt/shared/prepared/zeshel_eval \\
+        --set model.retriever.mention_model=/mnt/shared/models/bert-base-uncased
+
+Everything a later submission reads again on shared storage: ``--working-dir`` uploads the project without its
+git-ignored ``data/`` and ``runs/``, so stores left under ``data/`` were prepared again by each submission, and a
+store prepared again is other data to the row keys (its manifest's identity): every row started over.
 """
 from __future__ import annotations
 
@@ -144,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                                           "seconds": round(time.perf_counter() - start, 1)})
     if cells:
         plot(cells, out / "grid.png", f"Zeshel grid ({Path(args.config).name}): top-{k} recall, own world, macro")
+    else:  # nothing to draw: an earlier run's chart would sit beside this table as if it were its own
+        (out / "grid.png").unlink(missing_ok=True)
     print(text, flush=True)
-    print(f"wrote {out / 'grid.md'}, grid.json, grid.png in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"wrote {out / 'grid.md'}, grid.json{', grid.png' if cells else ''} in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
     return 0
 
 

@@ -62,12 +62,24 @@ class KiltFileError(ValueError):
 # --------------------------------------------------------------------------- files
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+class JsonlRecords(list):
+    """The records of a JSON-lines file, with ``lines``: each one's line number in it (blank lines skipped)."""
+
+    lines: list[int]
+
+
+def line_numbers(records: list[dict]) -> list[int]:
+    """Each record's line in its file: :class:`JsonlRecords`' own, else 1..n (records made in memory)."""
+    return getattr(records, "lines", None) or list(range(1, len(records) + 1))
+
+
+def read_jsonl(path: str | Path) -> JsonlRecords:
     """One JSON object per line (KILT's ``load_data``); errors name ``path:line``. Blank lines are skipped,
     as ``jobs/prepare_kb.py`` skips them: a file the run trained on is scored, not refused at its end."""
     from kb.jsonl import BadRecord, load_object
 
-    records = []
+    records = JsonlRecords()
+    records.lines = []
     with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -79,6 +91,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
             if "id" not in rec:
                 raise KiltFileError(f"{path}:{lineno}: expected a JSON object with an 'id'")
             records.append(rec)
+            records.lines.append(lineno)
     return records
 
 
@@ -140,7 +153,7 @@ def id_lines(records: list[dict], path: str | Path) -> dict[str, int]:
     """{id as KILT compares it: line in ``path``} of ``read_jsonl(path)``; a repeated id is an error naming
     both lines (KILT keys its guesses by id: the second would silently take the first one's score)."""
     lines: dict[str, int] = {}
-    for lineno, rec in enumerate(records, 1):
+    for lineno, rec in zip(line_numbers(records), records):
         if _key(rec) in lines:
             raise KiltFileError(f"{path}:{lineno}: duplicate id {rec['id']!r} (first at line {lines[_key(rec)]})")
         lines[_key(rec)] = lineno
@@ -155,7 +168,7 @@ def align(
     allow_extra_ids: bool = False,
 ) -> list[dict]:
     """Check both files for KILT and return the guess records in gold order."""
-    for lineno, g in enumerate(gold, 1):
+    for lineno, g in zip(line_numbers(gold), gold):
         where = f"{gold_path}:{lineno} (id {g['id']!r})"
         outs = g.get("output")
         if not isinstance(outs, list) or not outs or not all(isinstance(o, dict) for o in outs):
@@ -171,7 +184,7 @@ def align(
     gold_line = id_lines(gold, gold_path)
     by_id: dict[str, dict] = {}
     guess_line: dict[str, int] = {}
-    for lineno, p in enumerate(guess, 1):
+    for lineno, p in zip(line_numbers(guess), guess):
         where = f"{guess_path}:{lineno} (id {p['id']!r})"
         if _key(p) in by_id:
             raise KiltFileError(f"{where}: duplicate id (first at line {guess_line[_key(p)]})")
@@ -187,7 +200,7 @@ def align(
         prov = outs[0].get("provenance")
         if not (isinstance(prov, list) and all(isinstance(x, dict) for x in prov)):
             raise KiltFileError(f"{where}: output[0] needs a 'provenance' list of objects (may be empty)")
-    for lineno, g in enumerate(gold, 1):
+    for lineno, g in zip(line_numbers(gold), gold):
         if _key(g) not in by_id:
             raise KiltFileError(f"{guess_path}: no prediction for id {g['id']!r} ({gold_path}:{lineno})")
     return [by_id[_key(g)] for g in gold]

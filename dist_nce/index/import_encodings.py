@@ -58,11 +58,11 @@ def read_row_ids(path: str | os.PathLike) -> list[str]:
         from kb.blink import parse_blink_entity
 
         ids = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark opening it, as prepare reads it
             for lineno, line in enumerate(f, 1):
                 ids.append(parse_blink_entity(line, str(path), lineno).source_id)
         return ids
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         ids = [line.strip() for line in f]
     for lineno, value in enumerate(ids, 1):
         if not value:

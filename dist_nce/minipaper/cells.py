@@ -2,7 +2,8 @@
 
 A cell is ``python <job> --config <base> --set ...`` with the run placed in
 ``<out>/cells/<name>-<key>/``. The key hashes the job, the base config's text and the
-overrides (with the grid directory written as ``<out>``, so a moved grid keeps its keys);
+overrides that change its result (not where its job stops or checkpoints: ``BOOKKEEPING``;
+the grid directory written as ``<out>``, so a moved grid keeps its keys);
 an override that points at another cell's directory (``model.init_from``,
 ``data.candidates_dir``) carries that cell's key, so a changed shared start re-keys every
 branch. A cell whose ``summary.json`` says ``done`` is reused; an interrupted one resumes

@@ -216,9 +216,9 @@ def bert_architecture(
     except BlinkCheckpointError as e:
         if source is None or not Path(source).is_file():
             raise
-        hint = (f"; keep {architecture_file(source).name}, which the export wrote beside it, next to it, or give "
-                "a model directory with the architecture's config.json (model.retriever.mention_model, "
-                "model.reranker.model)") if "multiple of 64" in str(e) else ""
+        hint = (f"; keep {architecture_file(source).name}, which the export wrote beside it, next to it (training "
+                "jobs can instead name a model directory with the architecture's config.json: "
+                "model.retriever.mention_model, model.reranker.model)") if "multiple of 64" in str(e) else ""
         raise BlinkCheckpointError(f"{os.fspath(source)}: {e}{hint}") from None
 
 

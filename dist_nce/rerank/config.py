@@ -150,6 +150,13 @@ def check_inputs(cfg: RerankJobConfig) -> None:
     if init and not (os.path.isfile(init) or os.path.isfile(os.path.join(init, "manifest.json"))):
         problems.append(f"model.init_from: neither a reranker directory (with manifest.json) nor a BLINK "
                         f"cross-encoder file: {init}")
+    elif init:  # what the workers would refuse once Ray is up (a head the weights do not hold, ...)
+        from dist_nce.rerank.start import check_start
+
+        try:
+            check_start(init, cfg.model.reranker)
+        except (ConfigError, ValueError) as e:  # ArtifactMismatch, BlinkCheckpointError: a record that is not one
+            problems.append(str(e) if str(e).startswith("model.") else f"model.init_from: {e}")
     if not os.path.isfile(cfg.deepspeed.config):
         problems.append(f"deepspeed.config: file not found: {cfg.deepspeed.config}")
     else:

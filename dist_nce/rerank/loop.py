@@ -59,30 +59,11 @@ def build_reranker(cfg: RerankJobConfig, seed: int) -> Reranker:
 
 
 def with_job_settings(reranker: Reranker, want: RerankerConfig, source: str) -> Reranker:
-    """``reranker`` (loaded from ``source``) trained as the job's ``model.reranker`` says: its max_len, dropout and
-    trim_padding, and its layout where set (None keeps the checkpoint's). The plan, the resume check and the
-    export record these; before, a checkpoint's own max_len (a saved directory's, or a BLINK file's layout
-    record) was trained with while the run said and recorded the config's. Raises ConfigError for a head the
-    weights do not hold."""
-    import dataclasses
+    """``reranker`` (loaded from ``source``) under the job's ``model.reranker`` (:mod:`dist_nce.rerank.start`)."""
+    from dist_nce.rerank.start import job_config
 
-    from dist_nce.core.config import ConfigError
-
-    got = reranker.config
-    if got.head != want.head:
-        raise ConfigError(f"model.reranker.head: {want.head!r}, but model.init_from {source} holds a {got.head!r} "
-                          f"head; set model.reranker.head: {got.head}")
-    keep = {} if want.layout is None else {k: getattr(want, k) for k in ("layout", "context_len", "cand_len")}
-    config = dataclasses.replace(got, max_len=want.max_len, dropout=want.dropout, trim_padding=want.trim_padding,
-                                 **keep)
-    try:
-        config.validate()
-    except ValueError as e:
-        raise ConfigError(f"model.reranker: {e} (the layout of model.init_from {source})") from None
-    max_pos = getattr(reranker.model.config, "max_position_embeddings", None)
-    if max_pos is not None and config.max_len > max_pos:
-        raise ConfigError(f"model.reranker.max_len: {config.max_len} exceeds the max_position_embeddings {max_pos} "
-                          f"of model.init_from {source}")
+    config = job_config(reranker.config, want, source,
+                        getattr(reranker.model.config, "max_position_embeddings", None))
     reranker.config = config
     reranker.dropout.p = config.dropout
     return reranker

@@ -165,8 +165,9 @@ def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str, 
     diff = [f"{k}: checkpoint {saved.get(k)!r}, now {plan.get(k)!r}" for k in RESUME_KEYS if saved.get(k) != plan.get(k)]
     old, new = saved.get(SETTINGS), plan.get(SETTINGS) or {}
     if old is not None:  # a checkpoint written before settings were recorded is checked on the fields alone
-        diff += [f"{k}: checkpoint {old.get(k)!r}, now {new.get(k)!r}"
-                 for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        # and on the settings it recorded: one that a later version added (the reranker's dropout) cannot be
+        # compared, and counting it as changed stranded every run checkpointed before that version
+        diff += [f"{k}: checkpoint {old[k]!r}, now {new.get(k)!r}" for k in sorted(old) if old[k] != new.get(k)]
     if diff:
         # Both ways out where the run's directory is known: the grids name their runs themselves (a row's or a
         # cell's key), so another run.name is not one there; moving the run's directory away starts it over.

@@ -195,6 +195,18 @@ def test_malformed_line_and_extra_ids_allowed(tmp_path, files):
     blank = tmp_path / "blank.jsonl"
     blank.write_text(guess.read_text().replace("\n", "\n\n", 1) + "\n")
     assert K.kilt_scores(gold, blank) == K.kilt_scores(gold, guess)
+    marked = tmp_path / "bom.jsonl"  # so is a byte order mark opening the file
+    marked.write_bytes(b"\xef\xbb\xbf" + gold.read_bytes())
+    assert K.kilt_scores(marked, guess) == K.kilt_scores(gold, guess)
+    # ... and errors after it still name the file's own line (a duplicate of line 1 on line 3 + 1 blank)
+    lines = guess.read_text().splitlines(keepends=True)
+    blank.write_text(lines[0] + "\n" + lines[1] + lines[0])
+    with pytest.raises(K.KiltFileError, match=r"blank\.jsonl:4 \(id '\w+'\): duplicate id \(first at line 1\)"):
+        K.kilt_scores(gold, blank)
+    golds = gold.read_text().splitlines(keepends=True)
+    (tmp_path / "g2.jsonl").write_text(golds[0] + "\n\n" + golds[1] + golds[0])
+    with pytest.raises(K.KiltFileError, match=r"g2\.jsonl:5: duplicate id '\w+' \(first at line 1\)"):
+        K.id_lines(K.read_jsonl(tmp_path / "g2.jsonl"), tmp_path / "g2.jsonl")
     # a cut line: prepare's message, with the column (json's own ended in "at" and called the newline a
     # control character)
     bad = tmp_path / "bad.jsonl"

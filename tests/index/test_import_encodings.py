@@ -111,6 +111,11 @@ def test_blink_entity_jsonl_gives_the_ids_and_a_bad_line_is_named(tmp_path):
     path = tmp_path / "entity.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert read_row_ids(path) == ["12", "7", "1000"]
+    # opened by a byte order mark (prepare reads such a file; the ids must read the same, the first included)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_row_ids(path) == ["12", "7", "1000"]
+    (tmp_path / "ids.txt").write_bytes(b"\xef\xbb\xbf12\n7\n")
+    assert read_row_ids(tmp_path / "ids.txt") == ["12", "7"]
     path.write_text(json.dumps(lines[0]) + "\n{oops\n")
     with pytest.raises(ValueError, match="entity.jsonl.*2"):
         read_row_ids(path)

@@ -128,7 +128,7 @@ def test_bad_records_are_reported_with_file_and_line(stores):
     rng = random.Random(5)
     (root / "bad_add.json").write_text(kilt_line(3000, "New", rng) + "\n{not json\n" + kilt_line(1001, "Dup", rng)
                                        + "\n" + kilt_line(3000, "Twice", rng) + "\n")
-    (root / "bad_rm.txt").write_text("1002\n4242\n1002\n")
+    (root / "bad_rm.txt").write_bytes(b"\xef\xbb\xbf1002\n4242\n1002\n")  # a byte order mark: the first id is 1002
     cfg = dict(store=str(store), model_dir=model, progress=False)
     with pytest.raises(BadRecord, match=r"bad_add.json:2: not JSON"):
         update(UpdateConfig(add=[str(root / "bad_add.json")], **cfg), log=lambda s: None)

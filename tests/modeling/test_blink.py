@@ -102,8 +102,8 @@ def test_architecture_inferred_without_a_model_dir(blink, tmp_path):
     assert str(e.value) == (
         f"{path}: hidden size 32 is not a multiple of 64, so the attention head count cannot be inferred (BERT's "
         f"heads are 64 wide); keep {Path(path).with_suffix('.architecture.json').name}, which the export wrote "
-        "beside it, next to it, or give a model directory with the architecture's config.json "
-        "(model.retriever.mention_model, model.reranker.model)")
+        "beside it, next to it (training jobs can instead name a model directory with the architecture's "
+        "config.json: model.retriever.mention_model, model.reranker.model)")
 
 
 def test_legacy_names_and_position_ids_buffer(blink, tiny_model_dir, tmp_path):

@@ -52,6 +52,16 @@ def test_a_start_is_trained_with_the_jobs_pair_length_and_dropout(tmp_path, tiny
     cfg.model.reranker = RerankerConfig(model=tiny_model_dir, max_len=48)
     with pytest.raises(ConfigError, match=r"model.reranker.head: 'pooler', but model.init_from .* holds a 'cls' "):
         build_reranker(cfg, seed=0)
+    # and before any cluster work (--dry-run, the driver), from the files beside the weights alone
+    for init, head, theirs in ((cfg.model.init_from, "pooler", "cls"), (paths["blink"], "cls", "pooler")):
+        cfg.model.init_from, cfg.model.reranker = init, RerankerConfig(model=tiny_model_dir, max_len=48, head=head)
+        with pytest.raises(ConfigError) as e:  # other inputs (stores, candidates) are missing here
+            check_inputs(cfg)
+        assert f"model.reranker.head: {head!r}, but model.init_from {init} holds a {theirs!r} head; set " \
+               f"model.reranker.head: {theirs}" in str(e.value), str(e.value)
+    cfg.model.reranker = RerankerConfig(model=tiny_model_dir, max_len=600)  # the tiny BERT has 512 positions
+    with pytest.raises(ConfigError, match=r"model.reranker.max_len: 600 exceeds the max_position_embeddings 512 of"):
+        check_inputs(cfg)
 
 
 def test_a_cls_head_exports_its_directory_only(tmp_path, tiny_model_dir):

@@ -95,14 +95,16 @@ def test_resume_refuses_another_plan(tmp_path):
     # The same shapes over a store prepared again (other synthetic data, say) is another run.
     with pytest.raises(ValueError, match="data_fingerprint: checkpoint 'aa', now 'bb'"):
         base.check_resumable(manifest, {**PLAN, "data_fingerprint": "bb"}, str(tmp_path))
-    # the settings the trainer records (train.plan.RESUME_SETTINGS), each difference named; one the
-    # checkpoint lacks counts as changed
+    # the settings the trainer records (train.plan.RESUME_SETTINGS), each difference named; one the checkpoint
+    # lacks (written before a later version recorded it) is not compared
     settings = {"optim.lr": 5e-4, "model.retriever.preset": "dual"}
     manifest = {**manifest, "plan": {**PLAN, "settings": settings}}
     base.check_resumable(manifest, {**PLAN, "settings": settings}, str(tmp_path))
     with pytest.raises(ValueError, match=r"optim.lr: checkpoint 0.0005, now 0.01\); use another run.name"):
         base.check_resumable(manifest, {**PLAN, "settings": {**settings, "optim.lr": 0.01}}, str(tmp_path))
-    with pytest.raises(ValueError, match="negatives.temperature: checkpoint None, now 0.5"):
-        base.check_resumable(manifest, {**PLAN, "settings": {**settings, "negatives.temperature": 0.5}}, "x")
+    base.check_resumable(manifest, {**PLAN, "settings": {**settings, "negatives.temperature": 0.5}}, "x")
+    # one the checkpoint recorded and the rerun does not (a later version dropped it) still counts
+    with pytest.raises(ValueError, match="model.retriever.preset: checkpoint 'dual', now None"):
+        base.check_resumable(manifest, {**PLAN, "settings": {"optim.lr": 5e-4}}, "x")
     # a checkpoint from before settings were recorded resumes on the plan's fields alone
     base.check_resumable({**manifest, "plan": PLAN}, {**PLAN, "settings": settings}, str(tmp_path))
