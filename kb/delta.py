@@ -49,8 +49,8 @@ from dist_nce.core.records import BadRecord, BadRecordLog
 from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
-from kb.jsonl import UTF8_BOM
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
+from kb.jsonl import UTF8_BOM
 from kb.prepare import CHUNK_SIZE, _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
 from kb.source_index import build_source_index, sort_source_keys, source_index_table

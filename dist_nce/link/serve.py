@@ -383,11 +383,10 @@ def replica_options(cfg: ServeConfig) -> dict[str, dict]:
 def build_app(args: dict) -> Any:
     """The application for ``serve run`` / ``serve deploy`` (``import_path: dist_nce.link.serve:build_app``);
     ``args`` are :class:`~dist_nce.link.config.ServeConfig` fields (unknown keys refused)."""
-    from dist_nce.link.run_dir import check_snapshot_for_store, resolve
-
     import ray
 
     from dist_nce.cluster.runtime import local_ray_on_loopback
+    from dist_nce.link.run_dir import check_snapshot_for_store, resolve
 
     if not ray.is_initialized():
         # `serve run dist_nce.link.serve:build_app run=...` (docs/linking.md) calls this builder, then starts a

@@ -98,11 +98,10 @@ def kb_delta_note(cfg: TrainJobConfig) -> str:
     a resumed run replays it whatever deltas came since: a training mention whose gold only a delta added is
     not trained on, and counted as excluded; one whose gold a delta removed is in the plan and skipped per
     batch (``train.kb_follow``)."""
-    from kb.store import MentionTable
-
     import numpy as np
 
     from dist_nce.train.plan import eligible_mentions
+    from kb.store import MentionTable
 
     train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
     if not train.kb_version:
@@ -115,8 +114,7 @@ def kb_delta_note(cfg: TrainJobConfig) -> str:
     parts = [f"whose gold a delta added, not trained on (counted as excluded above): {added:,}"] if added else []
     parts += [f"whose gold a delta removed, skipped when their batch comes: {removed:,}"] if removed else []
     return (f"KB version {train.kb_version}: training mentions {'; '.join(parts)}. The data order comes from the "
-            "golds as prepared, "
-            f"so that resumed runs replay it; to train on the KB as it is now, compact it "
+            "golds as prepared, so that resumed runs replay it; to train on the KB as it is now, compact it "
             f"(jobs/update_kb.py --store {cfg.data.prepared_dir} --compact --out DIR) and train on DIR")
 
 
