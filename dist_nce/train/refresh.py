@@ -97,6 +97,13 @@ class Publisher:
         handle.wait()
         self.wait_s += time.perf_counter() - t0
 
+    def _checked(self, handle: Any) -> None:
+        """:meth:`_block`, and a refresh a shard refused or lost is an error saying which version."""
+        try:
+            self._block(handle)
+        except Exception as e:  # noqa: BLE001 - ShardUnavailable, a shard's own refusal (RayTaskError), ...
+            raise RuntimeError(f"the refresh to index version {self.book.version} failed: {e}") from e
+
     def publish(self, step: int, wait: bool | None = None) -> int:
         """Publish the current weights as the next version; returns it (all ranks agree).
 
@@ -105,15 +112,18 @@ class Publisher:
         params = list(self.module.entity_side.parameters())
         with gathered(params, self.zero3):
             if self.rank == 0:
-                if self.handle is not None and not self.handle.done():
-                    self._block(self.handle)
+                if self.handle is not None:
+                    # waited for even when done: wait() is what raises a refresh that failed in a shard. Asked only
+                    # whether it was done, a failed async refresh was dropped, and training went on against the
+                    # old index while the published version counted up.
+                    self._checked(self.handle)
                 state = self.module.entity_encoder_state()
                 ref = self.put(state) if self.put is not None else _ray_put(state)
                 self.handle = self.service.refresh(ref, version)
         self.book.record(version, step)
         if self.wait if wait is None else wait:
             if self.rank == 0:
-                self._block(self.handle)
+                self._checked(self.handle)
             self.barrier()
         return version
 
@@ -123,7 +133,7 @@ class Publisher:
     def finish(self) -> None:
         """Wait for the refresh in flight (rank 0), e.g. before a final evaluation."""
         if self.rank == 0 and self.handle is not None:
-            self._block(self.handle)
+            self._checked(self.handle)
         self.barrier()
 
 

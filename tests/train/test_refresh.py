@@ -72,6 +72,30 @@ def test_publisher_ships_one_snapshot_per_version_from_rank_0_only():
     assert other.publish(step=3) == 1 and len(puts) == 2  # rank 1 books the version, ships nothing
 
 
+def test_a_failed_async_refresh_is_an_error_at_the_next_publish():
+    """A refresh that failed in a shard (a full disk, a refusal) is done: asked only whether it was done, the
+    publisher dropped it, and training went on against the old index while the published version counted up."""
+    service = FakeService(instant=False)
+
+    class Failed:
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout=None):
+            raise OSError("No space left on device")
+
+    service.refresh = lambda state, version, wait=False: Failed()
+    pub = Publisher(service, TinyRetriever(), RefreshBook(), 0, False, wait=False, put=lambda o: o)
+    assert pub.publish(2) == 1  # async: nothing waited for yet
+    with pytest.raises(RuntimeError, match=r"the refresh to index version 1 failed: No space left on device"):
+        pub.publish(4)
+    with pytest.raises(RuntimeError, match=r"index version 1 failed"):
+        pub.finish()
+    sync = Publisher(service, TinyRetriever(), RefreshBook(), 0, False, wait=True, put=lambda o: o)
+    with pytest.raises(RuntimeError, match=r"the refresh to index version 1 failed"):
+        sync.publish(2)
+
+
 def test_sync_waits_and_async_waits_for_the_previous_refresh_only():
     service, barriers = FakeService(instant=False), []
     pub = Publisher(service, TinyRetriever(), RefreshBook(), 0, False, wait=False, put=lambda o: o,
