@@ -379,9 +379,12 @@ def chaos(undisturbed_job, kb, tiny_model_dir, tmp_path_factory):
                 pytest.fail(f"no step without a checkpoint was left to kill a worker at (at step {last}): {record}")
             return False
 
-        job.wait_for("a step without a checkpoint after it", unsaved_step, poll=0.02)
+        # The workers' pids first (the group keeps them until this kill): scanning /proc between the wait and the
+        # kill took long enough on a loaded machine (load average ~40, `make test` beside other work) for the
+        # worker to train past the next checkpoint, so the group resumed with nothing to replay.
         workers = titled(session, b"ray::RayTrainWorker")
         assert len(workers) == 2, workers
+        job.wait_for("a step without a checkpoint after it", unsaved_step, poll=0.02)
         os.kill(workers[-1], signal.SIGKILL)
         at_step = train_losses(metrics)[-1][0]
         record["worker"] = {"pid": workers[-1], "last_logged_step": at_step,
