@@ -50,7 +50,7 @@ from kb.assemble import _PartWriter, _duplicates, load_chunks, token_stats
 from kb.chunk_worker import EncodeSettings, process_chunk, tokenizer
 from kb.gold_version import gold_at_version, gold_changes
 from kb.ingest import ChunkTask, file_fingerprint, plan_byte_ranges, run_chunks
-from kb.jsonl import UTF8_BOM
+from kb.jsonl import read_records
 from kb.prepare import CHUNK_SIZE, _skipped, input_error
 from kb.prepare_config import PrepareError, parse_size
 from kb.source_index import build_source_index, sort_source_keys, source_index_table
@@ -105,17 +105,9 @@ class UpdateConfig:
 def read_removals(path: Path, store: EntityStore, bad: BadRecordLog) -> np.ndarray:
     """Rows to remove: one source id per line of ``path`` (blank lines skipped); an id that is
     not live in ``store`` or repeats an earlier line is a bad record. Sorted int64 ``[r]``."""
-    ids, lines = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                text = (raw.removeprefix(UTF8_BOM) if lineno == 1 else raw).decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                bad.report(str(path), lineno, f"not UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            if text:
-                ids.append(text)
-                lines.append(lineno)
+    # read_records: undecodable lines reported, blank lines and an opening byte order mark skipped
+    numbered = list(read_records(path, lambda line, _path, lineno: (lineno, line.strip()), bad))
+    lines, ids = [n for n, _ in numbered], [text for _, text in numbered]
     rows = store.rows_for_source_ids(ids)
     seen: dict[str, int] = {}
     keep = []
