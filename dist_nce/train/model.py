@@ -29,7 +29,7 @@ def check_blink_init(cfg: ModelConfig, seed: int = 0) -> None:
     """Raise ConfigError when a run from ``cfg.blink_checkpoint`` would fail once its cluster is up: the
     checkpoint does not load into the architecture of ``model.retriever.mention_model`` (its config.json),
     or it does but its hidden size is not the one the shards are sized from (that model's, MiniLM's
-    without one). Loads the checkpoint (seconds for BLINK's 2.6 GB file); nothing without one."""
+    without one). Reads names and shapes only (:func:`blink_hidden_size`); nothing without a checkpoint."""
     if not cfg.blink_checkpoint:
         return
     from dist_nce.actors.service import entity_dim
@@ -38,7 +38,7 @@ def check_blink_init(cfg: ModelConfig, seed: int = 0) -> None:
     r = cfg.retriever
     arch = r.mention_model
     try:
-        hidden = build_retriever(cfg, seed).hidden_size
+        hidden = blink_hidden_size(cfg, seed)
     except ValueError as e:  # BlinkCheckpointError: a shape the architecture does not have, or no checkpoint
         where = f" (the architecture is model.retriever.mention_model's: {arch}/config.json)" if arch else ""
         raise ConfigError(f"model.blink_checkpoint: {e}{where}") from None
@@ -53,6 +53,25 @@ def check_blink_init(cfg: ModelConfig, seed: int = 0) -> None:
                    "tokenizer (bert-large-uncased for BLINK's released biencoder)")
         raise ConfigError(f"model.blink_checkpoint: {cfg.blink_checkpoint} holds encoders of hidden size {hidden}, "
                           f"but the shards are sized from {source}: {want}; {fix}")
+
+
+def blink_hidden_size(cfg: ModelConfig, seed: int) -> int:
+    """The hidden size of :func:`build_retriever`'s retriever from ``cfg.blink_checkpoint``, refused with
+    its messages, without building it where the file allows (``modeling.blink_stream``: the file mapped,
+    both towers checked on the meta device, the tokenizer against the embeddings).
+
+    Why: the driver checks the checkpoint before any cluster work, and every worker then loads it. Built
+    in full, the check held both BERT-large towers in fp32 beside BLINK's 2.6 GB file (5.7 GB at the
+    peak, blink_stream's docstring) on the head, only to read one size. Torch's legacy format, which
+    cannot be mapped, and a file without the entity tower's pooler still take the full build."""
+    from dist_nce.modeling.blink import blink_tokenizer
+    from dist_nce.modeling.blink_stream import blink_entity_state
+
+    streamed = blink_entity_state(cfg.blink_checkpoint, cfg.retriever)
+    if streamed is None:
+        return build_retriever(cfg, seed).hidden_size
+    blink_tokenizer(cfg.blink_checkpoint, cfg.retriever.mention_model, streamed.vocab_size)
+    return streamed.hidden_size
 
 
 def build_retriever(cfg: ModelConfig, seed: int) -> Retriever:
