@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, interrupted, interrupted_preparing, retriever_models
+from dist_nce.cli.common import ConfigJob, error, hold_run, interrupted, interrupted_preparing, retriever_models
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig, check_inputs, with_absolute_paths
 
@@ -69,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JOB.start(ap, ap.parse_args(argv))
     if isinstance(cfg, int):
         return cfg
+    # 2. the run: one live job per run directory (a second one stops here, status 2), held to the end
+    held = hold_run(cfg.run)
+    if isinstance(held, int):
+        return held
+    with held:
+        return train(cfg)
+
+
+def train(cfg: TrainJobConfig) -> int:
+    """Steps 3 to 5 of the job, on a checked config whose run this process holds."""
     start = time.perf_counter()
 
     from dist_nce.cluster.fit import DoesNotFit
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from dist_nce.worker.tracking import finish_tracking
 
     configure_process(threads=None)
-    # 2. data: the prepared KB (generated and prepared on first use), and what must fit its size
+    # 3. data: the prepared KB (generated and prepared on first use), and what must fit its size
     try:
         ensure_prepared(cfg.data, cfg.model.retriever.mention_model)
         # K and shards within the KB, and a rerun over a changed KB or plan: refused here, not by every
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return error(e)
     except KeyboardInterrupt:
         return interrupted_preparing(cfg.data.prepared_dir)
-    # 3. the service (S shards over the KB, index version 0 from the initial weights), then training:
+    # 4. the service (S shards over the KB, index version 0 from the initial weights), then training:
     # workers evaluate and export. Meanwhile a KB delta asked for through <run.output_dir>/kb_update.json
     # is served live (dist_nce/train/kb_control.py).
     try:
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the run (the shards are shut down)
         return interrupted(cfg.run)
     atomic_write_json(Path(cfg.run.output_dir) / "summary.json", summary)
-    # 4. run.tracking: the dev scores and the model into the run the workers opened
+    # 5. run.tracking: the dev scores and the model into the run the workers opened
     finish_tracking(cfg.run.tracking, cfg.run.output_dir, cfg.run.name, summary,
                     (summary.get("export") or {}).get("model"), lambda m: print(m, flush=True))
     print(dev_table(summary["dev_before"], summary["dev_after"]))

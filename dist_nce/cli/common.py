@@ -4,6 +4,7 @@ tiny models a config names, the input checks, and how a bad config or input is r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any, Callable, Generic, TypeVar
 from dist_nce.core.config import ConfigError, describe, load_config
 from dist_nce.core.flags import FlagParser, existing
 from dist_nce.core.models import ensure_tiny_models
+from dist_nce.core.run_lock import LOCK_FILE, LockUnsupported, RunDirBusy, acquire
 
 C = TypeVar("C")
 
@@ -61,6 +63,44 @@ def interrupted_preparing(where: str) -> int:
 def dry_run_ok(what: str) -> int:
     print(f"{what}: config and inputs OK (dry run: no data generated or prepared, no Ray started)")
     return 0
+
+
+RUN_INSTEAD = "use another run.name / run.output_dir"
+
+
+def hold_run(run: Any) -> contextlib.ExitStack | int:
+    """Take a training run for this job (:mod:`dist_nce.core.run_lock`): ``run.output_dir``, and Ray Train's
+    run ``<run.storage_path>/<run.name>`` where that storage is a local path the job uses (two jobs of one
+    name and storage but other output directories would share its checkpoints). The locks last while the
+    returned stack is open; exit status 2, with one line naming the directory and its holder, when another
+    live job holds one. ``run``: a job config's ``run`` section. Call it after ``--dry-run`` has returned:
+    checking a config while its run trains is no second run."""
+    targets = [(run.output_dir, LOCK_FILE, f"run directory {run.output_dir}")]
+    if "://" not in run.storage_path and getattr(run, "backend", "ray") != "local":
+        # beside Ray Train's run directory, not in it: a local run directory without Ray Train's snapshot
+        # is one whose checkpoints are recovered (dist_nce.worker.launch.resume_point)
+        targets.append((run.storage_path, f".{run.name}.lock",
+                        f"Ray Train run {Path(run.storage_path) / run.name}"))
+    return hold(targets, RUN_INSTEAD)
+
+
+def hold(targets: list[tuple[str | Path, str, str]], instead: str) -> contextlib.ExitStack | int:
+    """Lock each (directory, lock file name, what it is) of ``targets`` for as long as the returned stack
+    is open, or release them all and return 2 after one line on stderr naming the first one another live
+    job holds (or that cannot be made). A filesystem without locks gets a warning and no lock."""
+    held = contextlib.ExitStack()
+    for directory, name, what in targets:
+        try:
+            held.enter_context(acquire(directory, name=name, what=what, instead=instead))
+        except LockUnsupported as e:
+            print(f"warning: {e}: nothing stops a second job on {what} meanwhile", file=sys.stderr, flush=True)
+        except RunDirBusy as e:
+            held.close()
+            return error(e)
+        except OSError as e:  # the directory or the file cannot be made (permissions, a file in the way)
+            held.close()
+            return error(f"{what}: cannot take its lock: {e}")
+    return held
 
 
 def retriever_models(model: Any) -> dict[str, str]:

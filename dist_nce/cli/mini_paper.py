@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable
 
-from dist_nce.cli.common import CHECKOUT as ROOT, error
+from dist_nce.cli.common import CHECKOUT as ROOT, error, hold
 from dist_nce.core.config import ConfigError, load_config
 from dist_nce.core.flags import FlagParser, existing, names
+from dist_nce.core.run_lock import LOCK_FILE
 from dist_nce.minipaper.config import MiniPaperConfig
 
 if TYPE_CHECKING:
@@ -72,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = " (+ the reranker cells once the retrievers are done)" if "reranker" in parts else ""
         print(f"{args.config}: config and inputs OK: {len(cells)} cells{extra} (dry run: nothing run)")
         return 0
-    return run_grid(cfg, parts, cells, out, args.config, cpus)
+    # one live grid per --out (a second one stops here, status 2); each cell's job takes its own run
+    held = hold([(out, LOCK_FILE, f"grid directory {out}")], "use another --out")
+    if isinstance(held, int):
+        return held
+    with held:
+        return run_grid(cfg, parts, cells, out, args.config, cpus)
 
 
 def planned_cells(cfg: MiniPaperConfig, parts: list[str]) -> dict:

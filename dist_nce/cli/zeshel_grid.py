@@ -36,16 +36,18 @@ store prepared again is other data to the row keys (its manifest's identity): ev
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from dist_nce.cli.common import dry_run_ok, error, interrupted, interrupted_preparing
+from dist_nce.cli.common import dry_run_ok, error, hold, hold_run, interrupted, interrupted_preparing
 from dist_nce.cli.zeshel_retriever import JOB as RETRIEVER
 from dist_nce.core.config import ConfigError
 from dist_nce.core.flags import FlagParser, existing, names
+from dist_nce.core.run_lock import LOCK_FILE
 from dist_nce.zeshel.config import ZeshelRetrieverConfig
 from dist_nce.zeshel.grid import GridRow, load_rows, row_config
 
@@ -85,7 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         return error(e)
     if args.dry_run:
         return dry_run_ok(args.rows)
+    # one live grid per --out (a second one stops here, status 2); each row's run is taken as it trains
+    held = hold([(out, LOCK_FILE, f"grid directory {out}")], "use another --out")
+    if isinstance(held, int):
+        return held
+    with held:
+        return run_grid(args, configs, out)
 
+
+def run_grid(args: argparse.Namespace, configs: list[tuple[GridRow, ZeshelRetrieverConfig]], out: Path) -> int:
+    """The grid after its checks, in ``out``, which this process holds: stores, rows, tables."""
     from dist_nce.cluster.runtime import configure_process
     from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json, atomic_write_text
     from dist_nce.index.encode import store_fingerprint
@@ -122,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[grid] {row.name}: finished earlier, reusing {summary_path}")
         else:
             arch, neg = labels(cfg)
+            row_held = hold_run(cfg.run)  # a job of its own may be training the row's run directory
+            if isinstance(row_held, int):
+                print(f"[grid] {row.name}: the rows before it are done and kept", file=sys.stderr, flush=True)
+                return row_held
             log(f"[grid] {row.name}: training {arch} with {neg} negatives")
             try:
-                summary = run_retriever(cfg, progress=False, log=log)
+                with row_held:
+                    summary = run_retriever(cfg, progress=False, log=log)
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the row's run
                 print(f"[grid] {row.name}: the rows before it are done and kept", file=sys.stderr, flush=True)
                 return interrupted(cfg.run)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dist_nce.cli.common import ConfigJob, error, interrupted
+from dist_nce.cli.common import ConfigJob, error, hold_run, interrupted
 from dist_nce.core.config import ConfigError, to_dict
 from dist_nce.rerank.config import RerankJobConfig, check_inputs, with_absolute_paths
 
@@ -75,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JOB.start(ap, ap.parse_args(argv))  # every key and input checked before any cluster work
     if isinstance(cfg, int):
         return cfg
+    held = hold_run(cfg.run)  # one live job per run directory: a second one stops here (status 2)
+    if isinstance(held, int):
+        return held
+    with held:
+        return train(cfg)
+
+
+def train(cfg: RerankJobConfig) -> int:
+    """The job after its checks, on a run this process holds: plan, training, evaluation, summary."""
     start = time.perf_counter()
 
     from dist_nce.cluster.runtime import configure_process

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dist_nce.cli.common import ConfigJob, error, interrupted, interrupted_preparing, retriever_models
+from dist_nce.cli.common import ConfigJob, error, hold_run, interrupted, interrupted_preparing, retriever_models
 from dist_nce.core.config import ConfigError
 from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute, check_zeshel_inputs
 
@@ -57,7 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = JOB.start(ap, args)  # every key and input path checked before any data or cluster work
     if isinstance(cfg, int):
         return cfg
+    held = hold_run(cfg.run)  # one live job per run directory: a second one stops here (status 2)
+    if isinstance(held, int):
+        return held
+    with held:
+        return train(cfg, args.progress)
 
+
+def train(cfg: ZeshelRetrieverConfig, progress: bool) -> int:
+    """The job after its checks, on a run this process holds: data, then the run."""
     from dist_nce.cluster.runtime import configure_process
     from dist_nce.core.artifacts import ArtifactMismatch
     from dist_nce.zeshel.data import ensure_zeshel_stores
@@ -73,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted_preparing(f"{cfg.data.prepared_dir}, {cfg.zeshel.eval_store}")
     try:  # what the store's size or the cluster's resources cannot hold is refused before any encoding
-        summary = run_retriever(cfg, progress=args.progress, log=log)
+        summary = run_retriever(cfg, progress=progress, log=log)
     except ConfigError as e:
         return error(e)
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborted the run (the shards are shut down)

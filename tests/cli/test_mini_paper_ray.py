@@ -53,3 +53,23 @@ def test_the_head_holds_parallel_cells_of_the_most_demanding_kind():
     _, local = _head(CONFIG)
     _, ray_rerankers = _head(CONFIG, "reranker.set=[run.backend=ray, run.cpus_per_worker=3]")
     assert (local, ray_rerankers) == (2, 3)
+
+
+def test_a_grid_in_use_is_refused_before_its_head_starts(tmp_path, capsys):
+    """One live mini-paper per --out: a second one stops with status 2 and one line naming the directory and
+    its holder, before any Ray head or cell (each cell's job holds its own run); a --dry-run still checks."""
+    import os
+
+    from dist_nce.cli.mini_paper import main
+    from dist_nce.core.run_lock import acquire
+
+    out = tmp_path / "out"
+    argv = ["--config", str(ROOT / "configs" / "mini_paper" / "tiny_cpu.yaml"), "--out", str(out), "--only", "aida"]
+    with acquire(out):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: grid directory {out} is in use by another job (pid {os.getpid()} on host "), err
+        assert err.endswith("wait for it to end, stop it, or use another --out\n") and err.count("\n") == 1, err
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no manifest, logs or cells: nothing started
+        assert main([*argv, "--dry-run"]) == 0

@@ -68,6 +68,40 @@ def test_a_blink_checkpoint_of_another_architecture_fails_before_any_cluster_wor
     assert r.returncode == 0 and "config and inputs OK" in r.stdout + r.stderr, r.stderr[-2000:]
 
 
+def test_a_second_job_on_a_run_in_use_is_refused_before_any_cluster_work(tmp_path, tiny_model_dir):
+    """Another live process holds the run (here this test, through the job's own lock): the job stops with
+    status 2 and one line naming the run directory, its holder and what to do, before any data or Ray work;
+    a --dry-run of the same config still checks it (a config checked while its run trains is no second run).
+    The same run.name and storage with another run.output_dir is refused too: Ray Train's run is shared."""
+    import socket
+    from types import SimpleNamespace
+
+    from dist_nce.cli.common import hold_run
+    from dist_nce.core.run_lock import acquire
+
+    out, storage = tmp_path / "out", tmp_path / "ray"
+    job = ["--config", "configs/aida/test_tiny.yaml", "--set", f"model.retriever.mention_model={tiny_model_dir}",
+           "--set", f"data.prepared_dir={tmp_path / 'kb'}", "--set", f"data.synthetic_dir={tmp_path / 'synth'}",
+           "--set", f"run.storage_path={storage}", "--set", "run.name=locked"]
+    with acquire(out):
+        r = run_job(*job, "--set", f"run.output_dir={out}")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr.startswith(f"error: run directory {out} is in use by another job (pid {os.getpid()} on host "
+                                   f"{socket.gethostname()}, since "), r.stderr
+        assert r.stderr.endswith(f"; lock {out / '.lock'}): wait for it to end, stop it, or use another run.name / "
+                                 "run.output_dir\n"), r.stderr
+        assert r.stdout == "" and not (tmp_path / "kb").exists() and not (tmp_path / "synth").exists()
+        r = run_job(*job, "--set", f"run.output_dir={out}", "--dry-run")
+        assert r.returncode == 0 and "config and inputs OK" in r.stdout, r.stderr[-2000:]
+    held = hold_run(SimpleNamespace(output_dir=str(tmp_path / "first"), storage_path=str(storage), name="locked"))
+    with held:
+        r = run_job(*job, "--set", f"run.output_dir={out}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith(f"error: Ray Train run {storage / 'locked'} is in use by another job (pid "
+                               f"{os.getpid()} "), r.stderr
+    assert not (tmp_path / "kb").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_job_submit_runs_the_whole_pipeline(ray_head, tiny_model_dir, tmp_path, monkeypatch):

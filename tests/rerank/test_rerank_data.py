@@ -149,6 +149,33 @@ def test_dry_run_checks_num_candidates_against_the_files(setup, tiny_model_dir, 
     assert all(f"{setup / 'cands'}/candidates_" in ln and "holds at most 7 candidates" in ln for ln in lines)
 
 
+def test_a_run_in_use_is_refused_before_its_data_loads(setup, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Another live job holds the reranker's run.output_dir: status 2, one line naming it and its holder,
+    before the candidates are read or Ray starts; with run.backend=local too (no Ray Train storage to share)."""
+    import os
+
+    from dist_nce.core.run_lock import acquire
+
+    def loaded(*a, **k):
+        raise AssertionError("the training set was loaded")
+
+    monkeypatch.setattr("dist_nce.rerank.data.load_training_set", loaded)
+    out = tmp_path / "out"
+    sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}",
+            f"data.candidates_dir={setup / 'cands'}", f"model.reranker.model={tiny_model_dir}",
+            "data.num_candidates=7", f"run.output_dir={out}", f"run.storage_path={tmp_path / 'ray'}"]
+    config_file = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "reranker_tiny_cpu.yaml"
+    argv = ["--config", str(config_file), *[w for kv in sets for w in ("--set", kv)]]
+    capsys.readouterr()
+    with acquire(out):
+        for backend in ("ray", "local"):
+            assert reranker_main([*argv, "--set", f"run.backend={backend}"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: run directory {out} is in use by another job (pid {os.getpid()} "), err
+            assert err.count("\n") == 1, err
+    assert not (tmp_path / "ray").exists()  # nothing of Ray Train's
+
+
 @pytest.fixture(scope="module")
 def reranker(tiny_model_dir):
     torch.manual_seed(0)

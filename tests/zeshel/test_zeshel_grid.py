@@ -264,3 +264,43 @@ def test_a_time_boxed_grid_lists_stopped_rows_and_continues_them(tmp_path, tiny_
     grid = json.loads((out / "grid.json").read_text())
     assert [c["name"] for c in grid["cells"]] == ["dual_random", "dual_hard"] and grid["unfinished"] == []
     assert [(v["negatives"], v["beats_random"]) for v in grid["comparisons"]] == [("hard", False)]
+
+
+def test_a_grid_or_a_row_in_use_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """One live grid per --out, refused before its stores are prepared (a --dry-run of it still checks); and a
+    row whose run directory another job holds (the retriever job started on it by hand, say) stops the grid
+    before that row trains, as the row's own job would be stopped."""
+    import os
+
+    from dist_nce.cli import zeshel_grid
+    from dist_nce.core.run_lock import acquire
+
+    rows = tmp_path / "rows.yaml"
+    rows.write_text("rows:\n  - name: dual_random\n    set: [negatives.mode=random]\n")
+    out = tmp_path / "grid"
+    argv = ["--config", str(BASE), "--rows", str(rows), "--out", str(out), "--no-untrained",
+            "--set", f"model.retriever.mention_model={tiny_model_dir}", "--set", f"run.storage_path={tmp_path / 'ray'}",
+            "--set", f"data.prepared_dir={tmp_path / 'train'}", "--set", f"zeshel.eval_store={tmp_path / 'eval'}"]
+    prepared, trained = [], []
+    monkeypatch.setattr("dist_nce.zeshel.data.ensure_zeshel_stores",
+                        lambda cfg, log: prepared.append(cfg) or ("train", "eval"))
+    monkeypatch.setattr("dist_nce.index.encode.store_fingerprint", lambda store: f"fingerprint of {store}")
+    monkeypatch.setattr("dist_nce.zeshel.run.run_retriever",  # stops unfinished: the next grid trains it again
+                        lambda cfg, progress, log: trained.append(cfg.run.output_dir) or {"done": False, "step": 1})
+    capsys.readouterr()
+    with acquire(out):
+        assert zeshel_grid.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: grid directory {out} is in use by another job (pid {os.getpid()} on host "), err
+        assert err.endswith("wait for it to end, stop it, or use another --out\n") and err.count("\n") == 1, err
+        assert prepared == [] and trained == []
+        assert zeshel_grid.main([*argv, "--dry-run"]) == 0
+    assert zeshel_grid.main(argv) == 0 and len(trained) == 1
+    row_dir = Path(trained[0])
+    capsys.readouterr()
+    with acquire(row_dir):
+        assert zeshel_grid.main(argv) == 2
+    assert len(trained) == 1
+    assert capsys.readouterr().err.startswith(f"error: run directory {row_dir} is in use by another job (pid "
+                                              f"{os.getpid()} on host ")
+    assert zeshel_grid.main(argv) == 0 and len(trained) == 2  # free again: the row trains
