@@ -28,7 +28,8 @@ interrupted run resumes by shard: run the same command again and only the shards
 without a persisted copy (same model, store and preset) encode. The export
 (:mod:`dist_nce.index.export`: ``embeddings.npy``, ``ids.txt``, ``manifest.json``, optional
 ``embeddings.t7`` for BLINK) is written last. ``<out>`` holding a snapshot of another
-model or store is refused unless ``--overwrite``.
+model or store is refused unless ``--overwrite``. One encode per ``<out>`` at a time: a second one
+started while the first runs stops with status 2, naming it (``dist_nce.core.run_lock``).
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dist_nce.cli.common import error
+from dist_nce.cli.common import error, hold
 from dist_nce.core.config import AT_LEAST_0, AT_LEAST_1
 from dist_nce.core.flags import FlagParser, existing, number
+from dist_nce.core.run_lock import LOCK_FILE
 
 SPEC_FILE = "encode_spec.json"
 
@@ -138,7 +140,9 @@ def check_out_dir(out: Path, spec: dict, overwrite: bool) -> None:
             if not overwrite:
                 raise ValueError(f"{out} holds a snapshot made with other settings (differs in: "
                                  f"{', '.join(differs)}); pass --overwrite or choose another --out")
-            shutil.rmtree(out)
+            for child in out.iterdir():  # all but the lock this job holds (main): removed, it would lock nothing
+                if child.name != LOCK_FILE:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -218,9 +222,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         missing_model(Path(args.model))  # here too: run() reads the store before it loads the model
-        run(args)
-    except (ValueError, ArtifactMismatch, FileNotFoundError) as e:
+    except FileNotFoundError as e:
         return error(e)
+    out = Path(args.out).resolve()
+    # one live encode per --out (a second one, or an --overwrite, would clear or mix the first one's shards)
+    held = hold([(out, LOCK_FILE, f"--out {out}")], "use another --out")
+    if isinstance(held, int):
+        return held
+    with held:
+        try:
+            run(args)
+        except (ValueError, ArtifactMismatch, FileNotFoundError) as e:
+            return error(e)
     return 0
 
 

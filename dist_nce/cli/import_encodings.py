@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     matrix = open_matrix(args.encodings)  # first: a wrong file fails before any model is read
     shard_root, model = resolve_target(args)
+    hold_target(args)
     config = model.config
     spec = config.spec()
     if spec.entity_side.count != 1:
@@ -176,6 +177,7 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     from dist_nce.train.model import build_retriever
 
     cfg = with_absolute_paths(load_config(TrainJobConfig, args.train_config, args.set))
+    args.run = cfg.run  # the run whose shards are written: locked as its own job locks it (hold_target)
     src = args.train_config
     given = {"--model": (args.model, cfg.model.blink_checkpoint or cfg.model.init_from),
              "--prepared": (args.prepared, cfg.data.prepared_dir),
@@ -201,6 +203,22 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     return shard_root, model or loaded_source_model(build_retriever(cfg.model, cfg.optim.seed))
 
 
+def hold_target(args: argparse.Namespace) -> None:
+    """Lock what the import writes until :func:`main` returns (``dist_nce.core.run_lock``): with
+    ``--train-config`` the run itself, by the lock its training job takes (an import into the shards of a
+    run that trains would write the versions its shards read and persist), else ``--out``. Raises
+    RunDirBusy naming the holder when another live job has it."""
+    from dist_nce.core.run_lock import LockUnsupported, acquire
+
+    run = getattr(args, "run", None)
+    directory, what, instead = (run.output_dir, f"run directory {run.output_dir}", "import for another run") \
+        if run is not None else (args.out, f"--out {args.out}", "use another --out")
+    try:
+        args.held = acquire(directory, what=what, instead=instead)  # released by main() or the process's end
+    except LockUnsupported as e:
+        print(f"warning: {e}: nothing stops a second job on {what} meanwhile", file=sys.stderr, flush=True)
+
+
 def _version_dirs(target) -> list[Path]:
     from dist_nce.index.versions import shard_dir_name, version_dir_name
 
@@ -216,11 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             return error(f"{', '.join(missing)}: required without --train-config")
     from dist_nce.core.artifacts import ArtifactMismatch
+    from dist_nce.core.run_lock import RunDirBusy
 
     try:
         run(args)
-    except (ValueError, ArtifactMismatch, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, ArtifactMismatch, FileNotFoundError, FileExistsError, RunDirBusy) as e:
         return error(e)
+    finally:
+        if getattr(args, "held", None) is not None:  # the lock run() took (hold_target), for a caller in-process
+            args.held.release()
     return 0
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import dist_nce.cli.encode_kb as job
+from dist_nce.core.run_lock import LOCK_FILE, RunDirBusy, acquire
 from kb.prepare import PrepareConfig, prepare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +94,36 @@ def test_an_out_dir_of_another_model_or_preset_is_refused(store_dir, tiny_model_
     err = capsys.readouterr().err
     assert code == 2
     assert "differs in: " in err and "m, model" in err and "preset" in err and "--overwrite" in err
-    assert sorted(p.name for p in out.iterdir()) == [job.SPEC_FILE], "nothing was written"
+    # nothing written but the lock the job held while it checked (dist_nce.core.run_lock)
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE, job.SPEC_FILE]
+
+
+def test_a_second_encode_into_a_live_ones_out_is_refused(store_dir, tiny_model_dir, tmp_path, capsys):
+    """Another encode of this --out is live (its lock held here): refused, the holder named, nothing
+    touched; once it has ended, the same command runs its checks."""
+    out = tmp_path / "emb"
+    out.mkdir()
+    (out / job.SPEC_FILE).write_text(json.dumps({"preset": "dual", "m": None, "model": "elsewhere"}))
+    argv = ["--prepared", store_dir, "--model", tiny_model_dir, "--out", str(out), "--overwrite"]
+    with acquire(out):
+        assert job.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by another job (pid {os.getpid()} on host" in err and "use another --out" in err
+        assert (out / job.SPEC_FILE).exists(), "--overwrite cleared a live encode's directory"
+
+
+def test_overwrite_clears_all_but_the_lock(tmp_path):
+    """--overwrite empties --out under the job's own lock: removing the lock file too would let a second job
+    lock a new file of that name while this one runs."""
+    out = tmp_path / "emb"
+    (out / "shards" / "shard-000-of-002").mkdir(parents=True)
+    (out / "embeddings.npy").write_bytes(b"x")
+    (out / job.SPEC_FILE).write_text(json.dumps({"model": "elsewhere"}))
+    with acquire(out) as lock:
+        job.check_out_dir(out, {"model": "this one"}, overwrite=True)
+        assert [p.name for p in out.iterdir()] == [LOCK_FILE] and lock.held
+        with pytest.raises(RunDirBusy):
+            acquire(out)
 
 
 def test_a_saved_retriever_directory_brings_its_own_preset(store_dir, tiny_model_dir, tmp_path):

@@ -120,7 +120,8 @@ def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_
     root, _, entities = blink_files
     overrides = [f"model.blink_checkpoint={root / 'biencoder_wiki_large.bin'}", "model.retriever.mention_model=null",
                  "model.retriever.storage_dtype=float16", f"data.prepared_dir={root / 'kb'}",
-                 f"service.shard_dir={tmp_path / 'run_shards'}", "service.index.backend=torch",
+                 f"service.shard_dir={tmp_path / 'run_shards'}", f"run.output_dir={tmp_path / 'run'}",
+                 "service.index.backend=torch",
                  "service.index.sampler=block", "service.index.block_rows=16"]
     config = REPO / "configs" / "aida" / "test_tiny.yaml"
     args = ["--encodings", str(root / "shuffled.t7"), "--ids", str(root / "entity.jsonl"), "--no-progress",
@@ -140,3 +141,14 @@ def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_
 
     # a flag that contradicts the config would make a version the run never uses: refused
     assert main([*args, "--num-shards", "3"]) == 2
+    capsys.readouterr()
+
+    # the run trains (its job holds the run's lock, held here): its shards are not written under it
+    from dist_nce.core.run_lock import acquire
+
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run_shards").rglob("*") if p.is_file()}
+    with acquire(cfg.run.output_dir):
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {cfg.run.output_dir} is in use by another job" in err and "import for another run" in err
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run_shards").rglob("*") if p.is_file()} == before
