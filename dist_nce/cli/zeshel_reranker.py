@@ -95,7 +95,12 @@ def train(cfg: RerankJobConfig) -> int:
 
     configure_process(threads=None, faiss=False)  # the reranker searches nothing
     # 1. data: the plan the workers will compute too (fails here, not on the cluster)
-    ts = load_training_set(cfg)
+    from dist_nce.eval.zeshel import CandidateFileError
+
+    try:
+        ts = load_training_set(cfg)
+    except CandidateFileError as e:  # lists the checks could not tell from the store's: named, not a traceback
+        return error(e)
     plan = make_plan(cfg, ts)
     try:
         check_rerun(cfg, plan)

@@ -91,6 +91,40 @@ def check_listed(directory: Path, split: str, path: Path) -> None:
                                  "directory")
 
 
+def store_problem(directory: str | Path, split: str, store_dir: str, key: str) -> str | None:
+    """Why the retriever's candidates of ``split`` in ``directory`` were not made over the prepared store
+    ``store_dir`` (config key ``key``), or None (also where the manifest cannot say).
+
+    Why: candidates over another store name other mentions and documents. The natural slip, a reranker
+    pointed at a retriever's candidates with its stores left at their defaults, passed ``--dry-run`` and
+    then failed once training began ("no candidates for 4755 of 5045 mentions"), or, where the ids agreed
+    by chance, would train on another data set's lists. The manifest records each split's store by its
+    identity (``index.encode.store_fingerprint``); one written before that records its mention count."""
+    import json
+
+    from dist_nce.index.encode import store_fingerprint
+
+    manifest = Path(directory) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    m = json.loads(manifest.read_text(encoding="utf-8"))
+    entry = (m.get("splits") or {}).get(split) if m.get("kind") == CANDIDATES_KIND else None
+    store_manifest = Path(store_dir) / "manifest.json"
+    if not entry or not store_manifest.is_file():
+        return None
+    made_over = f"the candidates of {split} in {directory} were made over {entry.get('store', 'another store')}"
+    fix = f"set {key} to that store, or run the retriever over this one"
+    if "store_fingerprint" in entry:
+        if entry["store_fingerprint"] != store_fingerprint(store_dir):
+            return f"{key}: {store_dir} is not the store {made_over} ({manifest}); {fix}"
+        return None
+    count = (json.loads(store_manifest.read_text(encoding="utf-8")).get("mentions", {}).get(split) or {}).get("count")
+    if "mentions" in entry and count is not None and int(entry["mentions"]) != int(count):
+        return (f"{key}: {store_dir} has {count} mentions of {split}, but {made_over}, which has "
+                f"{entry['mentions']} ({manifest}); {fix}")
+    return None
+
+
 def read_split_candidates(directory: str | Path, split: str, fmt: Format) -> tuple[dict[str, list[str]], Path]:
     """mention_id -> ranked document ids of ``split``, and the file read."""
     path = candidates_path(directory, split, fmt)

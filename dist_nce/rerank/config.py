@@ -113,7 +113,8 @@ def with_absolute_paths(cfg: RerankJobConfig, base: str | None = None) -> Rerank
 def check_inputs(cfg: RerankJobConfig) -> None:
     """Raise ConfigError listing every missing input by its config key (before any cluster work)."""
     from dist_nce.eval.zeshel import CandidateFileError
-    from dist_nce.rerank.candidates import candidates_path, num_candidates_problem, read_split_candidates, written_by
+    from dist_nce.rerank.candidates import (candidates_path, num_candidates_problem, read_split_candidates, store_problem,
+                                            written_by)
     from dist_nce.worker.engine import load_deepspeed_config
     from dist_nce.worker.tracking import missing_packages
 
@@ -144,6 +145,12 @@ def check_inputs(cfg: RerankJobConfig) -> None:
         problem = num_candidates_problem(lists, path, d.num_candidates)
         if problem:
             problems.append(problem)
+        if d.candidates_format == "retriever":
+            key, store = ("data.train_store", d.train_store) if split == d.train_split else \
+                ("data.eval_store", d.eval_store)
+            problem = store_problem(d.candidates_dir, split, store, key)
+            if problem:
+                problems.append(problem)
     if cfg.model.reranker.model and not os.path.isdir(cfg.model.reranker.model):
         problems.append(f"model.reranker.model: directory not found: {cfg.model.reranker.model}")
     init = cfg.model.init_from

@@ -25,6 +25,7 @@ from dist_nce.eval.metrics import PAD, linking_report
 from dist_nce.eval.zeshel import (CANDIDATES_KIND, evaluate_retriever_split, recall_ks, split_world_ranges,
                                   write_candidates)
 from dist_nce.index.config import IndexConfig
+from dist_nce.index.encode import store_fingerprint
 from dist_nce.modeling.retriever import Retriever
 from dist_nce.modeling.scoring import is_inner_product
 from dist_nce.retrieval import build_local_index, default_index_config, ranked_source_ids, retrieve
@@ -114,7 +115,8 @@ def evaluate_retriever(retriever: Retriever, train_store: str, eval_store: str, 
                                         z.eval_batch_size, progress)
         reports[split]["store"] = str(Path(store_dir).resolve())
         if path is not None:
-            files[split] = {"file": path.name, "store": reports[split]["store"], "mentions": len(mentions)}
+            files[split] = {"file": path.name, "store": reports[split]["store"], "mentions": len(mentions),
+                            "store_fingerprint": store_fingerprint(store_dir)}  # rerank.candidates.store_problem
     if files:
         write_manifest(out, CANDIDATES_KIND, 1, k=z.k, preset=retriever.config.preset, m=retriever.config.m,
                        setting="own_world", splits=files, complete=True)

@@ -176,6 +176,85 @@ def test_a_run_in_use_is_refused_before_its_data_loads(setup, tiny_model_dir, tm
     assert not (tmp_path / "ray").exists()  # nothing of Ray Train's
 
 
+def _candidates_as_the_retriever_writes_them(setup, out: Path, edit=lambda split, entry: None) -> Path:
+    """setup's candidate files in a directory whose manifest is a retriever's (zeshel.evaluate): each split's
+    file, store, mention count and store identity; ``edit`` changes an entry in place."""
+    import shutil
+
+    from dist_nce.core.artifacts import write_manifest
+    from dist_nce.eval.zeshel import CANDIDATES_KIND
+    from dist_nce.index.encode import store_fingerprint
+
+    out.mkdir(parents=True)
+    splits = {}
+    for store, split in (("train", "train"), ("eval", "val"), ("eval", "test")):
+        shutil.copy(setup / "cands" / f"candidates_{split}.json", out)
+        splits[split] = {"file": f"candidates_{split}.json", "store": str(setup / store),
+                         "mentions": len(MentionTable(setup / store, split)),
+                         "store_fingerprint": store_fingerprint(str(setup / store))}
+        edit(split, splits[split])
+    write_manifest(out, CANDIDATES_KIND, 1, k=C, preset="dual", m=None, setting="own_world", splits=splits,
+                   complete=True)
+    return out
+
+
+def test_candidates_made_over_another_store_are_refused_before_any_data_loads(setup, tiny_model_dir, tmp_path,
+                                                                            capsys):
+    """A reranker pointed at a retriever's candidates with its stores left elsewhere passed --dry-run and failed
+    once training began (an outside user: "no candidates for 4755 of 5045 mentions", a traceback). The
+    candidates manifest names each split's store: another store is refused by key, in the dry run too."""
+    config_file = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "reranker_tiny_cpu.yaml"
+
+    def dry_run(cands: Path) -> tuple[int, str]:
+        sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}",
+                f"data.candidates_dir={cands}", f"model.reranker.model={tiny_model_dir}", "data.num_candidates=7"]
+        capsys.readouterr()
+        code = reranker_main(["--config", str(config_file), "--dry-run", *[w for kv in sets for w in ("--set", kv)]])
+        return code, capsys.readouterr().err
+
+    same = _candidates_as_the_retriever_writes_them(setup, tmp_path / "same")
+    assert dry_run(same) == (0, "")
+
+    def other_train_store(split, entry):
+        if split == "train":
+            entry["store"], entry["store_fingerprint"] = "/data/other/train", "0" * 64
+
+    code, err = dry_run(_candidates_as_the_retriever_writes_them(setup, tmp_path / "other", other_train_store))
+    assert code == 2, err
+    assert (f"data.train_store: {setup / 'train'} is not the store the candidates of train in {tmp_path / 'other'} "
+            "were made over /data/other/train") in err and "set data.train_store to that store" in err, err
+    assert "data.eval_store" not in err  # val and test were made over the eval store given
+
+    def old_manifest_other_val(split, entry):  # a manifest from before store identities: the mention count tells
+        del entry["store_fingerprint"]
+        if split == "val":
+            entry["mentions"] += 5
+
+    code, err = dry_run(_candidates_as_the_retriever_writes_them(setup, tmp_path / "old", old_manifest_other_val))
+    n = len(MentionTable(setup / "eval", "val"))
+    assert code == 2 and f"data.eval_store: {setup / 'eval'} has {n} mentions of val, but the candidates of val" \
+        in err and f"which has {n + 5}" in err, err
+
+
+def test_candidates_the_checks_cannot_place_fail_by_name_not_by_traceback(setup, tiny_model_dir, tmp_path, capsys):
+    """Hand-written candidates (no manifest) for other mentions: the loader's refusal, as one line, status 2."""
+    cands = tmp_path / "cands"
+    cands.mkdir()
+    for split in ("val", "test"):
+        (cands / f"candidates_{split}.json").write_text((setup / "cands" / f"candidates_{split}.json").read_text())
+    lists = [json.loads(line) for line in (setup / "cands" / "candidates_train.json").read_text().splitlines()]
+    _write(cands / "candidates_train.json", "candidates", {"someone-else": lists[0]["candidates"]})
+    sets = [f"data.train_store={setup / 'train'}", f"data.eval_store={setup / 'eval'}", f"data.candidates_dir={cands}",
+            f"model.reranker.model={tiny_model_dir}", "data.num_candidates=7", f"run.output_dir={tmp_path / 'out'}",
+            f"run.storage_path={tmp_path / 'ray'}"]
+    config_file = Path(__file__).resolve().parents[2] / "configs" / "zeshel" / "reranker_tiny_cpu.yaml"
+    capsys.readouterr()
+    assert reranker_main(["--config", str(config_file), *[w for kv in sets for w in ("--set", kv)]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cands / 'candidates_train.json'}: no candidates for ") and \
+        err.count("\n") == 1 and "Traceback" not in err, err
+
+
 @pytest.fixture(scope="module")
 def reranker(tiny_model_dir):
     torch.manual_seed(0)

@@ -77,7 +77,11 @@ def test_evaluate_retriever_writes_labelled_reports_and_candidates(stores, retri
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["kind"] == "zeshel_candidates" and manifest["k"] == 16 and set(manifest["splits"]) == {
         "train", "val", "test"}
+    from dist_nce.index.encode import store_fingerprint
+
     for split, store_dir in (("train", "train"), ("val", "eval"), ("test", "eval")):
+        # each split's store by its identity (rerank.candidates.store_problem checks a reranker's stores by it)
+        assert manifest["splits"][split]["store_fingerprint"] == store_fingerprint(str(stores / store_dir))
         cands = read_candidates(tmp_path / f"candidates_{split}.json")
         mentions, store = MentionTable(stores / store_dir, split), EntityStore(stores / store_dir)
         assert list(cands) == mentions.mention_ids
