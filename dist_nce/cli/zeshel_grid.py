@@ -158,9 +158,11 @@ def run_grid(args: argparse.Namespace, configs: list[tuple[GridRow, ZeshelRetrie
              "among all entities of the split's worlds.")
     unfinished = (f"Not finished, so not in the table: {', '.join(pending)} (stopped at run.stop_after_steps; "
                   "run the grid again with it raised or unset to continue them).") if pending else ""
+    # the question only where a finished row answers it (none yet: an empty section under it)
+    compared = ("Do hard / mixed negatives beat random (own world, val and test)?\n\n" + comparison_text(verdicts)) \
+        if verdicts else ""
     text = "\n\n".join(filter(None, [f"# Zeshel retriever grid\n\n{title}", markdown_table(cells), unfinished,
-                                      "Do hard / mixed negatives beat random (own world, val and test)?\n\n"
-                                      + comparison_text(verdicts), f"Resolution ({noise_note(cells)})."]))
+                                      compared, f"Resolution ({noise_note(cells)})."]))
     atomic_write_text(out / "grid.md", text + "\n")
     atomic_write_json(out / "grid.json", {"config": str(Path(args.config).resolve()), "rows": str(Path(args.rows)),
                                           "cells": cells, "comparisons": verdicts, "unfinished": pending,

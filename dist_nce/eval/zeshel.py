@@ -283,6 +283,10 @@ def reranker_report(pred: np.ndarray, cands: CandidateSet, gold: np.ndarray, wor
             f"candidate_recall@{k}": rep[f"recall@{k}"], "retriever_recall@1": rep["recall@1"], **cands.counts()}
 
 
+# The keys of every line write_predictions writes, in its order (the predictions manifest lists them).
+PREDICTION_FIELDS = ("mention_id", "world", "gold", "gold_label", "prediction", "gold_rank", "correct")
+
+
 def write_predictions(path: str | Path, pred: np.ndarray, cands: CandidateSet, mentions: MentionTable,
                       store: EntityStore) -> None:
     """The reranker's choice per mention as JSONL, in the table's order, written atomically: ``mention_id``,

@@ -24,7 +24,7 @@ import torch
 
 from dist_nce.core.artifacts import atomic_write_json, write_manifest
 from dist_nce.eval.metrics import PAD
-from dist_nce.eval.zeshel import rerank, reranker_report, write_predictions
+from dist_nce.eval.zeshel import PREDICTION_FIELDS, rerank, reranker_report, write_predictions
 from dist_nce.modeling.blink import BlinkCheckpointError
 from dist_nce.modeling.blink_crossencoder import blink_layout_note, export_blink_crossencoder
 from dist_nce.modeling.losses import nce_loss
@@ -139,7 +139,7 @@ def evaluate_sets(module: Reranker, sets: Sequence[EvalSet], num_candidates: int
     if rank == 0 and predictions_dir is not None and sets:
         write_manifest(predictions_dir, PREDICTIONS_KIND, 1, splits=[s.split for s in sets],
                        candidates={s.split: s.source for s in sets}, num_candidates=num_candidates,
-                       fields=["mention_id", "world", "gold", "prediction", "gold_rank", "correct"])
+                       fields=list(PREDICTION_FIELDS))
     return out if rank == 0 else None
 
 

@@ -74,7 +74,8 @@ def store_conflict(d: DataConfig, tokenizer_dir: str | None) -> str | None:
 
     if not (d.kilt_knowledge_source or d.blink_entities or d.zeshel_root) or data_source_problems(d):
         return None
-    return conflict(_prepare_config(d, tokenizer_dir, d.kilt_knowledge_source, d.aida_dir))
+    problem = conflict(_prepare_config(d, tokenizer_dir, d.kilt_knowledge_source, d.aida_dir))
+    return f"data.prepared_dir: {problem}: data.prepared_dir=<another directory> to keep it" if problem else None
 
 
 @contextlib.contextmanager

@@ -80,12 +80,12 @@ def store_conflicts(cfg: ZeshelRetrieverConfig) -> list[str]:
     if root is None or not Path(root).is_dir():
         return []
     out = []
-    for store, worlds, splits in ((cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS),
-                                  (cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS)):
+    for key, store, worlds, splits in (("data.prepared_dir", cfg.data.prepared_dir, "train", TRAIN_STORE_SPLITS),
+                                       ("zeshel.eval_store", cfg.zeshel.eval_store, "val,test", EVAL_STORE_SPLITS)):
         present = _present(root, splits)
         problem = conflict(_prepare_config(root, store, worlds, present, cfg), _regenerated(cfg, root)) \
             if present else None
-        out += [problem] if problem else []
+        out += [f"{key}: {problem}: {key}=<another directory> to keep it"] if problem else []
     return out
 
 

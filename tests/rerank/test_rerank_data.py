@@ -283,9 +283,11 @@ def test_sharded_evaluation_equals_reranking_every_mention(setup, reranker, fmt,
     assert not pred_dir.exists()  # rank 0 alone writes
     got = evaluate_sets(reranker, sets, C, 1, rank=0, world=2, all_gather=lambda p: [p, sent.pop(0)],
                         predictions_dir=pred_dir)
-    assert json.loads((pred_dir / "manifest.json").read_text())["splits"] == ["val", "test"]
+    manifest = json.loads((pred_dir / "manifest.json").read_text())
+    assert manifest["splits"] == ["val", "test"]
     for s in sets:
         lines = [json.loads(x) for x in (pred_dir / f"{s.split}.jsonl").read_text().splitlines()]
+        assert all(list(x) == manifest["fields"] for x in lines)  # every key the lines have, in their order
         assert [x["mention_id"] for x in lines] == list(s.mentions.mention_ids)
         # the labelled document, also for a mention whose gold is not in the KB ("gold" is null there)
         assert [x["gold_label"] for x in lines] == s.mentions.table.column("gold_source_id").to_pylist()

@@ -119,8 +119,9 @@ def test_a_malformed_source_line_stops_the_job_with_its_key_or_is_skipped(tmp_pa
     # not "OK" and then refused at once by the run; with it, OK
     from dist_nce.cli.aida_finetune import _check_existing_store as check_existing_store  # the job's --dry-run hook
 
-    with pytest.raises(ConfigError, match=rf"{tmp_path / 'kb'} already holds a prepared store from other inputs "
-                                          r"\(differs in: on_bad_record\)"):
+    with pytest.raises(ConfigError, match=rf"^data.prepared_dir: {tmp_path / 'kb'} already holds a prepared store "
+                                          r"from other inputs \(differs in: on_bad_record\).*: "
+                                          r"data.prepared_dir=<another directory> to keep it$"):
         check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets,
                                          "data.synthetic_entities=0"))
     check_existing_store(tiny_config(tmp_path, tiny_model_dir, tmp_path / "run", *sets, "data.synthetic_entities=0",

@@ -122,9 +122,10 @@ def test_dry_run_refuses_a_store_the_run_would_refuse_to_prepare_over(tmp_path, 
     assert store_conflicts(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip")) == []
     _check_existing_store(config(tmp_path, tiny_model_dir, *real, "data.on_bad_record=skip"))  # OK, as the run
     said = store_conflicts(config(tmp_path, tiny_model_dir, *real))
-    assert said == [f"{tmp_path / s} already holds a prepared store from other inputs (differs in: on_bad_record); "
-                    "replace it (kb.prepare --overwrite) or prepare into another directory"
-                    for s in ("own_train", "own_eval")], said
+    assert said == [f"{key}: {tmp_path / s} already holds a prepared store from other inputs (differs in: "
+                    "on_bad_record); replace it (kb.prepare --overwrite) or prepare into another directory: "
+                    f"{key}=<another directory> to keep it"
+                    for key, s in (("data.prepared_dir", "own_train"), ("zeshel.eval_store", "own_eval"))], said
     with pytest.raises(ConfigError, match="differs in: on_bad_record"):
         _check_existing_store(config(tmp_path, tiny_model_dir, *real))  # the job's --dry-run hook
     with pytest.raises(ValueError, match="differs in: on_bad_record"):  # what the run says

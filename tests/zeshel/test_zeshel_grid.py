@@ -254,6 +254,7 @@ def test_a_time_boxed_grid_lists_stopped_rows_and_continues_them(tmp_path, tiny_
     assert grid["unfinished"] == ["dual_hard (at step 3)"]
     md = (out / "grid.md").read_text()
     assert "| dual | hard |" not in md and "hard vs random" not in md
+    assert "Do hard / mixed negatives beat random" not in md  # no finished row to answer it: no empty section
     assert "Not finished, so not in the table: dual_hard (at step 3) (stopped at run.stop_after_steps; run the " \
            "grid again with it raised or unset to continue them)." in md and md.strip() in printed
 
@@ -264,6 +265,8 @@ def test_a_time_boxed_grid_lists_stopped_rows_and_continues_them(tmp_path, tiny_
     grid = json.loads((out / "grid.json").read_text())
     assert [c["name"] for c in grid["cells"]] == ["dual_random", "dual_hard"] and grid["unfinished"] == []
     assert [(v["negatives"], v["beats_random"]) for v in grid["comparisons"]] == [("hard", False)]
+    assert "Do hard / mixed negatives beat random (own world, val and test)?\n\n- dual: hard vs random" in \
+        (out / "grid.md").read_text()
 
 
 def test_a_grid_or_a_row_in_use_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
