@@ -13,7 +13,7 @@ from typing import Any, Callable, Generic, TypeVar
 from dist_nce.core.config import ConfigError, describe, load_config
 from dist_nce.core.flags import FlagParser, existing
 from dist_nce.core.models import ensure_tiny_models
-from dist_nce.core.run_lock import LOCK_FILE, LockUnsupported, RunDirBusy, acquire
+from dist_nce.core.run_lock import LOCK_FILE, LockUnsupported, RunDirBusy, RunLock, acquire
 
 C = TypeVar("C")
 
@@ -84,6 +84,16 @@ def hold_run(run: Any) -> contextlib.ExitStack | int:
     return hold(targets, RUN_INSTEAD)
 
 
+def take(directory: str | Path, what: str, instead: str, name: str = LOCK_FILE) -> RunLock | None:
+    """``run_lock.acquire``, or None after a warning where the filesystem keeps no locks (the job runs
+    unguarded). RunDirBusy and OSError (the directory or file cannot be made) go to the caller."""
+    try:
+        return acquire(directory, name=name, what=what, instead=instead)
+    except LockUnsupported as e:
+        print(f"warning: {e}: nothing stops a second job on {what} meanwhile", file=sys.stderr, flush=True)
+        return None
+
+
 def hold(targets: list[tuple[str | Path, str, str]], instead: str) -> contextlib.ExitStack | int:
     """Lock each (directory, lock file name, what it is) of ``targets`` for as long as the returned stack
     is open, or release them all and return 2 after one line on stderr naming the first one another live
@@ -91,9 +101,9 @@ def hold(targets: list[tuple[str | Path, str, str]], instead: str) -> contextlib
     held = contextlib.ExitStack()
     for directory, name, what in targets:
         try:
-            held.enter_context(acquire(directory, name=name, what=what, instead=instead))
-        except LockUnsupported as e:
-            print(f"warning: {e}: nothing stops a second job on {what} meanwhile", file=sys.stderr, flush=True)
+            lock = take(directory, what, instead, name)
+            if lock is not None:
+                held.enter_context(lock)
         except RunDirBusy as e:
             held.close()
             return error(e)

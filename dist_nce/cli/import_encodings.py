@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dist_nce.cli.common import error
+from dist_nce.cli.common import error, take
 from dist_nce.core.config import AT_LEAST_1
 from dist_nce.core.flags import FlagParser, existing, number
 
@@ -208,15 +208,10 @@ def hold_target(args: argparse.Namespace) -> None:
     ``--train-config`` the run itself, by the lock its training job takes (an import into the shards of a
     run that trains would write the versions its shards read and persist), else ``--out``. Raises
     RunDirBusy naming the holder when another live job has it."""
-    from dist_nce.core.run_lock import LockUnsupported, acquire
-
     run = getattr(args, "run", None)
     directory, what, instead = (run.output_dir, f"run directory {run.output_dir}", "import for another run") \
         if run is not None else (args.out, f"--out {args.out}", "use another --out")
-    try:
-        args.held = acquire(directory, what=what, instead=instead)  # released by main() or the process's end
-    except LockUnsupported as e:
-        print(f"warning: {e}: nothing stops a second job on {what} meanwhile", file=sys.stderr, flush=True)
+    args.held = take(directory, what, instead)  # released by main() or the process's end
 
 
 def _version_dirs(target) -> list[Path]:

@@ -67,18 +67,26 @@ def written_by(fmt: Format) -> str:
     return "Zeshel's own tfidf_candidates/ directory, from the Zeshel download"
 
 
+def retriever_manifest(directory: str | Path) -> dict | None:
+    """The manifest a retriever run wrote in its candidates ``directory`` (zeshel.evaluate), or None: no
+    manifest (written by hand, or before manifests) or another kind's."""
+    import json
+
+    manifest = Path(directory) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    m = json.loads(manifest.read_text(encoding="utf-8"))
+    return m if m.get("kind") == CANDIDATES_KIND else None
+
+
 def check_listed(directory: Path, split: str, path: Path) -> None:
     """Refuse (CandidateFileError) a retriever's candidates file that its directory's manifest does not list: a
     later retriever run over fewer splits (``zeshel.candidate_splits``) rewrote the manifest and left an
     earlier run's file, which would otherwise be read as if that run had written it. A directory without a
     manifest (written by hand, or before manifests) is read as it is."""
-    import json
-
     manifest = directory / "manifest.json"
-    if not manifest.is_file():
-        return
-    m = json.loads(manifest.read_text(encoding="utf-8"))
-    if m.get("kind") != CANDIDATES_KIND:
+    m = retriever_manifest(directory)
+    if m is None:
         return
     if m.get("complete") is False:
         raise CandidateFileError(f"{path}: the retriever run writing {directory} stopped before it wrote every "
@@ -105,10 +113,8 @@ def store_problem(directory: str | Path, split: str, store_dir: str, key: str) -
     from dist_nce.index.encode import store_fingerprint
 
     manifest = Path(directory) / "manifest.json"
-    if not manifest.is_file():
-        return None
-    m = json.loads(manifest.read_text(encoding="utf-8"))
-    entry = (m.get("splits") or {}).get(split) if m.get("kind") == CANDIDATES_KIND else None
+    m = retriever_manifest(directory)
+    entry = (m.get("splits") or {}).get(split) if m is not None else None
     store_manifest = Path(store_dir) / "manifest.json"
     if not entry or not store_manifest.is_file():
         return None
