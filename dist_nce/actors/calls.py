@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dist_nce.actors.shard import VersionUnavailable
+from dist_nce.actors.errors import VersionUnavailable
 
 
 class ShardUnavailable(RuntimeError):

@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # the actor module imports Ray; consumers of the protocol nee
 
 
 class RefreshPending(Protocol):
-    """Shards re-encoding one version: ``done()`` never blocks, ``wait()`` gives the version served."""
+    """Shards re-encoding one version (``version``): ``done()`` never blocks, ``wait()`` gives the version served."""
+
+    version: int
 
     def done(self) -> bool: ...
 
@@ -55,7 +57,8 @@ class NegativeSource(Protocol):
     def lse_grad(self, mention_reps: Reps | Tensor, rows: Tensor | None = None,
                  version: int | None = None) -> Pending[LseGradPart]: ...
 
-    def refresh(self, entity_state: dict | Any, version: int, wait: bool = False) -> RefreshPending: ...
+    def refresh(self, entity_state: dict | Any, version: int | None = None, wait: bool = False,
+                after: int = -1) -> RefreshPending: ...
 
     def same_weights(self, a: int, b: int) -> bool: ...
 

@@ -39,20 +39,19 @@ Example (driver)::
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayTaskError
 from torch import Tensor
 
 from dist_nce.actors.calls import FanOut, RetryPolicy, ShardCall, cause
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.placement import place_rows
+from dist_nce.actors.sequencer import start_sequencer
 from dist_nce.actors.shard import LseGradPart, ScoredSample, VersionUnavailable, start_shard
 from dist_nce.bias.gradbias import merge as merge_lse_grad
 from dist_nce.modeling.retriever import RetrieverConfig
@@ -77,30 +76,36 @@ class LseGradFuture(Then):
 
 
 class RefreshHandle:
-    """Shards re-encoding for one version. ``done()`` never blocks; ``wait()`` returns the version
-    now served; ``progress()`` gives (rows encoded, rows) per shard."""
+    """Shards re-encoding for one version, numbered by the service's sequencer (``version``).
+    ``done()`` never blocks; ``wait()`` returns the version now served (raises what a shard
+    failed with); ``progress()`` gives (rows encoded, rows) per shard."""
 
-    def __init__(self, service: "NegativeService", calls: list[ShardCall], state_ref: Any):
-        self._service, self._calls, self._state_ref = service, calls, state_ref
-        self._version: int | None = None
+    def __init__(self, service: "NegativeService", ticket: dict[str, Any], state_ref: Any):
+        self._service, self._state_ref = service, state_ref
+        self.version = int(ticket["version"])
+        self._ref = service._sequencer.wait.remote(ticket["ticket"])
+        self._served: int | None = None
 
     def done(self) -> bool:
-        return self._version is not None or all(c.done() for c in self._calls)
+        return self._served is not None or bool(ray.wait([self._ref], num_returns=1, timeout=0)[0])
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._version is None:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            self._version = min(int(c.get(deadline)) for c in self._calls)
+        if self._served is None:
+            try:
+                self._served = int(ray.get(self._ref, timeout=timeout))
+            except GetTimeoutError as e:
+                raise TimeoutError(f"refresh to index version {self.version}: not done within {timeout} s "
+                                   "(still running; call wait() again)") from e
             self._state_ref = None
-        return self._version
+        return self._served
 
     def progress(self) -> list[tuple[int, int]]:
         """(rows done, rows) per shard; a shard that reused a persisted version counts as done."""
         out = []
-        for call, status, (a, b) in zip(self._calls, self._service.status(), self._service.ranges):
-            if call.done():
+        for status, (a, b) in zip(self._service.status(), self._service.ranges):
+            if status["served"] >= self.version:
                 out.append((b - a, b - a))
-            elif status["refreshing"] is not None:
+            elif status["refreshing"] == self.version:
                 out.append((status["progress"][0], b - a))
             else:
                 out.append((0, b - a))
@@ -143,18 +148,12 @@ def _hidden_size(model_dir: str) -> int:
     return int(AutoConfig.from_pretrained(model_dir, local_files_only=True).hidden_size)
 
 
-# apply_delta numbers its version one past every shard's; a refresh published meanwhile can take that number
-# (EntityShard.apply_delta refuses it, before any change, saying VERSION_TAKEN): it is numbered again.
-DELTA_VERSION_ATTEMPTS = 5
-VERSION_TAKEN = "versions must increase"
-
-
 class NegativeService:
     """S shard handles + what the caller needs to validate and merge (see module docstring)."""
 
     def __init__(self, handles: list, ranges: list[tuple[int, int]], spec: ScoreSpec, dim: int,
                  config: ServiceConfig, store_dir: str | None = None, live: LiveRows | None = None,
-                 kb_version: int = 0):
+                 kb_version: int = 0, sequencer: Any = None):
         self._handles, self.ranges, self.spec, self.dim, self.config = list(handles), list(ranges), spec, dim, config
         self.num_entities = ranges[-1][1]  # the row space (removed rows included: row ids never move)
         self.num_shards = len(handles)
@@ -163,6 +162,8 @@ class NegativeService:
         self.pieces: list[list[tuple[int, int]]] = [[r] for r in self.ranges]  # each shard's row ranges
         self._state_ref: Any = None  # the entity weights last encoded (this process only; not pickled)
         self._policy = RetryPolicy(config.max_task_retries, config.call_timeout_s, config.call_timeout_s)
+        # Every version-making call (refresh, KB delta) goes through this one actor (actors.sequencer).
+        self._sequencer = sequencer
         # Fingerprint of the run's initial entity-encoder state (set by ensure_encoded): every
         # version this service encodes records it, so a restarted run recognises its versions.
         self._origin: str | None = None
@@ -205,7 +206,9 @@ class NegativeService:
         dim = _hidden_size(model_dir) if dim is None else int(dim)
         handles = [start_shard(str(store_dir), r, i, config.num_shards, retriever_config, config, str(shard_root),
                                dim) for i, r in enumerate(ranges)]
-        service = cls(handles, ranges, spec, dim, config, str(store_dir))
+        sequencer = start_sequencer(handles, RetryPolicy(config.max_task_retries, config.call_timeout_s,
+                                                         config.call_timeout_s))
+        service = cls(handles, ranges, spec, dim, config, str(store_dir), sequencer=sequencer)
         service.sync_kb()  # surfaces a shard that failed to start; follows a reloaded version's KB version
         return service
 
@@ -220,12 +223,17 @@ class NegativeService:
         served = [s["served"] for s in self.status()]
         return -1 if min(served) < 0 else min(served)
 
-    def refresh(self, entity_state: dict | Any, version: int, wait: bool = False) -> RefreshHandle:
+    def refresh(self, entity_state: dict | Any, version: int | None = None, wait: bool = False,
+                after: int = -1) -> RefreshHandle:
         """Every shard re-encodes its rows with ``entity_state`` (``Retriever.entity_encoder_state()``
         or an ObjectRef of it) as ``version``; queries keep being answered from the previous
-        version meanwhile. Shards already holding ``version`` from the same weights skip it."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"refresh: version must be an int >= 0, got {version!r}")
+        version meanwhile. Shards already holding ``version`` from the same weights skip it.
+
+        ``version`` None (a trainer's refresh): the sequencer numbers it past every version a shard
+        holds or was handed (a KB delta's too) and past ``after``; ``handle.version`` says which.
+        Refreshes and deltas reach every shard in the order they were numbered (actors.sequencer)."""
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"refresh: version must be None or an int >= 0, got {version!r}")
         if isinstance(entity_state, dict):
             self._check_state(entity_state)
             state_ref = ray.put(entity_state)
@@ -234,11 +242,8 @@ class NegativeService:
         else:
             raise TypeError(f"refresh: entity_state must be a dict (Retriever.entity_encoder_state()) or an "
                             f"ObjectRef of one, got {type(entity_state).__name__}")
-        # Refresh may take hours on a large KB: no per-call timeout, only retries on failure.
-        policy = dataclasses.replace(self._policy, call_timeout_s=None)
-        calls = [ShardCall(h, i, "refresh", (state_ref, version, self._origin), {}, policy)
-                 for i, h in enumerate(self._handles)]
-        handle = RefreshHandle(self, calls, state_ref)
+        ticket = ray.get(self._sequencer.submit_refresh.remote([state_ref], self._origin, version, int(after)))
+        handle = RefreshHandle(self, ticket, state_ref)
         self._state_ref = state_ref
         if wait:
             handle.wait()
@@ -263,6 +268,7 @@ class NegativeService:
 
         if self.store_dir is None:
             raise ValueError("apply_delta: this service was not created from a store directory")
+        self.sync_kb()  # what the shards serve: a resumed run may have gone back to an older KB version
         store = EntityStore(self.store_dir, kb_version=kb_version)
         if store.kb_version < self.kb_version:
             raise ValueError(f"apply_delta: the service serves KB version {self.kb_version}; cannot go back to "
@@ -283,30 +289,13 @@ class NegativeService:
         if isinstance(state, dict):
             self._check_state(state)
             state = ray.put(state)
-        policy = dataclasses.replace(self._policy, call_timeout_s=None)  # encodes: no per-call timeout
         # Boxed: a shard already holding the served weights never fetches them (EntityShard._fetch).
         boxed = None if state is None else [state]
-        for attempt in range(DELTA_VERSION_ATTEMPTS):
-            status = self.status()
-            version = max(max([s["served"], *s["persisted"]]) for s in status) + 1
-            calls = [ShardCall(h, i, "apply_delta", (boxed, version, store.kb_version, placed[i]), {}, policy)
-                     for i, h in enumerate(self._handles)]
-            outcomes = []
-            for c in calls:
-                try:
-                    outcomes.append(int(c.get()))
-                except Exception as e:  # noqa: BLE001 - looked at below, then raised
-                    outcomes.append(e)
-            errors = [e for e in outcomes if isinstance(e, Exception)]
-            # A trainer's refresh published between the status read and these calls took the same version
-            # number: every shard then refused it before changing anything. Number the delta again.
-            if errors and len(errors) == len(outcomes) and attempt + 1 < DELTA_VERSION_ATTEMPTS \
-                    and all(VERSION_TAKEN in str(e) for e in errors):
-                continue
-            if errors:
-                raise errors[0]
-            break
-        served = min(outcomes)
+        # Numbered and run in order with the trainer's refreshes (actors.sequencer): a delta never takes a
+        # refresh's number. A delta that failed on some shards may be asked for again: the shards that
+        # applied it serve it again under the new number (EntityShard.apply_delta).
+        ticket = ray.get(self._sequencer.submit_delta.remote(boxed, store.kb_version, placed))
+        served = int(ray.get(self._sequencer.wait.remote(ticket["ticket"])))
         self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]
         self.num_entities, self.live, self.kb_version = count, live, store.kb_version
         return served
@@ -373,8 +362,7 @@ class NegativeService:
         state_ref = entity_state if isinstance(entity_state, ray.ObjectRef) else ray.put(state)
         self._state_ref = state_ref  # what apply_delta encodes new rows with, until a refresh
         if target is not None:
-            calls = [ShardCall(h, i, "use_version", (target,), {}, self._policy) for i, h in enumerate(self._handles)]
-            served = min(c.get() for c in calls)
+            served = self._serve(target)
             if these_weights:
                 # Reloaded shards hold no encoder. Build it now, in the background (searches go on),
                 # rather than inside the first KB delta, whose cost should be that of its rows.
@@ -426,16 +414,20 @@ class NegativeService:
         lineage = [c.get() for c in calls]
         if not all(version in versions and versions[version]["origin"] == self._origin for versions in lineage):
             return False
-        calls = [ShardCall(h, i, "use_version", (version,), {}, self._policy) for i, h in enumerate(self._handles)]
         try:
-            for c in calls:
-                c.get()
+            self._serve(version)
         except RayTaskError as e:  # pruned from disk in between: the others are then ahead of it
             if isinstance(cause(e), VersionUnavailable):
                 return False
             raise
         self.sync_kb()  # an older index version may encode an older KB version: sample from its live rows
         return True
+
+    def _serve(self, version: int) -> int:
+        """Every shard serves ``version`` again, in order with the deltas and refreshes (actors.sequencer): a
+        delta under way is not applied to the version this replaces. Returns the version served."""
+        ticket = ray.get(self._sequencer.submit_use.remote(int(version)))
+        return int(ray.get(self._sequencer.wait.remote(ticket["ticket"])))
 
     # ------------------------------------------------------------------ queries
     def _reps(self, mention_reps: Reps | Tensor) -> Reps:
@@ -569,7 +561,7 @@ class NegativeService:
         return LseGradFuture(fan, finish)
 
     def shutdown(self) -> None:
-        """Kill the shard actors (persisted versions stay on disk)."""
-        for h in self._handles:
+        """Kill the shard actors and the sequencer (persisted versions stay on disk)."""
+        for h in [*self._handles, *([self._sequencer] if self._sequencer is not None else [])]:
             ray.kill(h, no_restart=True)
-        self._handles = []
+        self._handles, self._sequencer = [], None

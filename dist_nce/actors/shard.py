@@ -41,6 +41,7 @@ from torch import Tensor
 
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.cluster.runtime import actor_runtime_env, configure_process
+from dist_nce.actors.errors import NoIndexError, VersionUnavailable  # noqa: F401  (raised here; re-exported)
 from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.encode import (Precision, compile_wanted, encode_precision, encode_rows, prepare_encoder,
                                    state_fingerprint, store_fingerprint)
@@ -55,14 +56,6 @@ from dist_nce.sampling.topk import ShardResult
 log = logging.getLogger(__name__)
 
 REFRESH_GROUP = "refresh"
-
-
-class NoIndexError(RuntimeError):
-    """The shard has not encoded (or reloaded) any version yet."""
-
-
-class VersionUnavailable(LookupError):
-    """The shard holds neither in memory nor on disk the version a call asked for."""
 
 
 class _Version(NamedTuple):
@@ -286,8 +279,13 @@ class EntityShard:
     def _refresh(self, state: dict[str, Any], version: int, origin: str | None) -> int:
         fp = state_fingerprint(state)
         with self._cond:
-            if version == self._served and self._held[version].fingerprint == fp:
-                return version
+            if version == self._served:
+                if self._held[version].fingerprint == fp:
+                    return version
+                # Encoding over it would give one version number two encodings while the other shards
+                # still serve the first (a search merged over shards would mix them).
+                raise ValueError(f"shard {self.shard}: refresh to version {version}, which it serves already "
+                                 "from other weights; versions must increase")
         if self._persisted_with(version, fp):
             self._install(version, self._load(version))
             return version
@@ -392,6 +390,10 @@ class EntityShard:
         if held.index.kb_version > kb_version:
             raise ValueError(f"shard {self.shard}: serving KB version {held.index.kb_version}, asked for {kb_version}")
         owned = held.index.ranges
+        if held.index.kb_version == kb_version and new_ranges and all(tuple(r) in owned for r in new_ranges):
+            # Applied already, under an earlier number, by a call that failed on another shard: asked again,
+            # serve it under this number (nothing to encode) so that every shard serves the same one.
+            new_ranges = []
         for a, b in new_ranges:
             if a >= b or any(a < y and x < b for x, y in owned):
                 raise ValueError(f"shard {self.shard}: new rows [{a}, {b}) overlap the rows it owns {owned}")

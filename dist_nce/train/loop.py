@@ -123,7 +123,8 @@ class Worker(WorkerScaffold):
         cfg = self.cfg
         self.encode = mention_encoder(self.module, self.train.token_ids, self.train_len, self.device)
         self.publisher = Publisher(self.service, self.module, self.state.book, self.rank, self.zero3,
-                                   wait=cfg.refresh.mode == "sync", barrier=self.comm.barrier)
+                                   wait=cfg.refresh.mode == "sync", barrier=self.comm.barrier,
+                                   broadcast=self.comm.broadcast)
         # The shards may serve another version than the checkpoint's (one published after the
         # checkpoint this run restarted from). Serve the checkpoint's version again when the
         # shards still hold it, so the replayed steps see the index they saw the first time;

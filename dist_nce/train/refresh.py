@@ -1,7 +1,8 @@
 """When the KB index is rebuilt from new entity-encoder weights, and how stale it is.
 
 Rank 0 publishes ``Retriever.entity_encoder_state()`` with ONE ``ray.put`` that every shard
-reads (``service.refresh(ref, version)``); shards re-encode their own rows and swap the
+reads (``service.refresh(ref)``: the service numbers the version, in order with the KB deltas
+it serves, and rank 0 broadcasts the number); shards re-encode their own rows and swap the
 new index in. ``async`` keeps training on the previous version meanwhile (ANCE-style);
 ``sync`` waits, so every batch after the refresh uses the new index (the paper's mode at
 epoch starts). At most one refresh is in flight: publishing the next one first waits for
@@ -52,9 +53,11 @@ class RefreshBook:
         self.version = max(self.version, int(version))
 
     def staleness(self, step: int, version: int) -> int:
-        """Steps between the weights that built ``version`` and ``step`` (-1 if unknown)."""
-        built = self.publish_step.get(int(version))
-        return -1 if built is None else step - built
+        """Steps between the weights that built ``version`` and ``step`` (-1 if unknown). A version this
+        book did not publish (a KB delta's) holds the weights of the newest one it did below it: the
+        sequencer runs a delta after every refresh numbered before it (``actors.sequencer``)."""
+        below = [v for v in self.publish_step if v <= int(version)]
+        return -1 if not below else step - self.publish_step[max(below)]
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "publish_step": {str(k): v for k, v in self.publish_step.items()}}
@@ -84,11 +87,15 @@ class Publisher:
     """
 
     def __init__(self, service: NegativeSource, module: Any, book: RefreshBook, rank: int, zero3: bool, wait: bool,
-                 put: Callable[[Any], Any] | None = None, barrier: Callable[[], None] | None = None):
+                 put: Callable[[Any], Any] | None = None, barrier: Callable[[], None] | None = None,
+                 broadcast: Callable[[Any], Any] | None = None):
+        if rank != 0 and broadcast is None:
+            raise ValueError("Publisher: rank > 0 needs broadcast (rank 0's version number reaches the others)")
         self.service, self.module, self.book = service, module, book
         self.rank, self.zero3, self.wait = rank, zero3, wait
         self.put = put
         self.barrier = barrier or (lambda: None)
+        self.broadcast = broadcast or (lambda value: value)
         self.handle: Any = None
         self.wait_s = 0.0  # seconds blocked on refreshes (sync waits + waits for the previous one)
 
@@ -102,13 +109,14 @@ class Publisher:
         try:
             self._block(handle)
         except Exception as e:  # noqa: BLE001 - ShardUnavailable, a shard's own refusal (RayTaskError), ...
-            raise RuntimeError(f"the refresh to index version {self.book.version} failed: {e}") from e
+            raise RuntimeError(f"the refresh to index version {handle.version} failed: {e}") from e
 
     def publish(self, step: int, wait: bool | None = None) -> int:
         """Publish the current weights as the next version; returns it (all ranks agree).
 
-        ``wait`` overrides the mode (the final refresh before export always waits)."""
-        version = self.book.version + 1
+        The service numbers it (past this book's versions and any KB delta's: ``actors.sequencer``), and
+        rank 0 tells the others. ``wait`` overrides the mode (the final refresh before export always waits)."""
+        version = None
         params = list(self.module.entity_side.parameters())
         with gathered(params, self.zero3):
             if self.rank == 0:
@@ -119,7 +127,9 @@ class Publisher:
                     self._checked(self.handle)
                 state = self.module.entity_encoder_state()
                 ref = self.put(state) if self.put is not None else _ray_put(state)
-                self.handle = self.service.refresh(ref, version)
+                self.handle = self.service.refresh(ref, after=self.book.version)
+                version = self.handle.version
+        version = int(self.broadcast(version))
         self.book.record(version, step)
         if self.wait if wait is None else wait:
             if self.rank == 0:

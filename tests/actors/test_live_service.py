@@ -213,6 +213,16 @@ def test_a_full_refresh_covers_the_added_rows(run, kb, states):
 
 
 
+def restarted(service, shard: int, pid: int) -> dict:
+    """Kill ``shard`` (Ray restarts it); its status once a new process (not ``pid``) answers."""
+    ray.kill(service._handles[shard], no_restart=False)
+    deadline = time.monotonic() + 120
+    while (st := wait_alive(service)[shard])["pid"] == pid:  # the kill is asynchronous
+        assert time.monotonic() < deadline, "the shard was not restarted"
+        time.sleep(0.1)
+    return st
+
+
 def test_a_shard_killed_during_a_delta_recovers_to_a_consistent_version(run, kb, states):
     service, run_dir = run
     v = service.version()
@@ -240,14 +250,86 @@ def test_a_shard_killed_during_a_delta_recovers_to_a_consistent_version(run, kb,
     check_against_scratch(service, kb, states[1])
     # a shard restarted while idle reloads the same consistent version
     idle = service.status()[1]
-    ray.kill(service._handles[1], no_restart=False)
-    deadline = time.monotonic() + 120
-    while (st := wait_alive(service)[1])["pid"] == idle["pid"]:  # the kill is asynchronous
-        assert time.monotonic() < deadline, "the shard was not restarted"
-        time.sleep(0.1)
+    st = restarted(service, 1, idle["pid"])
     assert (st["served"], st["kb_version"], st["source"]) == (v + 1, service.kb_version, "reloaded")
     assert st["pieces"] == idle["pieces"] and st["live"] == idle["live"]
     check_against_flat(service, flat(service, run_dir, kb, v + 1), queries(4), torch.tensor([0, 1, 2, 3, 4, 5]))
+
+
+def one_encoding_per_version(service) -> None:
+    """Every version number that shards hold names one encoding: the same weights on every shard."""
+    lineage = [ray.get(h.lineage.remote()) for h in service._handles]
+    for version in set().union(*lineage):
+        encoders = {held[version]["encoder"] for held in lineage if version in held}
+        assert len(encoders) == 1, f"version {version} names {len(encoders)} encodings across the shards"
+
+
+def test_deltas_and_refreshes_are_numbered_and_served_in_one_order(run, kb, states):
+    """The driver's deltas and a trainer's refreshes go through one sequencer (actors.sequencer). A trainer
+    whose book knows only version v used to publish v + 1, the number a delta had just taken: shards
+    re-encoded over it while the others still served the delta's encoding under the same number."""
+    service, run_dir = run
+    v = service.version()
+    kb.change(add=kilt_lines(range(8000, 8010), seed=10))
+    d = service.apply_delta()
+    assert d == v + 1
+    refresh = service.refresh(states[0], after=v)  # a trainer that never heard of the delta
+    assert refresh.version == d + 1 and refresh.wait() == d + 1
+    # Both at once, from two callers: a refresh in flight while the driver serves another delta. The delta
+    # is numbered after it and applied once it is served, with its weights.
+    kb.change(remove=[1005], add=kilt_lines(range(8100, 8105), seed=11))
+    refresh = service.refresh(states[1], after=d + 1)
+    delta = {}
+    driver = threading.Thread(target=lambda: delta.setdefault("v", service.apply_delta()))
+    driver.start()
+    assert refresh.wait() == refresh.version == d + 2
+    driver.join(300)
+    assert delta["v"] == d + 3 and {s["served"] for s in service.status()} == {d + 3}
+    one_encoding_per_version(service)
+    check_against_flat(service, flat(service, run_dir, kb, d + 3), queries(8), torch.tensor([0, 1, 2, 3, 4, 5]))
+    check_against_scratch(service, kb, states[1])
+
+
+def test_a_delta_that_failed_on_one_shard_is_applied_when_asked_again(run, kb, states):
+    """A restarted shard holds no encoder: a delta given other weights fails there and is applied on the
+    shard that holds the served ones. Asked again with the right weights, it is served everywhere under one
+    new number (the shard that had it serves it again, encoding nothing). It used to fail there ("overlap"),
+    leaving the shards on two KB versions for good."""
+    service, run_dir = run
+    v = service.version()
+    idle = service.status()[1]
+    st = restarted(service, 1, idle["pid"])
+    assert st["encoder_held"] is None and st["served"] == v
+    kb.change(add=kilt_lines(range(8200, 8208), seed=12))
+    with pytest.raises(Exception, match=r"failed on shard\(s\) \[1\], done on \[0\].*weights of the version served"):
+        service.apply_delta(entity_state=states[0])
+    served = [s["served"] for s in service.status()]
+    assert served == [v + 1, v]
+    assert service.apply_delta(entity_state=states[1]) == v + 2
+    status = service.status()
+    assert {s["served"] for s in status} == {v + 2} and {s["kb_version"] for s in status} == {service.kb_version}
+    one_encoding_per_version(service)
+    check_against_flat(service, flat(service, run_dir, kb, v + 2), queries(9), torch.tensor([0, 1, 2, 3, 4, 5]))
+    check_against_scratch(service, kb, states[1])
+
+
+def test_a_delta_asked_for_after_a_trainer_went_back_to_an_older_version_is_applied(run, kb, states):
+    """A resumed trainer serves its checkpoint's index version again (use_version, from its own copy of the
+    service), which may hold an older KB version. The driver's copy then still believed the newer one served:
+    asked for it again, it answered at once that it was, and served nothing."""
+    service, run_dir = run
+    before = service.version()
+    kb.change(add=kilt_lines(range(8300, 8304), seed=13))
+    assert service.apply_delta() == before + 1 and service.kb_version == EntityStore(kb.store).kb_version
+    trainer = ray.cloudpickle.loads(ray.cloudpickle.dumps(service))  # a Ray Train worker's copy
+    assert trainer.use_version(before)
+    assert {s["served"] for s in service.status()} == {before} and trainer.kb_version == service.kb_version - 1
+    again = service.apply_delta()
+    status = service.status()
+    assert again == before + 2 and {s["served"] for s in status} == {again}
+    assert {s["kb_version"] for s in status} == {EntityStore(kb.store).kb_version}
+    one_encoding_per_version(service)
+    check_against_flat(service, flat(service, run_dir, kb, again), queries(10), torch.tensor([0, 1, 2, 3, 4, 5]))
 
 
 def test_services_created_on_a_changed_store(run, kb, states, tiny_model_dir, tmp_path_factory):

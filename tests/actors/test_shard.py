@@ -214,6 +214,11 @@ def test_versions_only_increase_and_the_previous_one_stays_available(store_dir, 
         shard.topk(QUERIES, 4, GOLD, version=0)
     with pytest.raises(ValueError, match="versions must increase"):
         shard.refresh(states[0], 1)
+    # The served number with other weights is refused too: encoding over it gave one number two encodings
+    # while the other shards still served the first (a search merged over shards mixed them).
+    with pytest.raises(ValueError, match="serves already from other weights; versions must increase"):
+        shard.refresh(states[0], 2)
+    assert shard.refresh(states[2], 2) == 2 and shard.status()["encodes"] == 3, "the same weights: nothing to do"
     # An evicted version that is still persisted comes back from disk.
     restarted = make_shard(store_dir, tmp_path, keep_versions=2)
     assert restarted.status()["held"] == [2]

@@ -127,3 +127,25 @@ def test_a_static_shape_shard_encodes_every_delta_in_its_refresh_batch(store, tm
         x, y = static.topk(q, 8, GOLD), plain.topk(q, 8, GOLD)
         assert x.version == y.version == 3 and x.ids.tolist() == y.ids.tolist()
         torch.testing.assert_close(x.scores, y.scores, rtol=1e-5, atol=1e-5)
+
+
+def test_a_delta_asked_again_under_a_new_number_is_served_again_without_encoding(store, tmp_path, tiny_model_dir,
+                                                                                 states):
+    """A delta that failed on another shard is asked for again under a new version number (actors.sequencer):
+    a shard that applied it serves it again as that number, with nothing encoded and the same answers. It
+    used to refuse it ("overlap"), so a delta that failed on some shards could never be applied."""
+    shard = make_shard(str(store), tmp_path / "run", rows=(0, N), shard=0)
+    assert shard.refresh(states[0], 0) == 0
+    rows = add_rows(store, tmp_path, tiny_model_dir, list(range(5000, 5006)), remove=[1004])
+    assert shard.apply_delta([states[0]], 1, 1, [rows]) == 1
+    before, encodes = shard.topk(QUERIES, 8, GOLD), shard.status()["encodes"]
+    assert shard.apply_delta(Unfetchable(), 2, 1, [rows]) == 2
+    after, st = shard.topk(QUERIES, 8, GOLD), shard.status()
+    assert (st["served"], st["kb_version"], st["pieces"]) == (2, 1, [[0, N], list(rows)])
+    assert st["encodes"] == encodes + 1 and after.version == 2  # a new version, no row encoded (Unfetchable)
+    assert after.ids.tolist() == before.ids.tolist() and after.scores.tolist() == before.scores.tolist()
+    reloaded = make_shard(str(store), tmp_path / "run", rows=(0, N), shard=0)  # persisted as a whole version
+    again = reloaded.topk(QUERIES, 8, GOLD)
+    assert again.version == 2 and again.ids.tolist() == before.ids.tolist()
+    with pytest.raises(ValueError, match="overlap"):  # other rows over the ones it owns are still refused
+        shard.apply_delta(Unfetchable(), 3, 1, [(rows[0], rows[1] + 1)])

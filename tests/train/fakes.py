@@ -62,7 +62,10 @@ class FakeService:
         """The service's sampler face: the same answers as ``mine`` with the sampler's split."""
         return self.mine(reps, gold, sampler.n_hard, sampler.n_random, seed, query_keys, sampler.p_mixed)
 
-    def refresh(self, state, version, wait=False):
+    def refresh(self, state, version=None, wait=False, after=-1):
+        """As the real service: ``version`` None is numbered past every version handed out and ``after``."""
+        if version is None:
+            version = max([self.served, after, *(v for _, v in self.states)]) + 1
         self.states.append((state, version))
         handle = Handle(self, version)
         if self.instant or wait:

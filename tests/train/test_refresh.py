@@ -35,7 +35,9 @@ def test_book_staleness_and_json():
     assert book.staleness(7, 0) == 7
     book.record(1, 5)
     book.record(2, 9)
-    assert (book.staleness(10, 1), book.staleness(10, 2), book.staleness(10, 3)) == (5, 1, -1)
+    assert (book.staleness(10, 1), book.staleness(10, 2), book.staleness(10, -1)) == (5, 1, -1)
+    # a version the book did not publish (a KB delta's, on top of version 2) holds version 2's weights
+    assert book.staleness(10, 3) == 1
     with pytest.raises(ValueError, match="must increase"):
         book.record(2, 11)
     assert RefreshBook.from_json(book.to_json()) == book
@@ -68,8 +70,23 @@ def test_publisher_ships_one_snapshot_per_version_from_rank_0_only():
     assert [v for _, v in service.states] == [1, 2] and [r for r, _ in service.states] == [("ref", 1), ("ref", 2)]
     assert not torch.equal(puts[0]["w"], puts[1]["w"])  # a snapshot, not a view of live weights
     assert pub.book.publish_step == {0: 0, 1: 3, 2: 6}
-    other = Publisher(service, model, RefreshBook(), rank=1, zero3=False, wait=False, put=put)
-    assert other.publish(step=3) == 1 and len(puts) == 2  # rank 1 books the version, ships nothing
+    with pytest.raises(ValueError, match="rank > 0 needs broadcast"):
+        Publisher(service, model, RefreshBook(), rank=1, zero3=False, wait=False, put=put)
+    other = Publisher(service, model, RefreshBook(), rank=1, zero3=False, wait=False, put=put,
+                      broadcast=lambda v: 7 if v is None else v)
+    assert other.publish(step=3) == 7 and len(puts) == 2  # rank 1 books rank 0's number, ships nothing
+    assert other.book.publish_step == {0: 0, 7: 3}
+
+
+def test_rank_0_numbers_past_versions_it_did_not_publish_and_tells_the_others():
+    """A KB delta took version 1 between two refreshes: the next refresh is numbered past it by the service,
+    and rank 0 broadcasts that number, so that every rank books the same version (none computes its own)."""
+    service, said = FakeService(), []
+    service.states.append(("delta", 1))  # the service handed version 1 to a KB delta
+    pub = Publisher(service, TinyRetriever(), RefreshBook(), 0, False, wait=False, put=lambda o: o,
+                    broadcast=lambda v: said.append(v) or v)
+    assert pub.publish(step=4) == 2 and said == [2] and pub.book.publish_step == {0: 0, 2: 4}
+    assert pub.book.staleness(6, 1) == 6  # the delta's version holds version 0's weights
 
 
 def test_a_failed_async_refresh_is_an_error_at_the_next_publish():
@@ -78,13 +95,15 @@ def test_a_failed_async_refresh_is_an_error_at_the_next_publish():
     service = FakeService(instant=False)
 
     class Failed:
+        version = 1
+
         def done(self) -> bool:
             return True
 
         def wait(self, timeout=None):
             raise OSError("No space left on device")
 
-    service.refresh = lambda state, version, wait=False: Failed()
+    service.refresh = lambda state, version=None, wait=False, after=-1: Failed()
     pub = Publisher(service, TinyRetriever(), RefreshBook(), 0, False, wait=False, put=lambda o: o)
     assert pub.publish(2) == 1  # async: nothing waited for yet
     with pytest.raises(RuntimeError, match=r"the refresh to index version 1 failed: No space left on device"):

@@ -1,0 +1,170 @@
+"""IndexSequencer: the one actor that numbers index versions and hands them to the shards in order.
+
+Two processes change what the shards serve while a run trains: training rank 0 publishes new
+entity-encoder weights (a refresh, ``train.refresh``) and the driver serves a KB delta
+(``train.kb_control``). Each used to pick its own version number from what the shards held, so
+a delta and the next refresh could take the same number, and a shard that got the two calls in
+the other order than its neighbour served another encoding under that number: a search merged
+over shards then mixed two encoders, and nothing could tell. Ray does not order the calls of a
+threaded actor, even from one caller, so no numbering rule alone can fix this.
+
+Here every version-making call goes through one queue: :meth:`IndexSequencer.submit` numbers the
+call past every version any shard holds or was handed, and a single thread runs the calls in
+that order, each on every shard, the next only after the last shard has finished the previous
+one. So every shard sees the same versions in the same order, and a version number names one
+encoding. ``submit`` returns at once (the number is known before the work is done; a refresh
+stays asynchronous); :meth:`wait` gives the outcome.
+
+The actor holds no data and imports no torch (a process costs the cluster nothing but its Python).
+Restarted by Ray, it numbers again from what the shards hold; a call it had queued is lost and
+its :meth:`wait` says so.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dist_nce.actors.calls import RetryPolicy, ShardCall, cause
+from dist_nce.actors.errors import VersionUnavailable
+
+
+class SequencedCallFailed(RuntimeError):
+    """A sequenced call failed on at least one shard (the message names which, and why)."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    ticket: str
+    version: int
+    method: str  # an EntityShard method that changes the version served: refresh, apply_delta, use_version
+    args: list[tuple]  # per shard
+
+
+class IndexSequencer:
+    """Numbers and runs the version-making calls of S shards (module docstring)."""
+
+    def __init__(self, handles: list, policy: RetryPolicy):
+        self._handles, self._policy = list(handles), policy
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Call] = collections.deque()
+        self._outcomes: dict[str, tuple[bool, Any]] = {}
+        self._last: int | None = None  # the highest version handed out or held by a shard
+        threading.Thread(target=self._run, name="index-sequencer", daemon=True).start()
+
+    # ------------------------------------------------------------------ submitting
+    def submit_refresh(self, state: list, origin: str | None, version: int | None = None, after: int = -1
+                       ) -> dict[str, Any]:
+        """Queue ``EntityShard.refresh(state[0], version, origin)`` on every shard. ``state``: ``[ObjectRef]``
+        (boxed, so that this actor never fetches the weights); ``version``: None numbers it (past every
+        version held or handed out, and past ``after``). Returns ``{"ticket", "version"}``."""
+        return self._submit("refresh", lambda v: [(state[0], v, origin)] * len(self._handles), version, after)
+
+    def submit_delta(self, state: list | None, kb_version: int, placed: list[list[tuple[int, int]]],
+                     after: int = -1) -> dict[str, Any]:
+        """Queue ``EntityShard.apply_delta(state, version, kb_version, placed[i])`` on shard i, numbered
+        as :meth:`submit_refresh` numbers. Returns ``{"ticket", "version"}``."""
+        if len(placed) != len(self._handles):
+            raise ValueError(f"submit_delta: {len(placed)} placements for {len(self._handles)} shards")
+        return self._submit("apply_delta", lambda v: [(state, v, kb_version, p) for p in placed], None, after)
+
+    def submit_use(self, version: int) -> dict[str, Any]:
+        """Queue ``EntityShard.use_version(version)`` on every shard: serve an older version again (a resumed
+        run), in order with the deltas and refreshes, so that none of them is applied to the version it
+        replaces. Returns ``{"ticket", "version"}``."""
+        return self._submit("use_version", lambda v: [(v,)] * len(self._handles), int(version), -1)
+
+    def _submit(self, method: str, args, version: int | None, after: int) -> dict[str, Any]:
+        floor = self._highest() if self._last is None else -1  # outside the lock: status calls take a while
+        with self._cond:
+            self._last = max(-1 if self._last is None else self._last, floor)
+            if version is None:
+                version = max(self._last, int(after)) + 1
+            self._last = max(self._last, int(version))
+            # a ticket is unique across restarts: a waiter never gets another call's outcome
+            call = _Call(uuid.uuid4().hex, int(version), method, args(int(version)))
+            self._queue.append(call)
+            self._cond.notify_all()
+        return {"ticket": call.ticket, "version": call.version}
+
+    def _highest(self) -> int:
+        """The highest version any shard serves, builds or keeps on disk (-1: none)."""
+        calls = [ShardCall(h, i, "status", (), {}, self._policy) for i, h in enumerate(self._handles)]
+        highest = -1
+        for c in calls:
+            s = c.get()
+            highest = max(highest, s["served"], s["refreshing"] if s["refreshing"] is not None else -1,
+                          *s["persisted"])
+        return highest
+
+    # ------------------------------------------------------------------ outcomes
+    def wait(self, ticket: str, timeout: float | None = None) -> int:
+        """The version served once the call ``ticket`` has finished on every shard; raises what it failed
+        with (:class:`SequencedCallFailed`), TimeoutError past ``timeout``, LookupError for a ticket this
+        actor never queued (it was restarted in between: the call is lost)."""
+        with self._cond:
+            if ticket not in self._outcomes and not any(c.ticket == ticket for c in self._queue):
+                raise LookupError(f"index sequencer: no call {ticket} (the sequencer was restarted and lost it)")
+            if not self._cond.wait_for(lambda: ticket in self._outcomes, timeout):
+                raise TimeoutError(f"index sequencer: call {ticket} not done within {timeout} s")
+            ok, value = self._outcomes[ticket]
+        if ok:
+            return value
+        raise value
+
+    def pending(self) -> list[int]:
+        """The versions queued or running, oldest first."""
+        with self._cond:
+            return [c.version for c in self._queue]
+
+    # ------------------------------------------------------------------ the one thread that calls the shards
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue))
+                call = self._queue[0]
+            try:
+                outcome = self._execute(call)
+            except BaseException as e:  # noqa: BLE001 - a waiter must hear of it; the queue goes on
+                outcome = (False, SequencedCallFailed(f"index version {call.version} ({call.method}): {e!r}"))
+            with self._cond:
+                self._queue.popleft()
+                self._outcomes[call.ticket] = outcome
+                self._cond.notify_all()
+
+    def _execute(self, call: _Call) -> tuple[bool, Any]:
+        # Encodes may take hours on a large KB: no per-call timeout, only the retries on failure.
+        policy = RetryPolicy(self._policy.retries, None, self._policy.wait_version_s)
+        calls = [ShardCall(h, i, call.method, args, {}, policy) for i, (h, args) in enumerate(zip(self._handles,
+                                                                                                  call.args))]
+        served, failed = [], []
+        for c in calls:
+            try:
+                served.append(int(c.get()))
+            except Exception as e:  # noqa: BLE001 - reported to the waiter, with which shards failed
+                failed.append((c.shard, cause(e)))
+        if not failed:
+            return True, min(served)
+        shard, first = failed[0]
+        done = sorted(set(range(len(calls))) - {s for s, _ in failed})
+        # a version no shard could find stays that for the caller (NegativeService.use_version tells it apart)
+        kind = VersionUnavailable if all(isinstance(c, VersionUnavailable) for _, c in failed) else SequencedCallFailed
+        error = kind(f"index version {call.version} ({call.method}): failed on shard(s) "
+                                    f"{[s for s, _ in failed]}" + (f", done on {done}" if done else "") +
+                                    f"; shard {shard}: {type(first).__name__}: {first}")
+        error.__cause__ = first
+        return False, error
+
+
+def start_sequencer(handles: list, policy: RetryPolicy):
+    """An :class:`IndexSequencer` actor over the shard ``handles`` (owned by the caller: it ends with it)."""
+    import ray
+
+    from dist_nce.cluster.runtime import actor_runtime_env
+
+    # Waiters block one thread each (a trainer's refresh, the driver's delta, ...): room for many.
+    actor = ray.remote(IndexSequencer).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
+                                               runtime_env=actor_runtime_env())
+    return actor.remote(handles, policy)
