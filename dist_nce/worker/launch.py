@@ -120,7 +120,8 @@ def _unrecorded(storage_path: str, snapshot: dict[str, Any] | str | None, run_di
 
 
 def read_snapshot(storage_path: str, name: str) -> dict[str, Any] | str | None:
-    """Ray Train's checkpoint snapshot of run ``name`` as a dict, :data:`CUT` where it does not parse,
+    """Ray Train's checkpoint snapshot of run ``name`` as a dict, :data:`CUT` where it does not parse (or is
+    not a JSON object),
     None where there is none (or the storage is not a local path)."""
     import json
     from pathlib import Path
@@ -129,9 +130,10 @@ def read_snapshot(storage_path: str, name: str) -> dict[str, Any] | str | None:
     if "://" in storage_path or not snapshot.is_file():
         return None
     try:
-        return json.loads(snapshot.read_text(encoding="utf-8"))
+        parsed = json.loads(snapshot.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         return CUT
+    return parsed if isinstance(parsed, dict) else CUT  # e.g. "[]": Ray Train cannot resume from it either
 
 
 def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None) -> list[tuple[int, str, Any]]:
@@ -150,6 +152,91 @@ def whole_checkpoints(run_dir: Any, log: Callable[[str], None] = lambda s: None)
         else:
             log(f"{d}: not resumable ({why})")
     return found
+
+
+STEP_DIR = r"step_(\d{8,})(?:_end_[0-9a-f]{8})?"  # the names our workers give (WorkerScaffold.save_checkpoint)
+
+
+def remove_aborted_writes(storage_path: str, name: str, log: Callable[[str], None] = print) -> list[Any]:
+    """Remove (and log, one line each) the checkpoint directories of run ``name`` that Ray Train's readable
+    snapshot does not record and whose step is after that of the latest one it records; the directories
+    removed. Nothing for a snapshot cut off or absent (:func:`recover_unrecorded`'s), or a remote storage.
+
+    Why: Ray Train 2.60's SIGINT handler aborts the controller, which gives the workers ~5 s before killing
+    them, and they train on meanwhile: a Ctrl-C at step 39 left ``step_00000060``, copied into the run's
+    storage and never recorded. The rerun resumes from the snapshot's latest checkpoint (:func:`resume_point`)
+    and replays those steps exactly, so such a directory is never read again: it only held a checkpoint of
+    disk per Ctrl-C beside the ``run.num_to_keep`` recorded ones until the rerun wrote the same step over it.
+    Only directories of ours (:func:`_ours`) named as our workers name them (:data:`STEP_DIR`); a rerun holds
+    the run's lock while this runs, so no live run writes there."""
+    import shutil
+    from pathlib import Path
+
+    snapshot = read_snapshot(storage_path, name)
+    point = resume_point(storage_path, name) if isinstance(snapshot, dict) else None
+    if point is None:  # no readable snapshot, or one that records no checkpoint: nothing is "after"
+        return []
+    latest, removed = point[0], []
+    for d, step in _aborted_writes(Path(storage_path) / name, _strings(snapshot), latest):
+        try:
+            shutil.rmtree(d)
+        except OSError as exc:  # left as it was: the rerun writes the same step over it, as before
+            log(f"{d}: not removed ({exc})")
+            continue
+        log(f"{d}: removed; step {step} was written by the workers after the run was aborted and never recorded "
+            f"in {SNAPSHOT}; the rerun resumes at step {latest} and replays those steps exactly")
+        removed.append(d)
+    return removed
+
+
+def _aborted_writes(run_dir: Any, recorded: set[str], latest: int) -> list[tuple[Any, int]]:
+    """(directory, step) of each checkpoint directory of ours in ``run_dir`` that is not among the names
+    ``recorded`` and whose step (in its name) is after ``latest``."""
+    import re
+
+    found = []
+    for d in sorted(run_dir.iterdir()):
+        m = re.fullmatch(STEP_DIR, d.name)
+        if m and int(m[1]) > latest and d.name not in recorded and not d.is_symlink() and d.is_dir() and _ours(d):
+            found.append((d, int(m[1])))
+    return found
+
+
+def _ours(directory: Any) -> bool:
+    """A checkpoint directory our workers wrote, whole or not: our manifest (kind
+    :data:`dist_nce.worker.checkpoint.KIND`); without a readable one (Ray Train copies a checkpoint file by
+    file, each rank its own, so an abort can leave any part, the manifest included, absent or cut), nothing but
+    the files and folder :func:`dist_nce.worker.checkpoint.save` writes (none at all when the copy had only
+    made the directory). A manifest of another kind, or anything else in it, is not ours: kept."""
+    import re
+
+    from dist_nce.core.artifacts import MANIFEST, read_manifest
+    from dist_nce.worker.checkpoint import DS_DIR, KIND, STATE_FILE
+
+    try:
+        manifest = read_manifest(directory)
+        return isinstance(manifest, dict) and manifest.get("kind") == KIND
+    except ValueError:  # no manifest, or cut short: judged by what the directory holds
+        pass
+    except OSError:
+        return False
+    try:
+        return all(p.name in (MANIFEST, STATE_FILE, DS_DIR) or re.fullmatch(r"rng_rank\d+\.json", p.name)
+                   or p.name.endswith(".safetensors") for p in directory.iterdir())
+    except OSError:
+        return False
+
+
+def _strings(value: Any) -> set[str]:
+    """Every string in a JSON value. What Ray Train's snapshot records: 2.60 names checkpoint directories in
+    ``checkpoint_results``, ``latest_checkpoint_result`` and ``pending_training_results`` (each a
+    ``checkpoint_dir_name``) and in its ``*_checkpoint_dir_names`` lists; taking every string keeps any name
+    it records, wherever a later schema puts it."""
+    if isinstance(value, dict):
+        return set().union(*map(_strings, value.values()))
+    if isinstance(value, list):
+        return set().union(*map(_strings, value))
+    return {value} if isinstance(value, str) else set()
 
 
 def resume_checkpoint(loop_config: dict[str, Any]) -> Callable[[], Any]:
@@ -198,6 +285,7 @@ def make_torch_trainer(train_func: Callable[[dict[str, Any]], None], cfg: Any, l
     from dist_nce.worker.process_group import LocalGroupTorchConfig
 
     run, gpu = cfg.run, use_gpu(cfg)
+    remove_aborted_writes(storage_uri(run.storage_path), run.name)  # what a Ctrl-C's workers left unrecorded
     recovered = recover_unrecorded(storage_uri(run.storage_path), run.name)
     if recovered is not None:  # Ray Train 2.60 refuses resume_from_checkpoint: the workers get it themselves
         loop_config = {**loop_config, RESUME_FROM: recovered}

@@ -1,7 +1,9 @@
 """A rerun whose checkpoints Ray Train's snapshot does not record (worker.launch.recover_unrecorded): cut off
 by a kill, or never written (stopped between a worker's copy and the controller's first record). It resumes
 from the newest whole checkpoint directory (worker.checkpoint.incomplete tells whole from cut), a cut
-snapshot kept aside; a readable snapshot, no whole checkpoint without one, or a remote storage is left to Ray."""
+snapshot kept aside; a readable snapshot, no whole checkpoint without one, or a remote storage is left to Ray.
+A readable snapshot's run (worker.launch.remove_aborted_writes): the checkpoint directories a Ctrl-C's workers
+wrote after its latest checkpoint, never recorded, are removed before the rerun's trainer starts."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,8 @@ import torch
 
 from dist_nce.worker import checkpoint
 from dist_nce.worker.engine import build_engine, load_deepspeed_config
-from dist_nce.worker.launch import SNAPSHOT, recover_unrecorded, resume_point
+from dist_nce.core.artifacts import write_manifest
+from dist_nce.worker.launch import SNAPSHOT, recover_unrecorded, remove_aborted_writes, resume_point
 
 DS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed" / "zero2_fp32.json"
 PLAN = {"num_workers": 1, "seed": 0}
@@ -88,6 +91,11 @@ def test_a_cut_snapshot_resumes_from_the_newest_whole_checkpoint(engine, tmp_pat
     assert any("not resumable" in s and newest.name in s for s in said)
     assert any("step 4" in s for s in said)
     # nothing to recover: a readable snapshot (Ray resumes from it), none, a remote storage
+    for text in ("[]", "null"):  # JSON, but no snapshot: cut as well (resume_point raised AttributeError)
+        (run / SNAPSHOT).write_text(text)
+        assert resume_point(str(tmp_path / "storage"), "run")[0] == 4
+        assert recover_unrecorded(str(tmp_path / "storage"), "run", said.append) == str(run / "step_00000004_end_ab12")
+        assert (run / (SNAPSHOT + ".cut")).read_text() == text
     (run / SNAPSHOT).write_text(json.dumps({"latest_checkpoint_result": None}))
     assert recover_unrecorded(str(tmp_path / "storage"), "run") is None
     assert (run / SNAPSHOT).exists()
@@ -132,3 +140,114 @@ def test_checkpoints_written_before_the_first_record_are_resumed_not_overwritten
     assert recover_unrecorded(str(storage), "run", lambda s: None) is None
     assert resume_point(str(storage), "run") is None
     assert recover_unrecorded("s3://bucket/runs", "run") is None
+
+
+def ray_snapshot(kept: list[tuple[str, int]], pending: list[tuple[str, int]] = (), validated: list[str] = ()) -> str:
+    """Ray Train 2.60's checkpoint_manager_snapshot.json (``_CheckpointManagerState.json()``) recording the
+    checkpoint directories ``kept`` (name, step; the last one the latest) and ``pending``."""
+    def result(name, step):
+        return {"version": 0, "checkpoint_dir_name": name, "metrics": {"step": step, "loss": 0.5}}
+
+    return json.dumps({
+        "ray_version": "2.60.0", "checkpoint_results": [result(*k) for k in kept],
+        "checkpoint_report_indices": list(range(len(kept))), "latest_checkpoint_result": result(*kept[-1]),
+        "pending_training_results": [result(*p) for p in pending], "pending_validation_specs": [False] * len(pending),
+        "current_report_index": len(kept) + len(pending), "validated_checkpoint_dir_names": list(validated),
+        "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []})
+
+
+def aborted_run(engine, run: Path) -> dict[str, Path]:
+    """A run directory as a Ctrl-C leaves it: Ray Train's snapshot records step_00000016 and step_00000032
+    (the latest), and the workers wrote more before the abort reached them, some whole, some cut."""
+    d = {n: write(engine, run, n, int(n[5:13])) for n in (
+        "step_00000008",  # before the latest, unrecorded (Ray Train's deletion was interrupted): not ours to judge
+        "step_00000016", "step_00000032",  # recorded
+        "step_00000040", "step_00000044",  # after the latest but recorded: pending a report, validated
+        "step_00000048", "step_00000080_end_0123abcd")}  # after the latest, whole, never recorded
+    cut_copy = write(engine, run, "step_00000064", 64)  # the copy the abort cut: no manifest, no train state yet
+    (cut_copy / "manifest.json").unlink()
+    (cut_copy / checkpoint.STATE_FILE).unlink()
+    cut(next((cut_copy / checkpoint.DS_DIR).rglob("*.pt")))
+    manifest_cut = write(engine, run, "step_00000072", 72)
+    cut(manifest_cut / "manifest.json")
+    (run / "step_00000096").mkdir()  # the copy had only made the directory
+    # not ours, though after the latest: another kind of manifest, a file our checkpoints never hold, a name
+    # our workers never give (Ray Train's own default), a file, a link
+    other = run / "step_00000050"
+    other.mkdir()
+    write_manifest(other, "kb_snapshot", 1, step=50)
+    (run / "step_00000052").mkdir()
+    (run / "step_00000052" / "notes.txt").write_text("mine")
+    (run / "checkpoint_2026-01-01_00-00-00.000000").mkdir()
+    (run / "step_00000056").write_text("a file")
+    (run / "step_00000058").symlink_to(d["step_00000048"], target_is_directory=True)
+    (run / SNAPSHOT).write_text(ray_snapshot([("step_00000016", 16), ("step_00000032", 32)],
+                                             pending=[("step_00000040", 40)], validated=["step_00000044"]))
+    return {**d, "step_00000064": cut_copy, "step_00000072": manifest_cut}
+
+
+AFTER_THE_LATEST = ["step_00000048", "step_00000064", "step_00000072", "step_00000080_end_0123abcd",
+                    "step_00000096"]
+
+
+def test_checkpoints_the_workers_wrote_after_an_abort_are_removed_by_the_rerun(engine, tmp_path):
+    """Ctrl-C: Ray Train's controller aborts, the workers train on ~5 s and write checkpoints its snapshot never
+    records. The rerun resumes from the latest one recorded and replays those steps, so their directories
+    (one checkpoint of disk per Ctrl-C) go, each said, before its trainer starts; nothing else does."""
+    storage, run = tmp_path / "storage", tmp_path / "storage" / "run"
+    aborted_run(engine, run)
+    before = sorted(p.name for p in run.iterdir())
+    said = []
+    removed = remove_aborted_writes(str(storage), "run", said.append)
+    assert sorted(p.name for p in removed) == AFTER_THE_LATEST
+    assert sorted(p.name for p in run.iterdir()) == sorted(set(before) - set(AFTER_THE_LATEST))
+    assert len(said) == len(AFTER_THE_LATEST)
+    for name, line in zip(AFTER_THE_LATEST, said):
+        assert line.startswith(f"{run / name}: removed; step {int(name[5:13])} was written by the workers after "
+                               f"the run was aborted and never recorded in {SNAPSHOT}"), line
+        assert line.endswith("the rerun resumes at step 32 and replays those steps exactly")
+    assert resume_point(str(storage), "run") == (32, run / "step_00000032")
+    assert checkpoint.incomplete(run / "step_00000032") is None  # what the rerun resumes from is left whole
+    assert (run / "step_00000050" / "manifest.json").exists() and (run / "step_00000052" / "notes.txt").exists()
+    assert remove_aborted_writes(str(storage), "run", said.append) == [] and len(said) == len(AFTER_THE_LATEST)
+
+
+def test_a_cut_or_absent_snapshot_or_a_remote_storage_removes_nothing(engine, tmp_path):
+    """Without a readable snapshot nothing tells which directories Ray Train recorded: those runs are
+    recover_unrecorded's (it resumes from the newest whole one). A snapshot recording no checkpoint has no
+    latest step to be after; a remote storage is not walked."""
+    storage, run = tmp_path / "storage", tmp_path / "storage" / "run"
+    aborted_run(engine, run)
+    snapshot = (run / SNAPSHOT).read_text()
+    before = sorted(p.name for p in run.iterdir() if p.name != SNAPSHOT)
+    for text in ("", snapshot[: len(snapshot) // 2], None, json.dumps({"latest_checkpoint_result": None}), "[]"):
+        if text is None:
+            (run / SNAPSHOT).unlink()
+        else:
+            (run / SNAPSHOT).write_text(text)
+        assert remove_aborted_writes(str(storage), "run", pytest.fail) == [], text
+        assert sorted(p.name for p in run.iterdir() if p.name != SNAPSHOT) == before, text
+    (run / SNAPSHOT).write_text(snapshot)
+    assert remove_aborted_writes("s3://bucket/storage", "run", pytest.fail) == []
+    assert remove_aborted_writes(str(storage), "another", pytest.fail) == []
+    assert sorted(p.name for p in run.iterdir() if p.name != SNAPSHOT) == before
+
+
+def test_the_trainer_is_made_after_the_aborted_writes_are_removed(engine, tmp_path, monkeypatch):
+    """make_torch_trainer (both jobs' trainer) removes them before the TorchTrainer exists."""
+    from types import SimpleNamespace
+
+    import ray.train.torch
+
+    from dist_nce.worker.launch import make_torch_trainer
+
+    storage, run = tmp_path / "storage", tmp_path / "storage" / "run"
+    aborted_run(engine, run)
+    seen = []
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer",
+                        lambda *a, **kw: seen.append(sorted(p.name for p in run.iterdir())) or "trainer")
+    cfg = SimpleNamespace(run=SimpleNamespace(
+        storage_path=str(storage), name="run", num_workers=1, use_gpu=False, cpus_per_worker=1, gpus_per_worker=0,
+        resources_per_worker={}, max_failures=0, num_to_keep=2))
+    assert make_torch_trainer(lambda config: None, cfg, {}) == "trainer"
+    assert seen and not set(AFTER_THE_LATEST) & set(seen[0]) and "step_00000032" in seen[0]
