@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     matrix = open_matrix(args.encodings)  # first: a wrong file fails before any model is read
+    hold_target(args)  # before the model is read: a busy target is refused at once
     shard_root, model = resolve_target(args)
-    hold_target(args)
     config = model.config
     spec = config.spec()
     if spec.entity_side.count != 1:
@@ -177,7 +177,6 @@ def resolve_target(args: argparse.Namespace) -> tuple[Path, Any]:
     from dist_nce.train.model import build_retriever
 
     cfg = with_absolute_paths(load_config(TrainJobConfig, args.train_config, args.set))
-    args.run = cfg.run  # the run whose shards are written: locked as its own job locks it (hold_target)
     src = args.train_config
     given = {"--model": (args.model, cfg.model.blink_checkpoint or cfg.model.init_from),
              "--prepared": (args.prepared, cfg.data.prepared_dir),
@@ -208,10 +207,18 @@ def hold_target(args: argparse.Namespace) -> None:
     ``--train-config`` the run itself, by the lock its training job takes (an import into the shards of a
     run that trains would write the versions its shards read and persist), else ``--out``. Raises
     RunDirBusy naming the holder when another live job has it."""
-    run = getattr(args, "run", None)
-    directory, what, instead = (run.output_dir, f"run directory {run.output_dir}", "import for another run") \
-        if run is not None else (args.out, f"--out {args.out}", "use another --out")
-    args.held = take(directory, what, instead)  # released by main() or the process's end
+    if args.train_config is not None:  # the run whose shards are written: locked as its own job locks it
+        from dist_nce.core.config import load_config
+        from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+
+        run = with_absolute_paths(load_config(TrainJobConfig, args.train_config, args.set)).run
+        directory, what, instead = run.output_dir, f"run directory {run.output_dir}", "import for another run"
+    else:
+        directory, what, instead = args.out, f"--out {args.out}", "use another --out"
+    try:
+        args.held = take(directory, what, instead)  # released by main() or the process's end
+    except OSError as e:  # the directory or the lock file cannot be made (permissions, a file in the way)
+        raise ValueError(f"{what}: cannot take its lock: {e}") from e
 
 
 def _version_dirs(target) -> list[Path]:

@@ -105,6 +105,11 @@ def test_bad_inputs_are_refused_naming_them(blink_files, tmp_path):
     assert r.returncode == 2 and "69 rows, but the store has 70 entities" in r.stderr
     r = job("import_encodings", "--encodings", str(root / "shuffled.t7"), "--num-shards", "0", *base)
     assert r.returncode == 2 and "--num-shards" in r.stderr and "must be >= 1" in r.stderr
+    # an --out whose lock cannot be made (a file in the way): one line naming it, not a traceback
+    (tmp_path / "a_file").write_text("")
+    r = job("import_encodings", "--encodings", str(root / "shuffled.t7"), *base[:-1], str(tmp_path / "a_file" / "out"))
+    assert r.returncode == 2 and "cannot take its lock" in r.stderr and "a_file" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_path, capsys):
@@ -147,8 +152,17 @@ def test_an_import_for_a_training_config_is_the_runs_version_0(blink_files, tmp_
     from dist_nce.core.run_lock import acquire
 
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run_shards").rglob("*") if p.is_file()}
-    with acquire(cfg.run.output_dir):
-        assert main(args) == 2
+    import dist_nce.cli.import_encodings as job_module
+
+    def unread(*a):  # refused before the model (a 2.6 GB BLINK file at real size) is read
+        raise AssertionError("resolve_target ran before the busy run was refused")
+
+    real, job_module.resolve_target = job_module.resolve_target, unread
+    try:
+        with acquire(cfg.run.output_dir):
+            assert main(args) == 2
+    finally:
+        job_module.resolve_target = real
     err = capsys.readouterr().err
     assert f"run directory {cfg.run.output_dir} is in use by another job" in err and "import for another run" in err
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run_shards").rglob("*") if p.is_file()} == before
