@@ -53,6 +53,18 @@ def file_fingerprint(path: str | os.PathLike) -> dict:
     return {"path": str(path.resolve()), "size": size, "sample_sha256": h.hexdigest()}
 
 
+def path_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 over a file's or a directory's files' names, sizes and sampled content
+    (:func:`file_fingerprint`, its path left out: a moved copy is the same input); the string
+    itself for what is not on this disk (a hub name, a URI). What a run read, by content: a model
+    rebuilt in place at the same path is another model."""
+    p = Path(path)
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p] if p.is_file() else []
+    parts = [(str(q.relative_to(p)) if q != p else q.name,
+              {k: v for k, v in file_fingerprint(q).items() if k != "path"}) for q in files]
+    return hashlib.sha256(json.dumps(parts or os.fspath(path)).encode()).hexdigest()
+
+
 def plan_byte_ranges(path: str | os.PathLike, chunk_bytes: int) -> list[tuple[int, int]]:
     """Cut ``path`` into ``[start, end)`` byte ranges of about ``chunk_bytes`` that start
     at line starts; together they cover the file exactly (no ranges for an empty file)."""

@@ -103,6 +103,26 @@ def _done_cells(configs: list[str], grid: Path) -> list[Path]:
     return sorted(dirs.values())
 
 
+def _add_cell_file(tar: tarfile.TarFile, path: Path, arcname: str) -> None:
+    """``path`` into ``tar``; a summary without its record of the stores and models the cell read
+    (``minipaper.cells.INPUTS``): the GPU machine reads a rebuilt stand-in MiniLM (other bytes), so a
+    recorded identity would make the grid there refuse the cell as finished on other inputs. There it is
+    reused unchecked, as a cell from before the record was kept."""
+    import io
+
+    from dist_nce.minipaper.cells import INPUTS, SUMMARY
+
+    if path.name != SUMMARY:
+        tar.add(path, arcname=arcname)
+        return
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    summary.pop(INPUTS, None)
+    data = json.dumps(summary, indent=1).encode()
+    info = tarfile.TarInfo(arcname)
+    info.size, info.mtime = len(data), int(path.stat().st_mtime)
+    tar.addfile(info, io.BytesIO(data))
+
+
 def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) -> None:
     import numpy as np
     import torch
@@ -144,7 +164,7 @@ def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) ->
             for d in done:
                 for f in ("summary.json", "metrics.jsonl"):
                     if (d / f).exists():
-                        tar.add(d / f, arcname=str(grid / "cells" / d.name / f))
+                        _add_cell_file(tar, d / f, str(grid / "cells" / d.name / f))
         size, tree = check_room(out)
         print(f"packed {out}: {size / 2**20:.1f} MiB (+ {tree / 2**20:.1f} MiB of the working tree); {len(done)} "
               f"cells done under {grid} ({len(ids)} embedding rows kept)")
@@ -159,7 +179,7 @@ def pack(out: Path, grid_configs: list[str] | None = None, grid: Path = GRID) ->
         for n, c in zeshel.items():
             d = c.dir(grid, ROOT)
             for f in ("summary.json", "metrics.jsonl"):
-                tar.add(d / f, arcname=str(GRID / "cells" / d.name / f))
+                _add_cell_file(tar, d / f, str(GRID / "cells" / d.name / f))
             if n in sources:
                 tar.add(d / "candidates", arcname=str(GRID / "cells" / d.name / "candidates"))
     size, tree = check_room(out)

@@ -58,3 +58,24 @@ def test_a_carry_must_be_ignored_and_fit_one_call_beside_the_tree(tmp_path):
     (root / "carry" / "more.bin").write_bytes(b"m" * (2 ** 20 // 2))  # 1 + 1 MiB: past 3 less 1 spare
     with pytest.raises(SystemExit, match=r"1\.0 MiB, with the working tree's 1\.0 MiB past the 2 MiB"):
         check(root / "carry", root, limit_mib=3)
+
+
+def test_carried_summaries_leave_out_what_the_cell_read(tmp_path):
+    """The GPU machine reads a rebuilt stand-in MiniLM (other bytes): a carried summary keeping its record of
+    the model it read would be refused there as finished on other inputs (minipaper.cells.reusable)."""
+    import tarfile
+
+    from dist_nce.minipaper.cells import INPUTS
+
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "summary.json").write_text(json.dumps({"done": True, "seconds": 3, INPUTS: {"model": "abc"}}))
+    (cell / "metrics.jsonl").write_text('{"step": 1}\n')
+    with tarfile.open(tmp_path / "cells.tar.xz", "w:xz") as tar:
+        for f in ("summary.json", "metrics.jsonl"):
+            script()._add_cell_file(tar, cell / f, f"grid/cells/cell/{f}")
+    with tarfile.open(tmp_path / "cells.tar.xz") as tar:
+        tar.extractall(tmp_path / "there", filter="data")
+    there = tmp_path / "there" / "grid" / "cells" / "cell"
+    assert json.loads((there / "summary.json").read_text()) == {"done": True, "seconds": 3}
+    assert (there / "metrics.jsonl").read_text() == '{"step": 1}\n'

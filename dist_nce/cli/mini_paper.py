@@ -8,9 +8,11 @@ arm x seed branches from its exported model and trains the same steps. Table 2 r
 candidates of the best non-random retriever (mean val R@k) and of the random-negative one
 of the same architecture, seed by seed. AIDA compares the arms with the pretrained MiniLM.
 
-A finished cell is reused (its directory is keyed by its settings); an interrupted one
-resumes; rerunning the command continues the grid. After each cell, ``<out>/mini_paper.json``
-is rewritten; at the end also ``mini_paper.md`` and the PNGs (dev curves per arm, bias).
+A finished cell is reused (its directory is keyed by its settings) while the stores and
+models it read are the ones there now: one finished on a store or model rebuilt since stops
+the grid with an error naming it. An interrupted cell resumes; rerunning the command continues
+the grid. After each cell, ``<out>/mini_paper.json`` is rewritten; at the end also
+``mini_paper.md`` and the PNGs (dev curves per arm, bias).
 
     .venv/bin/python jobs/mini_paper.py --config configs/mini_paper/tiny_cpu.yaml --out runs/mini_paper
     .venv/bin/python jobs/mini_paper.py --config configs/mini_paper/tiny_cpu.yaml --out runs/mini_paper \\
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         failed = dry_run_jobs(cells, out)
         if failed:
             return 2
+        from dist_nce.minipaper.cells import StaleCell, reusable
+        try:  # a rerun would stop at a cell finished on other stores or models
+            reusable(cells, out, ROOT)
+        except StaleCell as e:
+            return error(e)
         extra = " (+ the reranker cells once the retrievers are done)" if "reranker" in parts else ""
         print(f"{args.config}: config and inputs OK: {len(cells)} cells{extra} (dry run: nothing run)")
         return 0
@@ -154,19 +161,34 @@ class Runner:
         self.done: dict[str, dict] = {}   # name -> summary
         self.failed: dict[str, str] = {}  # name -> why
         self.seconds: dict[str, float] = {}
+        self.cells: dict[str, Cell] = {}  # every cell planned so far: what a cell starts from is one of them
+        self.told_unchecked = False
 
-    def run(self, cells: dict[str, Cell], gates: dict[str, tuple[str, ...]], on_done: Callable[[str], object]
-            ) -> None:
-        from dist_nce.minipaper.cells import read_summary
+    def reusable(self, cells: dict[str, Cell]) -> dict[str, dict]:
+        """The cells finished by an earlier run of the grid on the inputs they would read now (summaries by
+        name); raises StaleCell for one finished on other inputs. Cells finished before cells recorded
+        their inputs are reused unchecked, said once."""
+        from dist_nce.minipaper.cells import INPUTS, reusable
 
+        self.cells.update(cells)
+        finished, unchecked = reusable(cells, self.out, ROOT, self.cells)
+        if unchecked and not self.told_unchecked:
+            self.told_unchecked = True
+            self.log(f"[mini-paper] {len(unchecked)} finished cells ({unchecked[0]}, ...) have no record of the stores "
+                     f"and models they read ('{INPUTS}' in summary.json: written before the grid kept one): reused "
+                     "unchecked")
+        return finished
+
+    def run(self, cells: dict[str, Cell], gates: dict[str, tuple[str, ...]], on_done: Callable[[str], object],
+            reused: dict[str, dict] | None = None) -> None:
+        """``reused``: :meth:`reusable` of ``cells``, if taken already."""
+        self.cells.update(cells)
         pending = dict(cells)
-        for name in list(pending):  # finished by an earlier run of the grid
-            s = read_summary(cells[name].dir(self.out, ROOT))
-            if s is not None:
-                self.done[name] = s
-                del pending[name]
-                self.log(f"[mini-paper] {name}: finished earlier, reused")
-                on_done(name)
+        for name, s in (self.reusable(cells) if reused is None else reused).items():
+            self.done[name] = s
+            del pending[name]
+            self.log(f"[mini-paper] {name}: finished earlier, reused")
+            on_done(name)
         running: dict[str, Running] = {}
         try:
             self._loop(cells, gates, on_done, pending, running)
@@ -217,12 +239,13 @@ class Runner:
         return proc, time.perf_counter(), logf
 
     def finish(self, c: Cell, code: int, seconds: float) -> None:
-        from dist_nce.minipaper.cells import read_summary
+        from dist_nce.minipaper.cells import cell_inputs, read_summary, record_inputs
 
         self.seconds[c.name] = seconds
-        summary = read_summary(c.dir(self.out, ROOT)) if code == 0 else None
-        if summary is not None:
-            self.done[c.name] = summary
+        d = c.dir(self.out, ROOT)
+        summary = read_summary(d) if code == 0 else None
+        if summary is not None:  # with what it read, for the reruns that would reuse it
+            self.done[c.name] = record_inputs(d, cell_inputs(c, self.out, ROOT, self.cells))
             self.log(f"[mini-paper] {c.name}: done in {seconds:.0f} s")
             return
         tail = (self.out / "logs" / f"{c.name}.log").read_text(errors="replace").splitlines()[-15:]
@@ -257,14 +280,20 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
     from dist_nce.cluster.head import LocalHead
     from dist_nce.cluster.runtime import ray_env
     from dist_nce.core.artifacts import atomic_write_json, write_manifest
-    from dist_nce.minipaper.cells import reranker_cells
+    from dist_nce.minipaper.cells import StaleCell, reranker_cells
     from dist_nce.minipaper.report import best_retriever, collect, write_outputs
 
     log = lambda s: print(s, flush=True)  # noqa: E731
+    runner = Runner(out, {}, cfg.parallel, log)
+    try:  # before anything starts: a cell finished on other stores or models than the grid has now
+        reused = runner.reusable(cells)
+    except StaleCell as e:
+        return error(e)
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(out, "mini_paper", 1, config=str(Path(config_path).resolve()), parts=parts)
     start = time.perf_counter()
     all_cells = dict(cells)
+    stale: StaleCell | None = None
 
     def snapshot(_name=None) -> dict:
         result = collect(cfg, all_cells, runner.done, runner.failed, runner.seconds, out, ROOT)
@@ -281,11 +310,10 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
     if ray_needed:
         log(f"[mini-paper] Ray head with {cpus} logical CPUs: {cfg.parallel} cells at once")
     with (LocalHead(num_cpus=cpus) if ray_needed else contextlib.nullcontext()) as head:
-        env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address} if head else ray_env()
+        runner.env = {**ray_env(), **head.env, "RAY_ADDRESS": head.gcs_address} if head else ray_env()
         if not ray_needed:
             log("[mini-paper] no Ray head: every cell left to run is a local (run.backend=local) reranker cell")
-        runner = Runner(out, env, cfg.parallel, log)
-        runner.run(cells, gates_for(cells), snapshot)
+        runner.run(cells, gates_for(cells), snapshot, reused)
         if "reranker" in parts:
             zeshel = {k: c for k, c in cells.items() if c.part == "zeshel"}
             chosen = best_retriever(collect(cfg, all_cells, runner.done, runner.failed, runner.seconds, out, ROOT))
@@ -296,7 +324,10 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
                 all_cells.update(rr)
                 log(f"[mini-paper] Table 2 over the candidates of {chosen} (best non-random by mean val R@k, "
                     "and the random arm of its architecture)")
-                runner.run(rr, gates_for(rr), snapshot)
+                try:
+                    runner.run(rr, gates_for(rr), snapshot)
+                except StaleCell as e:  # a reranker finished on other stores, models or candidates
+                    stale = e
         if head and runner.failed:  # a cell that could not reach the head is diagnosed from the head's side
             head.keep_logs = True
             log(f"[mini-paper] {len(runner.failed)} cells failed; the Ray head's logs are kept in {head.temp_dir}")
@@ -306,6 +337,8 @@ def run_grid(cfg: MiniPaperConfig, parts: list[str], cells: dict, out: Path, con
         f"{time.perf_counter() - start:.0f} s; wrote {out / 'mini_paper.json'}, mini_paper.md, PNGs")
     for name, why in runner.failed.items():
         log(f"  failed: {name}: {why}")
+    if stale is not None:  # the other tables are done and written; Table 2 waits for the user's choice
+        return error(stale)
     return 1 if runner.failed else 0
 
 

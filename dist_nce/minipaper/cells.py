@@ -9,6 +9,13 @@ an override that points at another cell's directory (``model.init_from``,
 branch. A cell whose ``summary.json`` says ``done`` is reused; an interrupted one resumes
 (Ray Train continues the run of the same name); a cell whose settings changed gets a new
 directory and never reuses a stale result.
+
+The key hashes settings, not what the paths in them hold: a finished cell's ``summary.json``
+also records, as ``inputs``, the identity of what its run read (:func:`cell_inputs`: its
+prepared stores, models and DeepSpeed JSON by content; its shared start or candidates by the
+cell that made them). A rerun reuses it only while those are the same (:func:`reusable`); one
+finished on other inputs stops the grid (:class:`StaleCell`) rather than sit in a table beside
+cells of the new ones.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dist_nce.minipaper.config import MiniPaperConfig
 
@@ -138,3 +145,145 @@ def read_summary(d: Path) -> dict[str, Any] | None:
         return None
     s = json.loads(p.read_text(encoding="utf-8"))
     return s if s.get("done") else None
+
+
+# ------------------------------------------------------------------------- what a finished cell read
+
+INPUTS = "inputs"  # summary.json's field: {config field: identity} of what the cell's run read (cell_inputs)
+
+
+class StaleCell(Exception):
+    """A finished cell whose recorded inputs are not what it would read now (one line: the first such
+    cell, the inputs that changed, what to do)."""
+
+
+def job_config(c: Cell, out: Path, root: Path) -> Any:
+    """The cell's job config as its job loads it: ``<out>`` filled in, its local paths absolute (the job
+    runs in ``root``)."""
+    from dist_nce.core.config import load_config
+
+    sets = [s.replace(OUT, str(out)) for s in c.sets]
+    if c.job == RERANKER_JOB:
+        from dist_nce.rerank.config import RerankJobConfig, with_absolute_paths as rerank_absolute
+
+        return rerank_absolute(load_config(RerankJobConfig, root / c.config, sets), str(root))
+    if c.job == RETRIEVER_JOB:
+        from dist_nce.zeshel.config import ZeshelRetrieverConfig, absolute
+
+        return absolute(load_config(ZeshelRetrieverConfig, root / c.config, sets), str(root))
+    from dist_nce.train.config import TrainJobConfig, with_absolute_paths
+
+    return with_absolute_paths(load_config(TrainJobConfig, root / c.config, sets), str(root))
+
+
+def _store_identity(path: str) -> str:
+    from dist_nce.index.encode import store_fingerprint
+
+    try:
+        return store_fingerprint(path)
+    except OSError:  # gone: whatever is prepared there next is another store
+        return f"absent:{path}"
+
+
+def cell_inputs(c: Cell, out: Path, root: Path, cells: Mapping[str, Cell] | None = None,
+                cache: dict[tuple[str, str], str] | None = None) -> dict[str, str]:
+    """What a cell's run reads, by config field: its prepared stores by
+    :func:`~dist_nce.index.encode.store_fingerprint` (their manifests); its model directories,
+    ``model.init_from``, ``model.blink_checkpoint``, Table 2's ``data.candidates_dir`` and the DeepSpeed
+    JSON by content (:func:`kb.ingest.path_fingerprint`: names, sizes, sampled bytes), as the Zeshel grid
+    keys its rows (:func:`dist_nce.zeshel.grid.input_fingerprints`).
+
+    A path another cell of the grid writes (``cells``: the grid's cells by name; a branch's start, the
+    retriever whose candidates Table 2 reranks) is that cell and what it reads, not its bytes: that cell's
+    key is in this one's already, an export carries its creation time, and a start run again on the same
+    inputs (a lease that did not carry its export: scripts/device_table2.py) is, as every resume here
+    assumes, the same start. ``cache``: identities by path, for one pass over cells sharing a model."""
+    from dist_nce.core.models import default_model_dir
+    from kb.ingest import path_fingerprint
+
+    cfg = job_config(c, out, root)
+    cells = cells or {}
+    cache = {} if cache is None else cache
+    if c.job == RERANKER_JOB:
+        stores = {"data.train_store": cfg.data.train_store, "data.eval_store": cfg.data.eval_store}
+        paths = {"model.reranker.model": cfg.model.reranker.model or default_model_dir(),
+                 "model.init_from": cfg.model.init_from, "data.candidates_dir": cfg.data.candidates_dir}
+    else:
+        r = cfg.model.retriever
+        stores = {"data.prepared_dir": cfg.data.prepared_dir,
+                  "zeshel.eval_store": cfg.zeshel.eval_store if c.job == RETRIEVER_JOB else None}
+        mention = r.mention_model or default_model_dir()
+        paths = {"model.retriever.mention_model": mention,
+                 "model.retriever.entity_model": r.entity_model if r.entity_model not in (None, mention) else None,
+                 "model.init_from": cfg.model.init_from, "model.blink_checkpoint": cfg.model.blink_checkpoint}
+    paths["deepspeed.config"] = cfg.deepspeed.config
+    ids: dict[str, str] = {}
+    for kind, fields, identity in (("store", stores, _store_identity), ("path", paths, path_fingerprint)):
+        for name, path in fields.items():
+            if not path:
+                continue
+            made_by = next((cells[n] for n in c.after if n in cells
+                            and Path(path).is_relative_to(cells[n].dir(out, root))), None)
+            if made_by is not None:
+                made = json.dumps(cell_inputs(made_by, out, root, cells, cache), sort_keys=True)
+                ids[name] = f"cell {made_by.dir(out, root).name}: {hashlib.sha256(made.encode()).hexdigest()}"
+                continue
+            if (kind, path) not in cache:
+                cache[kind, path] = identity(path)
+            ids[name] = cache[kind, path]
+    return ids
+
+
+def changed_inputs(recorded: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    """The recorded inputs whose identity is not the current one (gone, or no longer read, included)."""
+    return [name for name, identity in recorded.items() if current.get(name) != identity]
+
+
+def reusable(cells: Mapping[str, Cell], out: Path, root: Path, known: Mapping[str, Cell] | None = None,
+             inputs: Callable[[Cell, dict], dict[str, str]] | None = None
+             ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """(summaries of the finished cells a rerun may reuse, by name; the names of those among them that
+    finished before cells recorded their inputs, reused unchecked). Raises :class:`StaleCell` if a finished
+    cell recorded inputs that are not what it would read now (``inputs``: :func:`cell_inputs`, with
+    ``known``, the grid's other cells, for the cells ``cells`` start from).
+
+    Why stop rather than train it again: its key, and so its directory and Ray Train run, stay the same
+    (committed results are looked up by them), so training it again means deleting a finished result
+    in place, and every cell after it (branches of a shared start, Table 2 over a retriever's candidates)
+    with it. The Zeshel grid never deletes a finished row either (other inputs are another key there,
+    another directory): another ``--out`` is that here."""
+    every = {**(known or {}), **cells}
+    inputs = inputs or (lambda c, cache: cell_inputs(c, out, root, every, cache))
+    cache: dict[tuple[str, str], str] = {}
+    finished: dict[str, dict[str, Any]] = {}
+    unchecked: list[str] = []
+    stale: dict[str, list[str]] = {}
+    for name, c in cells.items():
+        s = read_summary(c.dir(out, root))
+        if s is None:
+            continue
+        if INPUTS not in s:
+            unchecked.append(name)
+        elif changed := changed_inputs(s[INPUTS], inputs(c, cache)):
+            stale[name] = changed
+            continue
+        finished[name] = s
+    if stale:
+        name, changed = next(iter(stale.items()))
+        d = cells[name].dir(out, root)
+        more = f" (and {len(stale) - 1} more cells: {', '.join(list(stale)[1:])})" if len(stale) > 1 else ""
+        raise StaleCell(
+            f"cell {name} finished on other inputs: {', '.join(changed)} changed (or went) since it ran{more}; "
+            f"restore them, or run the grid into another --out (to train it here again, delete {d} and "
+            f"{out / 'ray_results' / d.name}, and the cells that start from it)")
+    return finished, unchecked
+
+
+def record_inputs(d: Path, inputs: Mapping[str, str]) -> dict[str, Any]:
+    """Write ``inputs`` into the finished cell's ``summary.json`` (field :data:`INPUTS`); returns the summary."""
+    from dist_nce.core.artifacts import atomic_write_json
+
+    s = json.loads((d / SUMMARY).read_text(encoding="utf-8"))
+    s[INPUTS] = dict(inputs)
+    atomic_write_json(d / SUMMARY, s)
+    return s

@@ -44,6 +44,7 @@ def collect(cfg, cells: Mapping[str, Any], done: Mapping[str, dict], failed: Map
             seconds: Mapping[str, float], out: Path, root: Path) -> dict[str, Any]:
     """Everything the tables and plots need, from the cells' directories."""
     from dist_nce.core.config import to_dict
+    from dist_nce.minipaper.cells import INPUTS
 
     rows = []
     for name, c in cells.items():
@@ -58,6 +59,8 @@ def collect(cfg, cells: Mapping[str, Any], done: Mapping[str, dict], failed: Map
             s = done[name]
             row["metrics"] = ROWS[c.part](d, s)
             row["job_seconds"] = s.get("seconds")
+            if INPUTS in s:  # what its run read (cells.cell_inputs); cells finished before it was kept have none
+                row[INPUTS] = s[INPUTS]
             if c.part != "reranker":
                 row["curves"] = {k: {str(step): v for step, v in cv.items()} for k, cv in curves(d, s).items()}
         rows.append(row)

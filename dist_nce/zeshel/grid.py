@@ -108,33 +108,19 @@ def result_key(cfg: ZeshelRetrieverConfig, fingerprints: Sequence[str], sections
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def _identity(path: str) -> str:
-    """sha256 over a file's or a directory's files' names, sizes and sampled content; the string itself
-    for what is not on this disk (a hub name, a URI)."""
-    import hashlib
-    import json
-
-    from kb.ingest import file_fingerprint
-
-    p = Path(path)
-    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p] if p.is_file() else []
-    parts = [(str(q.relative_to(p)) if q != p else q.name,
-              {k: v for k, v in file_fingerprint(q).items() if k != "path"}) for q in files]
-    return hashlib.sha256(json.dumps(parts or path).encode()).hexdigest()
-
-
 def input_fingerprints(cfg: ZeshelRetrieverConfig) -> list[str]:
     """Identities of what a row reads besides the prepared stores, by content (a model rebuilt in
     place is another model): the initial model directories, ``model.init_from`` and
     ``model.blink_checkpoint`` where set, and the DeepSpeed JSON (edited in place, another run)."""
     from dist_nce.core.models import default_model_dir
+    from kb.ingest import path_fingerprint
 
     r, m = cfg.model.retriever, cfg.model
     mention = r.mention_model or default_model_dir()
-    out = [_identity(d) for d in dict.fromkeys((mention, r.entity_model or mention))]
-    out += [f"{key}:{_identity(path)}" for key, path in (("init_from", m.init_from),
-                                                          ("blink_checkpoint", m.blink_checkpoint)) if path]
-    out.append(f"deepspeed:{_identity(cfg.deepspeed.config)}")
+    out = [path_fingerprint(d) for d in dict.fromkeys((mention, r.entity_model or mention))]
+    out += [f"{key}:{path_fingerprint(path)}" for key, path in (("init_from", m.init_from),
+                                                                 ("blink_checkpoint", m.blink_checkpoint)) if path]
+    out.append(f"deepspeed:{path_fingerprint(cfg.deepspeed.config)}")
     return out
 
 

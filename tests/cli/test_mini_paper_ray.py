@@ -73,3 +73,35 @@ def test_a_grid_in_use_is_refused_before_its_head_starts(tmp_path, capsys):
         assert err.endswith("wait for it to end, stop it, or use another --out\n") and err.count("\n") == 1, err
         assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no manifest, logs or cells: nothing started
         assert main([*argv, "--dry-run"]) == 0
+
+
+def test_a_cell_finished_on_a_store_rebuilt_since_stops_the_grid_before_anything_starts(tmp_path, capsys):
+    """A rerun whose finished cell recorded another store than the one at its path now stops with one line
+    naming the cell, the input and what to do, before any manifest, head or cell; cells finished before
+    cells recorded their inputs are reused, said once."""
+    from dist_nce.cli.mini_paper import Runner, main
+    from dist_nce.minipaper.cells import cell_inputs, record_inputs
+
+    store = tmp_path / "kb"
+    store.mkdir()
+    (store / "manifest.json").write_text(json.dumps({"created_utc": "1"}))
+    config = ROOT / "configs" / "mini_paper" / "tiny_cpu.yaml"
+    sets = ["aida.seeds=[0]", f"aida.set=[data.prepared_dir={store}, run.progress=false]"]
+    cells = planned_cells(load_config(MiniPaperConfig, config, sets), ["aida"])
+    out = tmp_path / "out"
+    _finish(cells, out)  # summaries without inputs: finished before the grid recorded them
+    for name in ("aida-dual-hard-s0", "aida-dual-mixed50-s0"):
+        record_inputs(cells[name].dir(out, ROOT), cell_inputs(cells[name], out, ROOT))
+    logged: list[str] = []
+    runner = Runner(out, {}, 1, logged.append)
+    assert set(runner.reusable(cells)) == set(runner.reusable(cells)) == set(cells)
+    assert len(logged) == 1 and "aida-dual-random-s0" in logged[0] and "reused unchecked" in logged[0], logged
+
+    (store / "manifest.json").write_text(json.dumps({"created_utc": "2"}))  # prepared again, in place
+    argv = ["--config", str(config), "--out", str(out), "--only", "aida", *(a for s in sets for a in ("--set", s))]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cell aida-dual-hard-s0 finished on other inputs: data.prepared_dir changed"), err
+    assert "(and 1 more cells: aida-dual-mixed50-s0)" in err and "another --out" in err and err.count("\n") == 1
+    assert not (out / "manifest.json").exists() and not (out / "logs").exists()

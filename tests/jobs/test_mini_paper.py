@@ -76,6 +76,13 @@ def test_the_grid_runs_every_cell_and_writes_tables_and_plots(grid):
         s = json.loads((out / cells[f"zeshel-dual-{a}-s1"]["dir"] / "summary.json").read_text())
         assert s["config"]["model"]["init_from"] == str(start_dir / "model")
         assert s["config"]["optim"]["seed"] == 1 and s["config"]["negatives"]["mode"] == a
+    # each finished cell recorded what it read (a rerun reuses it only while that stays the same): the
+    # stores, the model by content, its shared start (Table 2: its retriever) by what that cell reads
+    s = json.loads((out / cells["zeshel-dual-hard-s1"]["dir"] / "summary.json").read_text())
+    assert {"data.prepared_dir", "zeshel.eval_store", "model.retriever.mention_model", "model.init_from",
+            "deepspeed.config"} == set(s["inputs"]) and cells["zeshel-dual-hard-s1"]["inputs"] == s["inputs"]
+    assert s["inputs"]["model.init_from"].startswith(f"cell {start_dir.name}: ")
+    assert cells["rerank-dual-hard-s1"]["inputs"]["data.candidates_dir"].startswith("cell zeshel-dual-hard-s1-")
     # seeds differ: two seeds of one arm trained on different negatives
     m0, m1 = (read_metrics(out / cells[f"zeshel-dual-hard-s{s}"]["dir"] / "metrics.jsonl") for s in (0, 1))
     assert [v.get("train/loss") for v in m0.values()] != [v.get("train/loss") for v in m1.values()]
@@ -105,6 +112,20 @@ def test_a_rerun_reuses_every_finished_cell(grid):
     assert r.stdout.count("finished earlier, reused") == 8 and ": started" not in r.stdout
     after = json.loads((tmp / "out" / "mini_paper.json").read_text())
     assert after["zeshel"] == before["zeshel"] and after["reranker"] == before["reranker"]
+
+
+def test_a_rerun_over_a_store_prepared_again_in_place_stops_at_the_first_cell_that_read_it(grid):
+    tmp, config, _ = grid
+    manifest = tmp / "a_kb" / "manifest.json"
+    text = manifest.read_text()
+    try:
+        manifest.write_text(json.dumps({**json.loads(text), "created_utc": "later"}))
+        r = run(config, tmp / "out")
+    finally:
+        manifest.write_text(text)
+    assert r.returncode == 2 and ": started" not in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stderr.startswith("error: cell aida-dual-random-s0 finished on other inputs: data.prepared_dir changed") \
+        and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_bad_config_and_parts_are_refused_before_anything_runs(tmp_path):

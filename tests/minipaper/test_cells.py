@@ -137,3 +137,79 @@ def test_the_one_unseen_world_job_is_the_dual_and_som_grids_cell_for_cell():
     for name in ("minilm_cpu.yaml", "minilm_som_cpu.yaml", "minilm_unseen_cpu.yaml"):
         cfg = load_config(MiniPaperConfig, REPO / "configs" / "mini_paper" / name)
         assert not cfg.reranker.enabled and cfg.seeds == [0, 1, 2], name
+
+
+def _store(path: Path, made: str) -> None:
+    """A prepared store as store_fingerprint reads it: its manifest (a store prepared again has another)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "manifest.json").write_text(json.dumps({"kind": "store", "created_utc": made}))
+
+
+def test_a_rerun_reuses_cells_of_the_same_inputs_and_stops_at_one_finished_on_inputs_rebuilt_since(tmp_path):
+    """A cell's key hashes its settings, not what its paths hold: each finished cell records what it read
+    (stores by manifest, models by content, its shared start by what the start reads). A cell recorded on a
+    store rebuilt in place since is refused, one line naming it and the input; a cell of the same inputs is
+    reused, and so is one finished before cells recorded their inputs."""
+    from dist_nce.minipaper.cells import INPUTS, StaleCell, cell_inputs, changed_inputs, record_inputs, reusable
+
+    _store(tmp_path / "train", "1")
+    _store(tmp_path / "eval", "1")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 1}')
+    cfg = config(tmp_path, seeds=[0, 1])
+    cfg.zeshel.architectures = {"dual": []}
+    cfg.zeshel.set = [f"data.prepared_dir={tmp_path / 'train'}", f"zeshel.eval_store={tmp_path / 'eval'}",
+                      f"model.retriever.mention_model={model}"]
+    cfg.zeshel.warmup = ["negatives.mode=random", f"deepspeed.config={ds}"]  # read by the shared start alone
+    cells = zeshel_cells(cfg, REPO)
+    out = tmp_path / "grid"
+
+    def finish(name: str, record: bool = True) -> Path:
+        d = cells[name].dir(out, REPO)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "summary.json").write_text(json.dumps({"done": True}))
+        if record:
+            record_inputs(d, cell_inputs(cells[name], out, REPO, cells))
+        return d
+
+    for name in ("zeshel-dual-start", "zeshel-dual-random-s0", "zeshel-dual-hard-s0"):
+        finish(name)
+    finish("zeshel-dual-random-s1", record=False)  # finished before cells recorded their inputs
+    # zeshel-dual-hard-s1 never finished
+    recorded = json.loads((cells["zeshel-dual-hard-s0"].dir(out, REPO) / "summary.json").read_text())[INPUTS]
+    assert set(recorded) == {"data.prepared_dir", "zeshel.eval_store", "model.retriever.mention_model",
+                             "model.init_from", "deepspeed.config"}
+    start_dir = cells["zeshel-dual-start"].dir(out, REPO)
+    assert recorded["model.init_from"].startswith(f"cell {start_dir.name}: ")
+    finished, unchecked = reusable(cells, out, REPO)
+    assert set(finished) == {"zeshel-dual-start", "zeshel-dual-random-s0", "zeshel-dual-hard-s0",
+                             "zeshel-dual-random-s1"}
+    assert unchecked == ["zeshel-dual-random-s1"]
+
+    # the train store prepared again in place; the start and hard-s0 trained again on it, random-s0 not
+    _store(tmp_path / "train", "2")
+    finish("zeshel-dual-start")
+    finish("zeshel-dual-hard-s0")
+    with pytest.raises(StaleCell) as e:
+        reusable(cells, out, REPO)
+    msg = str(e.value)
+    assert msg.startswith("cell zeshel-dual-random-s0 finished on other inputs: data.prepared_dir, model.init_from "
+                          "changed"), msg  # its own store, and the start's
+    assert "hard-s0" not in msg and "more cells" not in msg and "another --out" in msg and "\n" not in msg
+    finish("zeshel-dual-random-s0")
+    assert len(reusable(cells, out, REPO)[0]) == 4
+
+    # the start's export written again (its manifest's time), the start run again on the same inputs: the
+    # branches are still its branches; what the start alone reads, changed, makes them another grid's
+    (start_dir / "model").mkdir()
+    (start_dir / "model" / "manifest.json").write_text('{"created_utc": "later"}')
+    assert len(reusable(cells, out, REPO)[0]) == 4
+    before = cell_inputs(cells["zeshel-dual-hard-s0"], out, REPO, cells)
+    ds.write_text('{"train_micro_batch_size_per_gpu": 2}')
+    assert changed_inputs(before, cell_inputs(cells["zeshel-dual-hard-s0"], out, REPO, cells)) == ["model.init_from"]
+    with pytest.raises(StaleCell, match=r"^cell zeshel-dual-start finished on other inputs: deepspeed.config "
+                                        r"changed .*\(and 2 more cells: "):
+        reusable(cells, out, REPO)
