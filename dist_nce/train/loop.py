@@ -42,13 +42,16 @@ from dist_nce.train.pipeline import (
 )
 from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
+from dist_nce.worker.checkpoint import saved_plan
 from dist_nce.worker.device_time import DeviceSpan
 from dist_nce.worker.scaffold import WorkerScaffold, worker_main
 
 
 def train_func(config: dict[str, Any]) -> None:
-    """Ray Train entry point; ``config`` = {"job": TrainJobConfig as a dict, "service": NegativeService}."""
-    worker_main(TrainJobConfig, config, lambda cfg, *a, **kw: Worker(cfg, config["service"], *a, **kw))
+    """Ray Train entry point; ``config`` = {"job": TrainJobConfig as a dict, "service": NegativeService,
+    "order_kb_version": the KB version of a fresh run's data order (``train.trainer.order_kb_version``)}."""
+    worker_main(TrainJobConfig, config, lambda cfg, *a, **kw: Worker(
+        cfg, config["service"], *a, order_kb_version=config.get("order_kb_version"), **kw))
 
 
 class Worker(WorkerScaffold):
@@ -56,9 +59,11 @@ class Worker(WorkerScaffold):
     state_cls = checkpoint.TrainState
 
     def __init__(self, cfg: TrainJobConfig, service: NegativeSource, rank: int, world: int, device: torch.device | str,
-                 report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None):
+                 report: Callable[..., None] | None = None, get_checkpoint: Callable[[], Any] | None = None,
+                 order_kb_version: int | None = None):
         super().__init__(cfg, rank, world, device, report, get_checkpoint)
         self.service = service
+        self.order_kb_version = order_kb_version  # None: the KB version the service serves
         self.epoch_neg: EpochNegatives | None = None
         self.restored_pending: StepNegatives | None = None
         self.prefetcher: NegativePrefetcher | None = None
@@ -82,14 +87,18 @@ class Worker(WorkerScaffold):
         cfg, d = self.cfg, self.cfg.data
         self.train = MentionTable(d.prepared_dir, d.train_split)
         self.dev = MentionTable(d.prepared_dir, d.dev_split)
-        # The data order comes from the golds as prepared (KB version 0), so KB deltas never move it
-        # and a resumed run replays it; golds a delta removed are skipped per batch (train.kb_follow).
-        prepared = self.train.prepared_gold_rows
         self.kb = KbFollower(self.service, d.prepared_dir, d.train_split)  # the KB version the shards serve
+        # The data order comes from the golds of the KB version the run started at (TrainPlan.order_kb_version:
+        # a resumed run reads it from its checkpoint), so KB deltas taken meanwhile never move it and a resumed
+        # run replays it; golds a later delta removed are skipped per batch (train.kb_follow).
+        resumed = self.get_checkpoint()
+        order = int(saved_plan(resumed).get("order_kb_version", 0)) if resumed is not None else \
+            self.kb.kb_version if self.order_kb_version is None else int(self.order_kb_version)
+        golds = MentionTable(d.prepared_dir, d.train_split, kb_version=order).gold_rows
         # train_gold: the rows mining excludes (a gold a delta removed stays excluded; the batch skips it)
         self.store, self.train_gold, self.train_len = self.kb.store, self.kb.mining_gold, self.train.lengths
-        eligible, _ = eligible_mentions(prepared, d.max_train_mentions)
-        self.plan = make_plan(cfg, prepared, self.store.num_entities, store_fingerprint(d.prepared_dir))
+        eligible, _ = eligible_mentions(golds, d.max_train_mentions)
+        self.plan = make_plan(cfg, golds, self.store.num_entities, store_fingerprint(d.prepared_dir), order)
         self.check_world()
         self.order = DataOrder(self.plan, eligible)
         self.probe = eligible[:cfg.bias.probe_mentions]  # the bias monitor's fixed probe set

@@ -80,6 +80,10 @@ class TrainPlan:
     # again (other synthetic settings, new sources) would silently continue on other data.
     data_fingerprint: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # RESUME_SETTINGS' values (worker.checkpoint)
+    # The KB version whose golds give the data order: the store's current one when the run starts (a gold a
+    # KB delta added before it is trained on), kept for the whole run and its resumptions, so that deltas
+    # taken meanwhile never move the order and a resumed run replays it (checkpoints before it: 0).
+    order_kb_version: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,8 +107,10 @@ def eligible_mentions(gold_rows: np.ndarray, max_mentions: int = 0) -> tuple[np.
     return keep, int(len(gold) - len(keep))
 
 
-def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int, data_fingerprint: str = "") -> TrainPlan:
-    """Derived quantities of a run; raises ValueError when the data cannot fill one step."""
+def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int, data_fingerprint: str = "",
+              order_kb_version: int = 0) -> TrainPlan:
+    """Derived quantities of a run; raises ValueError when the data cannot fill one step. ``gold_rows``: [N]
+    the training split's golds at KB version ``order_kb_version`` (-1: none)."""
     eligible, excluded = eligible_mentions(gold_rows, cfg.data.max_train_mentions)
     global_batch = cfg.optim.batch_size
     steps_per_epoch = len(eligible) // global_batch
@@ -125,6 +131,7 @@ def make_plan(cfg: TrainJobConfig, gold_rows: np.ndarray, num_entities: int, dat
         excluded_missing_gold=excluded, steps_per_epoch=steps_per_epoch,
         epochs=math.ceil(total / steps_per_epoch), total_steps=total, seed=cfg.optim.seed,
         data_fingerprint=data_fingerprint, settings=settings_of(cfg, RESUME_SETTINGS),
+        order_kb_version=int(order_kb_version),
     )
 
 

@@ -17,11 +17,34 @@ from dist_nce.train.plan import TrainPlan
 from dist_nce.worker.launch import fit_and_release, make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
 
 
+ORDER_KB_VERSION = "order_kb_version"  # train_loop_config key: the KB version of a fresh run's data order
+
+
+def order_kb_version(cfg: TrainJobConfig) -> int:
+    """The KB version whose golds give the run's data order (``TrainPlan.order_kb_version``): that of the
+    checkpoint a rerun resumes from (:func:`~dist_nce.worker.launch.resume_point`; 0 for one written before
+    plans kept it), else the store's current one. The workers read a checkpoint's own plan (a remote storage
+    too); this is what a fresh run's workers are given, and what the driver prints and checks."""
+    from dist_nce.core.artifacts import read_manifest
+    from dist_nce.worker.checkpoint import KIND
+    from dist_nce.worker.launch import resume_point
+    from kb.store import EntityStore
+
+    point = resume_point(storage_uri(cfg.run.storage_path), cfg.run.name)
+    if point is not None:
+        try:
+            return int(read_manifest(point[1], KIND).get("plan", {}).get("order_kb_version", 0))
+        except (OSError, ValueError):  # gone or unreadable: the workers' own reading is what counts
+            pass
+    return EntityStore(cfg.data.prepared_dir).kb_version
+
+
 def make_trainer(cfg: TrainJobConfig, service: NegativeSource):
     """A TorchTrainer running :func:`dist_nce.train.loop.train_func` on ``run.num_workers`` workers."""
     from dist_nce.train.loop import train_func
 
-    return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg), "service": service})
+    return make_torch_trainer(train_func, cfg, {"job": to_dict(cfg), "service": service,
+                                                ORDER_KB_VERSION: order_kb_version(cfg)})
 
 
 def fit(cfg: TrainJobConfig, service: NegativeSource):
@@ -92,43 +115,45 @@ def unflatten(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def kb_delta_note(cfg: TrainJobConfig) -> str:
-    """What the plan leaves out of a store changed by KB deltas (``jobs/update_kb.py``), said before the run
-    starts, or "" for an unchanged store. The data order comes from the golds as prepared (KB version 0), so
-    a resumed run replays it whatever deltas came since: a training mention whose gold only a delta added is
-    not trained on, and counted as excluded; one whose gold a delta removed is in the plan and skipped per
-    batch (``train.kb_follow``)."""
+def kb_delta_note(cfg: TrainJobConfig, order: int | None = None) -> str:
+    """What a run's data order leaves out of a store changed by KB deltas since the KB version it comes from
+    (``order``, default :func:`order_kb_version`: a resumed run keeps the one it started at), said before the
+    run starts, or "" when there is nothing. A training mention whose gold a later delta added is not
+    trained on in this run; one whose gold a later delta removed is skipped per batch (``train.kb_follow``)."""
     import numpy as np
 
     from dist_nce.train.plan import eligible_mentions
     from kb.store import MentionTable
 
+    order = order_kb_version(cfg) if order is None else order
     train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
-    if not train.kb_version:
+    if train.kb_version == order:
         return ""
-    prepared, _ = eligible_mentions(train.prepared_gold_rows, cfg.data.max_train_mentions)
+    then, _ = eligible_mentions(MentionTable(cfg.data.prepared_dir, cfg.data.train_split, kb_version=order).gold_rows,
+                                cfg.data.max_train_mentions)
     now, _ = eligible_mentions(train.gold_rows, cfg.data.max_train_mentions)
-    added, removed = len(np.setdiff1d(now, prepared)), len(np.setdiff1d(prepared, now))
+    added, removed = len(np.setdiff1d(now, then)), len(np.setdiff1d(then, now))
     if not added and not removed:
         return ""
-    parts = [f"whose gold a delta added, not trained on (counted as excluded above): {added:,}"] if added else []
-    parts += [f"whose gold a delta removed, skipped when their batch comes: {removed:,}"] if removed else []
-    return (f"KB version {train.kb_version}: training mentions {'; '.join(parts)}. The data order comes from the "
-            "golds as prepared, so that resumed runs replay it; to train on the KB as it is now, compact it "
-            f"(jobs/update_kb.py --store {cfg.data.prepared_dir} --compact --out DIR) and train on DIR")
+    parts = [f"whose gold a later delta added, not trained on in this run: {added:,}"] if added else []
+    parts += [f"whose gold a later delta removed, skipped when their batch comes: {removed:,}"] if removed else []
+    return (f"KB version {train.kb_version}: this run's data order comes from the golds of KB version {order}, "
+            f"where it started (so that it resumes exactly); training mentions {'; '.join(parts)}. A new run "
+            "(another run.name) trains on the KB as it is now")
 
 
-def plan_for(cfg: TrainJobConfig) -> TrainPlan:
-    """The plan of ``cfg`` over its prepared KB (what the workers will compute too)."""
+def plan_for(cfg: TrainJobConfig, order: int | None = None) -> TrainPlan:
+    """The plan of ``cfg`` over its prepared KB (what the workers will compute too), its data order from the
+    golds of KB version ``order`` (default :func:`order_kb_version`)."""
     from kb.store import EntityStore, MentionTable
 
     from dist_nce.index.encode import store_fingerprint
     from dist_nce.train.plan import make_plan
 
+    order = order_kb_version(cfg) if order is None else order
     store = EntityStore(cfg.data.prepared_dir)
-    train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split)
-    # As the workers do: the data order comes from the golds as prepared, whatever KB deltas came since.
-    return make_plan(cfg, train.prepared_gold_rows, store.num_entities, store_fingerprint(cfg.data.prepared_dir))
+    train = MentionTable(cfg.data.prepared_dir, cfg.data.train_split, kb_version=order)
+    return make_plan(cfg, train.gold_rows, store.num_entities, store_fingerprint(cfg.data.prepared_dir), order)
 
 
 def check_resume(cfg: TrainJobConfig) -> None:

@@ -176,6 +176,15 @@ def check_resumable(manifest: dict[str, Any], plan: dict[str, Any], where: str, 
                          f"use another run.name for a new run{over}")
 
 
+def saved_plan(resumed: Any) -> dict[str, Any]:
+    """The plan a ``ray.train.Checkpoint`` was written with, read from its manifest alone: a checkpoint on a
+    remote storage is not downloaded for it (its filesystem is pyarrow's)."""
+    from dist_nce.core.artifacts import MANIFEST
+
+    with resumed.filesystem.open_input_stream(f"{str(resumed.path).rstrip('/')}/{MANIFEST}") as f:
+        return json.loads(f.read().decode("utf-8")).get("plan") or {}
+
+
 def load(engine: Any, directory: str | Path, rank: int, plan: dict[str, Any],
          state_cls: type[WorkerState] = WorkerState) -> WorkerState:
     """Restore engine (module, optimizer, scheduler), RNG and loop state (a ``state_cls``)."""

@@ -86,27 +86,72 @@ def test_a_worker_follows_the_kb_and_skips_golds_a_delta_changed(tmp_path, tiny_
     assert follower.keep(np.arange(4), torch.as_tensor(follower.mining_gold[:4])).tolist() == [False, True, True, True]
 
 
-def test_the_run_says_which_mentions_a_changed_kb_leaves_out_of_its_plan(tmp_path, tiny_model_dir):
-    """The data order comes from the golds as prepared (resumed runs replay it), so a gold a delta added
-    (missing at prepare) is not trained on: said before the run starts, with the way to train on it."""
+def test_a_run_trains_on_the_golds_of_the_kb_version_it_starts_at(tmp_path, tiny_model_dir):
+    """A fresh run's data order comes from the golds of the store's current KB version: a gold a delta added
+    before it (missing at prepare) is trained on, one a delta removed is left out of the plan. A run that
+    started before those deltas keeps its order (it resumes exactly) and says what a later delta left out."""
     from dist_nce.train.config import TrainJobConfig
-    from dist_nce.train.trainer import kb_delta_note
+    from dist_nce.train.trainer import kb_delta_note, plan_for
 
     golds = [1003, 1007, 1012, 2001, 2002]  # removed; replaced; untouched; missing at prepare, added by the delta
     store = prepare_store(tmp_path, "store", entities(range(1000, 1030)), tiny_model_dir, golds)
     cfg = TrainJobConfig()
     cfg.data.prepared_dir = str(store)
-    assert kb_delta_note(cfg) == ""  # version 0
+    cfg.optim.batch_size = 1
+    cfg.negatives.num_candidates = 4
+    cfg.run.storage_path = str(tmp_path / "ray")  # no checkpoint there: a fresh run
+    before = plan_for(cfg)
+    assert kb_delta_note(cfg) == "" and before.order_kb_version == 0
     (tmp_path / "add.json").write_text("".join(v + "\n" for v in entities([1007, 2001, 2002], seed=3).values()))
     (tmp_path / "rm.txt").write_text("1003\n1007\n")
     update(UpdateConfig(store=str(store), add=[str(tmp_path / "add.json")], remove=str(tmp_path / "rm.txt"),
                         model_dir=tiny_model_dir, progress=False), log=lambda s: None)
-    assert kb_delta_note(cfg) == (
-        "KB version 1: training mentions whose gold a delta added, not trained on (counted as excluded above): 2; "
-        "whose gold a delta removed, skipped when their batch comes: 1. The data order comes from the "
-        "golds as prepared, so that resumed runs replay it; to train on the KB as it is now, compact it "
-        f"(jobs/update_kb.py --store {store} --compact --out DIR) and train on DIR")
+    now = plan_for(cfg)
+    assert kb_delta_note(cfg) == "" and now.order_kb_version == 1  # a fresh run: the KB as it is now
+    # golds 2001, 2002 added (trained on now), 1003 removed (left out); 1007 replaced by a new row (still in)
+    assert (before.train_mentions, before.excluded_missing_gold) == (3, 2)
+    assert (now.train_mentions, now.excluded_missing_gold) == (4, 1)
+    then = plan_for(cfg, 0)  # what a run that started at version 0 replays
+    assert (then.train_mentions, then.excluded_missing_gold, then.order_kb_version) == (3, 2, 0)
+    assert kb_delta_note(cfg, 0) == (
+        "KB version 1: this run's data order comes from the golds of KB version 0, where it started (so that it "
+        "resumes exactly); training mentions whose gold a later delta added, not trained on in this run: 2; "
+        "whose gold a later delta removed, skipped when their batch comes: 1. A new run (another run.name) "
+        "trains on the KB as it is now")
     # the first 3 mentions only (data.max_train_mentions): none a delta added
     cfg.data.max_train_mentions = 3
-    assert kb_delta_note(cfg).startswith("KB version 1: training mentions whose gold a delta removed, skipped when "
-                                         "their batch comes: 1. ")
+    assert kb_delta_note(cfg, 0).startswith("KB version 1: this run's data order comes from the golds of KB "
+                                            "version 0, where it started (so that it resumes exactly); training "
+                                            "mentions whose gold a later delta removed, skipped when their batch "
+                                            "comes: 1. ")
+
+
+def test_a_rerun_keeps_the_kb_version_its_checkpoint_started_at(tmp_path, tiny_model_dir):
+    """The driver (order_kb_version, from the checkpoint the rerun resumes from) and the workers (saved_plan, off
+    the Ray Train checkpoint's manifest alone) take the data order's KB version from the checkpoint, not from
+    the store: a delta taken since must not move a resumed run's order (its plan would differ: refused)."""
+    from ray.train import Checkpoint
+
+    from dist_nce.core.artifacts import write_manifest
+    from dist_nce.train.config import TrainJobConfig
+    from dist_nce.train.trainer import order_kb_version
+    from dist_nce.worker.checkpoint import KIND, SCHEMA_VERSION, saved_plan
+    from dist_nce.worker.launch import SNAPSHOT
+    from tests.worker.test_launch import ray_snapshot
+
+    store = prepare_store(tmp_path, "store", entities(range(1000, 1010)), tiny_model_dir, [1001, 2001])
+    (tmp_path / "add.json").write_text("".join(v + "\n" for v in entities([2001], seed=3).values()))
+    update(UpdateConfig(store=str(store), add=[str(tmp_path / "add.json")], model_dir=tiny_model_dir,
+                        progress=False), log=lambda s: None)
+    cfg = TrainJobConfig()
+    cfg.data.prepared_dir, cfg.run.storage_path, cfg.run.name = str(store), str(tmp_path / "ray"), "run"
+    assert order_kb_version(cfg) == 1  # a fresh run: the store's current version
+    run = tmp_path / "ray" / "run"
+    run.mkdir(parents=True)
+    (run / SNAPSHOT).write_text(ray_snapshot([("step_00000004", 4)]))
+    write_manifest(run / "step_00000004", KIND, SCHEMA_VERSION, step=4, plan={"order_kb_version": 0, "seed": 0})
+    assert order_kb_version(cfg) == 0
+    assert saved_plan(Checkpoint.from_directory(str(run / "step_00000004")))["order_kb_version"] == 0
+    write_manifest(run / "step_00000004", KIND, SCHEMA_VERSION, step=4, plan={"seed": 0})  # before plans kept it
+    assert order_kb_version(cfg) == 0 and "order_kb_version" not in saved_plan(
+        Checkpoint.from_directory(str(run / "step_00000004")))
