@@ -8,8 +8,9 @@ the other order than its neighbour served another encoding under that number: a 
 over shards then mixed two encoders, and nothing could tell. Ray does not order the calls of a
 threaded actor, even from one caller, so no numbering rule alone can fix this.
 
-Here every version-making call goes through one queue: :meth:`IndexSequencer.submit` numbers the
-call past every version any shard holds or was handed, and a single thread runs the calls in
+Here every version-making call goes through one queue: :meth:`IndexSequencer.submit_refresh` (and
+``submit_delta``) numbers the call past every version a shard serves or builds and every one it
+numbered before (:meth:`IndexSequencer._current`), and a single thread runs the calls in
 that order, each on every shard, the next only after the last shard has finished the previous
 one. So every shard sees the same versions in the same order, and a version number names one
 encoding. ``submit`` returns at once (the number is known before the work is done; a refresh
@@ -51,15 +52,16 @@ class IndexSequencer:
         self._cond = threading.Condition()
         self._queue: collections.deque[_Call] = collections.deque()
         self._outcomes: dict[str, tuple[bool, Any]] = {}
-        self._last: int | None = None  # the highest version handed out or held by a shard
+        self._made = -1  # the highest version this actor numbered for a refresh or a delta (queued ones too)
         threading.Thread(target=self._run, name="index-sequencer", daemon=True).start()
 
     # ------------------------------------------------------------------ submitting
     def submit_refresh(self, state: list, origin: str | None, version: int | None = None, after: int = -1
                        ) -> dict[str, Any]:
         """Queue ``EntityShard.refresh(state[0], version, origin)`` on every shard. ``state``: ``[ObjectRef]``
-        (boxed, so that this actor never fetches the weights); ``version``: None numbers it (past every
-        version held or handed out, and past ``after``). Returns ``{"ticket", "version"}``."""
+        (boxed, so that this actor never fetches the weights); ``version``: None numbers it past every version
+        a shard serves or builds, every one this actor numbered, and ``after`` (:meth:`_current`). Returns
+        ``{"ticket", "version"}``."""
         return self._submit("refresh", lambda v: [(state[0], v, origin)] * len(self._handles), version, after)
 
     def submit_delta(self, state: list | None, kb_version: int, placed: list[list[tuple[int, int]]],
@@ -77,27 +79,32 @@ class IndexSequencer:
         return self._submit("use_version", lambda v: [(v,)] * len(self._handles), int(version), -1)
 
     def _submit(self, method: str, args, version: int | None, after: int) -> dict[str, Any]:
-        floor = self._highest() if self._last is None else -1  # outside the lock: status calls take a while
+        current = self._current() if version is None else -1  # outside the lock: status calls take a while
         with self._cond:
-            self._last = max(-1 if self._last is None else self._last, floor)
             if version is None:
-                version = max(self._last, int(after)) + 1
-            self._last = max(self._last, int(version))
+                version = max(self._made, current, int(after)) + 1
+            if method != "use_version":  # going back to a version makes none
+                self._made = max(self._made, int(version))
             # a ticket is unique across restarts: a waiter never gets another call's outcome
             call = _Call(uuid.uuid4().hex, int(version), method, args(int(version)))
             self._queue.append(call)
             self._cond.notify_all()
         return {"ticket": call.ticket, "version": call.version}
 
-    def _highest(self) -> int:
-        """The highest version any shard serves, builds or keeps on disk (-1: none)."""
+    def _current(self) -> int:
+        """The highest version any shard serves or is building (-1: none).
+
+        Versions only on disk above it are left out on purpose: a rerun that went back to its checkpoint's
+        version (``use_version``) replays the steps that made them, and numbering its refreshes as they were
+        lets a shard reuse each one made from the same weights (an exact replay) instead of encoding the KB
+        again; one made otherwise is encoded over. A shard never answers a query from such a version
+        (``EntityShard._index``), so no answer mixes it with its replacement."""
         calls = [ShardCall(h, i, "status", (), {}, self._policy) for i, h in enumerate(self._handles)]
-        highest = -1
+        current = -1
         for c in calls:
             s = c.get()
-            highest = max(highest, s["served"], s["refreshing"] if s["refreshing"] is not None else -1,
-                          *s["persisted"])
-        return highest
+            current = max(current, s["served"], s["refreshing"] if s["refreshing"] is not None else -1)
+        return current
 
     # ------------------------------------------------------------------ outcomes
     def wait(self, ticket: str, timeout: float | None = None) -> int:
@@ -137,14 +144,21 @@ class IndexSequencer:
     def _execute(self, call: _Call) -> tuple[bool, Any]:
         # Encodes may take hours on a large KB: no per-call timeout, only the retries on failure.
         policy = RetryPolicy(self._policy.retries, None, self._policy.wait_version_s)
+        if call.method == "apply_delta":
+            # Every shard is asked first whether it can (EntityShard.check_delta): a delta one shard refuses
+            # (a restarted shard holds no encoder with the served weights) is applied on none, rather than on
+            # some, which left the shards serving two KB versions and a later refresh mixing them.
+            checks = [ShardCall(h, i, "check_delta", (state, kb, rows), {}, policy)
+                      for i, (h, (state, _, kb, rows)) in enumerate(zip(self._handles, call.args))]
+            refused = self._failures(checks)[1]
+            if refused:
+                shard, first = refused[0]
+                return False, SequencedCallFailed(
+                    f"index version {call.version} (apply_delta): refused by shard(s) {[s for s, _ in refused]}, "
+                    f"applied on none; shard {shard}: {type(first).__name__}: {first}")
         calls = [ShardCall(h, i, call.method, args, {}, policy) for i, (h, args) in enumerate(zip(self._handles,
                                                                                                   call.args))]
-        served, failed = [], []
-        for c in calls:
-            try:
-                served.append(int(c.get()))
-            except Exception as e:  # noqa: BLE001 - reported to the waiter, with which shards failed
-                failed.append((c.shard, cause(e)))
+        served, failed = self._failures(calls)
         if not failed:
             return True, min(served)
         shard, first = failed[0]
@@ -156,6 +170,18 @@ class IndexSequencer:
                                     f"; shard {shard}: {type(first).__name__}: {first}")
         error.__cause__ = first
         return False, error
+
+
+    @staticmethod
+    def _failures(calls: list[ShardCall]) -> tuple[list[int], list[tuple[int, BaseException]]]:
+        """(the values of the calls that succeeded, (shard, what it raised) of the others), every call waited for."""
+        values, failed = [], []
+        for c in calls:
+            try:
+                values.append(int(c.get()))
+            except Exception as e:  # noqa: BLE001 - reported to the waiter, with which shards failed
+                failed.append((c.shard, cause(e)))
+        return values, failed
 
 
 def start_sequencer(handles: list, policy: RetryPolicy):

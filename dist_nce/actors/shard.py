@@ -169,11 +169,14 @@ class EntityShard:
                     del self._held[old]
             self._cond.notify_all()
 
-    def _index(self, version: int | None, wait_s: float = 0.0) -> LiveIndex:
+    def _index(self, version: int | None, wait_s: float = 0.0, ahead: bool = False) -> LiveIndex:
         """The index to answer from: the served one, or exactly ``version``.
 
         A version being built by the running refresh is waited for up to ``wait_s``; one
-        no longer in memory is reloaded from disk.
+        no longer in memory is reloaded from disk, unless it is newer than the one served (only
+        with ``ahead``: ``use_version``): such a version on disk was left by a killed run past the
+        checkpoint its rerun went back to, and the rerun makes it again (actors.sequencer), so an
+        answer from it could mix two encodings under one number.
         """
         deadline = time.monotonic() + wait_s
         with self._cond:
@@ -189,7 +192,7 @@ class EntityShard:
                 if self._target is None or self._target < version or remaining <= 0:
                     break
                 self._cond.wait(remaining)
-        if version in self.versions.versions():
+        if version in self.versions.versions() and (ahead or version <= self._served):
             try:
                 loaded = self._load(version)
             except ArtifactMismatch as e:
@@ -378,8 +381,23 @@ class EntityShard:
                     self._target = None
                     self._cond.notify_all()
 
-    def _apply_delta(self, state: Any, version: int, kb_version: int, new_ranges: list[tuple[int, int]],
-                     held: _Version) -> int:
+    @ray.method(concurrency_group=REFRESH_GROUP)
+    def check_delta(self, state: Any, kb_version: int, new_ranges: list[tuple[int, int]]) -> bool:
+        """Raise what :meth:`apply_delta` would refuse with (no index, an older KB version, rows it owns, no
+        encoder with the served weights), changing nothing: the sequencer asks every shard before any applies
+        a delta, so a delta is applied on all shards or none (actors.sequencer). An encoder built from
+        ``state`` for the check is kept (the delta needs it next). True otherwise."""
+        with self._refresh_lock:
+            with self._cond:
+                if self._served < 0:
+                    raise NoIndexError(f"shard {self.shard}: no version to apply a KB delta to; encode first")
+                held = self._held[self._served]
+            self._delta_work(state, int(kb_version), [(int(a), int(b)) for a, b in new_ranges], held)
+            return True
+
+    def _delta_work(self, state: Any, kb_version: int, new_ranges: list[tuple[int, int]], held: _Version
+                    ) -> tuple[EntityEncoder | None, list[tuple[int, int]]]:
+        """(the encoder, the rows to encode) of a delta on ``held``; raises what makes it impossible."""
         fp = held.fingerprint
         encoder = self._encoder_with(fp, state) if new_ranges and fp is not None else None
         if new_ranges and encoder is None:  # removals only need no encoder
@@ -397,6 +415,12 @@ class EntityShard:
         for a, b in new_ranges:
             if a >= b or any(a < y and x < b for x, y in owned):
                 raise ValueError(f"shard {self.shard}: new rows [{a}, {b}) overlap the rows it owns {owned}")
+        return encoder, new_ranges
+
+    def _apply_delta(self, state: Any, version: int, kb_version: int, new_ranges: list[tuple[int, int]],
+                     held: _Version) -> int:
+        fp = held.fingerprint
+        encoder, new_ranges = self._delta_work(state, kb_version, new_ranges, held)
         if version in self.versions.versions():  # a retry after the version was persisted
             try:
                 m = self.versions.manifest(version)
@@ -426,11 +450,13 @@ class EntityShard:
         """Serve ``version`` from memory or disk (``NegativeService.ensure_encoded`` aligning
         shards at start-up; may go back to an older version). Returns it."""
         version = int(version)
-        self._index(version)  # loads it from disk if needed
+        self._index(version, ahead=True)  # loads it from disk if needed
         with self._cond:
             if version not in self._held:  # evicted in between: load again
                 self._held[version] = self._load(version)
             self._served = version
+            for newer in [v for v in self._held if v > version]:  # made again from here on (_index)
+                del self._held[newer]
             self._cond.notify_all()
         return version
 

@@ -23,10 +23,12 @@ def test_the_actor_imports_no_torch():
     assert out.strip() == "[]"
 
 
-def stand_in_shards(highest: list[int], fail: tuple[int, int] | None = None) -> list:
+def stand_in_shards(highest: list[int], fail: tuple[int, int] | None = None,
+                    refuse: tuple[int, int] | None = None) -> list:
     """Threaded actors with EntityShard's refresh group: each records (what, version, args, clock) of every
     refresh / apply_delta, which sleep a little (random) so that unordered calls would overlap.
-    ``highest``: the version each reports in status; ``fail``: (shard, version) whose call raises."""
+    ``highest``: the version each reports in status; ``fail``: (shard, version) whose call raises;
+    ``refuse``: (shard, KB version) whose delta check_delta refuses."""
 
     @ray.remote(concurrency_groups={"refresh": 1}, max_concurrency=4, num_cpus=0)
     class Shard:
@@ -51,6 +53,12 @@ def stand_in_shards(highest: list[int], fail: tuple[int, int] | None = None) -> 
         @ray.method(concurrency_group="refresh")
         def apply_delta(self, state, version, kb_version, placed):
             return self._run("apply_delta", version, (state, kb_version, placed))
+
+        @ray.method(concurrency_group="refresh")
+        def check_delta(self, state, kb_version, placed):
+            if refuse == (self.index, kb_version):
+                raise ValueError(f"stand-in shard {self.index} cannot take KB version {kb_version}")
+            return True
 
         def status(self):
             return {"served": self.served, "refreshing": None, "persisted": [self.served - 1]}
@@ -119,6 +127,19 @@ def test_a_call_that_fails_on_one_shard_says_where_and_the_queue_goes_on(ray_loc
         ray.get(sequencer.wait.remote(second["ticket"]))
     third = ray.get(sequencer.submit_refresh.remote([None], None))
     assert third["version"] == 3 and ray.get(sequencer.wait.remote(third["ticket"])) == 3
+    # refused by one shard's check: applied on none (shard 0 never gets the call), the queue goes on
+    for s in shards:
+        ray.kill(s)
+    shards = stand_in_shards([0, 0], refuse=(1, 5))
+    ray.kill(sequencer)
+    sequencer = start_sequencer(shards, RetryPolicy(retries=0, call_timeout_s=60.0))
+    refused = ray.get(sequencer.submit_delta.remote(None, 5, [[(10, 12)], [(12, 14)]]))
+    with pytest.raises(Exception, match=r"index version 1 \(apply_delta\): refused by shard\(s\) \[1\], applied on "
+                                        r"none; shard 1: ValueError: stand-in shard 1 cannot take KB version 5"):
+        ray.get(sequencer.wait.remote(refused["ticket"]))
+    assert [ray.get(s.recorded.remote()) for s in shards] == [[], []]
+    after = ray.get(sequencer.submit_delta.remote(None, 6, [[(10, 12)], [(12, 14)]]))
+    assert ray.get(sequencer.wait.remote(after["ticket"])) == after["version"] == 2
     with pytest.raises(Exception, match="no call nonesuch"):
         ray.get(sequencer.wait.remote("nonesuch"))
     for s in [*shards, sequencer]:
