@@ -57,6 +57,8 @@ def apply_request(service: NegativeSource, run_dir: str | os.PathLike) -> dict |
     if not path.exists():
         return None
     t0 = time.perf_counter()
+    for old in (DONE_FILE, FAILED_FILE):  # an earlier request's outcome: this one's replaces it
+        (run_dir / old).unlink(missing_ok=True)
     try:
         request = json.loads(path.read_text(encoding="utf-8"))
         kb_version = request.get("kb_version") if isinstance(request, dict) else None
@@ -65,7 +67,11 @@ def apply_request(service: NegativeSource, run_dir: str | os.PathLike) -> dict |
                    "seconds": round(time.perf_counter() - t0, 3), "applied_utc": _now()}
         atomic_write_json(run_dir / DONE_FILE, outcome)
     except Exception as e:  # noqa: BLE001 - recorded for the person who asked; training goes on
-        outcome = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "failed_utc": _now()}
+        from dist_nce.actors.calls import cause
+
+        c = cause(e)  # a shard's refusal arrives wrapped in Ray's error, whose text carries remote tracebacks
+        why = str(c).strip().splitlines()[-1] if str(c).strip() else ""
+        outcome = {"error": f"{type(c).__name__}: {why}", "traceback": traceback.format_exc(), "failed_utc": _now()}
         atomic_write_json(run_dir / FAILED_FILE, outcome)
         if "weights of the version served" in str(e):
             # Shards reloaded from disk hold no encoder until the next refresh: keep the request, the
@@ -82,6 +88,7 @@ class KbWatcher:
     def __init__(self, service: NegativeSource, run_dir: str | os.PathLike, interval_s: float = 5.0, log=print):
         self.service, self.run_dir, self.interval_s, self.log = service, Path(run_dir), float(interval_s), log
         self.outcomes: list[dict] = []
+        self._waiting: str | None = None  # the reason a kept request last waited for
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kb-watcher", daemon=True)
 
@@ -93,6 +100,13 @@ class KbWatcher:
         outcome = apply_request(self.service, self.run_dir)
         if outcome is not None:
             self.outcomes.append(outcome)
+            if outcome.get("retry"):  # said once per reason, not at every poll until the next refresh
+                if outcome["error"] != self._waiting:
+                    self._waiting = outcome["error"]
+                    self.log(f"KB update: {outcome['error']}; kept, and tried again at each poll (it applies "
+                             "once a refresh gives the shards the weights they serve)")
+                return outcome
+            self._waiting = None
             self.log(f"KB update: {outcome.get('error') or 'serving KB version %s as index version %s' % (outcome['served_kb_version'], outcome['index_version'])}")
         return outcome
 
@@ -111,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", help="the run's output directory (run.output_dir)")
     ap.add_argument("--kb-version", type=int, default=None, help="default: the store's current version")
     args = ap.parse_args(argv)
+    if args.kb_version is not None and args.kb_version < 0:
+        ap.error(f"--kb-version: must be >= 0, got {args.kb_version}")
+    if not Path(args.run_dir).is_dir():  # a typo would otherwise make a directory no run watches
+        print(f"error: run_dir {args.run_dir}: no such directory (the run's run.output_dir, made when it starts)",
+              file=sys.stderr)
+        return 2
     print(f"requested: {request_update(args.run_dir, args.kb_version)}")
     return 0
 

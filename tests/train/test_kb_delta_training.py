@@ -46,8 +46,40 @@ def test_control_file_round_trip(tmp_path):
     request_update(tmp_path)
     out = apply_request(FakeService(fail=True), tmp_path)
     assert "no shard holds" in out["error"] and (tmp_path / FAILED_FILE).exists()
+    assert not (tmp_path / DONE_FILE).exists(), "the earlier request's outcome is not this one's"
+    request_update(tmp_path, 3)
+    apply_request(service, tmp_path)
+    assert (tmp_path / DONE_FILE).exists() and not (tmp_path / FAILED_FILE).exists()
     with pytest.raises(ValueError):
         request_update(tmp_path, -1)
+
+
+def test_the_command_refuses_a_run_directory_that_is_not_there_and_a_negative_version(tmp_path, capsys):
+    from dist_nce.train.kb_control import main
+
+    assert main([str(tmp_path / "typo")]) == 2 and not (tmp_path / "typo").exists()
+    assert "run_dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--kb-version", "-1"])
+    assert e.value.code == 2 and "--kb-version: must be >= 0" in capsys.readouterr().err
+    assert main([str(tmp_path), "--kb-version", "2"]) == 0 and (tmp_path / CONTROL_FILE).exists()
+
+
+def test_a_request_the_shards_cannot_take_yet_is_said_once_and_kept(tmp_path):
+    """Shards reloaded from disk hold no encoder with the weights they serve until the next refresh: the
+    request is kept and tried at each poll, and said once (it used to log a traceback every 5 s)."""
+    class NotYet(FakeService):
+        def apply_delta(self, kb_version=None):
+            self.calls.append(kb_version)
+            raise ValueError("shard 1: a KB delta must be encoded with the weights of the version served (121)")
+
+    said = []
+    watcher = KbWatcher(NotYet(), tmp_path, log=said.append)
+    request_update(tmp_path, 2)
+    for _ in range(3):
+        assert watcher.poll()["retry"]
+    assert (tmp_path / CONTROL_FILE).exists() and len(said) == 1 and "kept" in said[0], said
+    assert said[0].startswith("KB update: ValueError: shard 1: a KB delta must be encoded with the weights")
 
 
 def test_the_watcher_applies_a_request_while_running(tmp_path):
