@@ -13,8 +13,8 @@ Here every version-making call goes through one queue: :meth:`IndexSequencer.sub
 numbered before (:meth:`IndexSequencer._current`), and a single thread runs the calls in
 that order, each on every shard, the next only after the last shard has finished the previous
 one. So every shard sees the same versions in the same order, and a version number names one
-encoding. ``submit`` returns at once (the number is known before the work is done; a refresh
-stays asynchronous); :meth:`wait` gives the outcome.
+encoding. A ``submit_*`` call returns at once (the number is known before the work is done; a
+refresh stays asynchronous); :meth:`wait` gives the outcome.
 
 The actor holds no data and imports no torch (a process costs the cluster nothing but its Python).
 Restarted by Ray, it numbers again from what the shards hold; a call it had queued is lost and
@@ -165,12 +165,10 @@ class IndexSequencer:
         done = sorted(set(range(len(calls))) - {s for s, _ in failed})
         # a version no shard could find stays that for the caller (NegativeService.use_version tells it apart)
         kind = VersionUnavailable if all(isinstance(c, VersionUnavailable) for _, c in failed) else SequencedCallFailed
-        error = kind(f"index version {call.version} ({call.method}): failed on shard(s) "
-                                    f"{[s for s, _ in failed]}" + (f", done on {done}" if done else "") +
-                                    f"; shard {shard}: {type(first).__name__}: {first}")
+        error = kind(f"index version {call.version} ({call.method}): failed on shard(s) {[s for s, _ in failed]}"
+                     + (f", done on {done}" if done else "") + f"; shard {shard}: {type(first).__name__}: {first}")
         error.__cause__ = first
         return False, error
-
 
     @staticmethod
     def _failures(calls: list[ShardCall]) -> tuple[list[int], list[tuple[int, BaseException]]]:

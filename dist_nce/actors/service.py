@@ -230,7 +230,8 @@ class NegativeService:
         version meanwhile. Shards already holding ``version`` from the same weights skip it.
 
         ``version`` None (a trainer's refresh): the sequencer numbers it past every version a shard
-        holds or was handed (a KB delta's too) and past ``after``; ``handle.version`` says which.
+        serves or builds, every one it numbered (a KB delta's too) and ``after``; ``handle.version``
+        says which.
         Refreshes and deltas reach every shard in the order they were numbered (actors.sequencer)."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"refresh: version must be None or an int >= 0, got {version!r}")
@@ -292,8 +293,8 @@ class NegativeService:
         # Boxed: a shard already holding the served weights never fetches them (EntityShard._fetch).
         boxed = None if state is None else [state]
         # Numbered and run in order with the trainer's refreshes (actors.sequencer): a delta never takes a
-        # refresh's number. A delta that failed on some shards may be asked for again: the shards that
-        # applied it serve it again under the new number (EntityShard.apply_delta).
+        # refresh's number. Checked on every shard first, it is applied on all or none; one a crash cut short
+        # may be asked for again: the shards that applied it serve it again under the new number.
         ticket = ray.get(self._sequencer.submit_delta.remote(boxed, store.kb_version, placed))
         served = int(ray.get(self._sequencer.wait.remote(ticket["ticket"])))
         self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]
