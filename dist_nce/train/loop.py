@@ -40,7 +40,7 @@ from dist_nce.train.model import build_retriever, export_model, full_state_dict,
 from dist_nce.train.pipeline import (
     EpochNegatives, NegativePrefetcher, StepNegatives, StepRequest, mention_encoder, mine_epoch,
 )
-from dist_nce.train.plan import DataOrder, eligible_mentions, make_plan, sampling, stop_step
+from dist_nce.train.plan import ORDER_KB_VERSION, DataOrder, eligible_mentions, make_plan, sampling, stop_step
 from dist_nce.train.refresh import Publisher, refresh_due
 from dist_nce.worker.checkpoint import saved_plan
 from dist_nce.worker.device_time import DeviceSpan
@@ -51,7 +51,7 @@ def train_func(config: dict[str, Any]) -> None:
     """Ray Train entry point; ``config`` = {"job": TrainJobConfig as a dict, "service": NegativeService,
     "order_kb_version": the KB version of a fresh run's data order (``train.trainer.order_kb_version``)}."""
     worker_main(TrainJobConfig, config, lambda cfg, *a, **kw: Worker(
-        cfg, config["service"], *a, order_kb_version=config.get("order_kb_version"), **kw))
+        cfg, config["service"], *a, order_kb_version=config.get(ORDER_KB_VERSION), **kw))
 
 
 class Worker(WorkerScaffold):

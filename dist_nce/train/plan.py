@@ -95,6 +95,9 @@ class TrainPlan:
         return step % self.steps_per_epoch == 0
 
 
+ORDER_KB_VERSION = "order_kb_version"  # train_loop_config key: a fresh run's TrainPlan.order_kb_version
+
+
 def eligible_mentions(gold_rows: np.ndarray, max_mentions: int = 0) -> tuple[np.ndarray, int]:
     """(indices of mentions with a gold in the KB [n] int64, number excluded for a missing gold).
 

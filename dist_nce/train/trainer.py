@@ -13,11 +13,8 @@ from typing import Any
 from dist_nce.actors.protocols import NegativeSource
 from dist_nce.core.config import to_dict
 from dist_nce.train.config import TrainJobConfig
-from dist_nce.train.plan import TrainPlan
+from dist_nce.train.plan import ORDER_KB_VERSION, TrainPlan
 from dist_nce.worker.launch import fit_and_release, make_torch_trainer, storage_uri, use_gpu  # noqa: F401 (re-exported)
-
-
-ORDER_KB_VERSION = "order_kb_version"  # train_loop_config key: the KB version of a fresh run's data order
 
 
 def order_kb_version(cfg: TrainJobConfig) -> int:
