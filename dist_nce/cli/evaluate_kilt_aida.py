@@ -57,7 +57,8 @@ from dist_nce.core.artifacts import ArtifactMismatch, atomic_write_json, write_m
 from dist_nce.core.config import AT_LEAST_1, ConfigError, from_dict, load_config, parse_overrides, to_dict
 from dist_nce.core.flags import FlagParser, checked, existing, int_list, names, number
 from dist_nce.core.text import tokenizer_fingerprint
-from dist_nce.eval.kilt import DEFAULT_KS, KiltFileError, id_lines, kilt_scores, read_jsonl, write_guess_file
+from dist_nce.eval.kilt import (DEFAULT_KS, KiltFileError, check_gold, id_lines, kilt_scores, read_jsonl,
+                                write_guess_file)
 from dist_nce.eval.metrics import recall_at_k
 from dist_nce.index.encode import state_fingerprint, store_fingerprint
 from dist_nce.modeling.resolve import load_retriever
@@ -224,9 +225,10 @@ def evaluate(args: argparse.Namespace, cfg: ServiceConfig) -> int:
             "the directory the store was prepared from; pass --aida-dir" if recorded else "no --aida-dir given"
         raise FileNotFoundError(f"{aida_dir} ({where}): AIDA files not found: {', '.join(missing)} (KILT's file "
                                 f"names; --splits picks the splits: {', '.join(splits)})")
-    gold = {s: read_jsonl(files[s]) for s in splits}  # before any retrieval: a bad line or repeated id ends it
+    # before any retrieval: a bad line, a repeated id or a labelled record KILT cannot score ends it
+    gold = {s: read_jsonl(files[s]) for s in splits}
     for s in splits:
-        id_lines(gold[s], files[s])
+        (check_gold if any("output" in r for r in gold[s]) else id_lines)(gold[s], files[s])
     tables = {s: MentionTable(args.store, s) for s in splits}
     fit_backend(args, cfg, is_inner_product(retriever.spec))
 

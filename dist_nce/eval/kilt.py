@@ -160,14 +160,9 @@ def id_lines(records: list[dict], path: str | Path) -> dict[str, int]:
     return lines
 
 
-def align(
-    gold: list[dict],
-    guess: list[dict],
-    gold_path: str = "gold",
-    guess_path: str = "guess",
-    allow_extra_ids: bool = False,
-) -> list[dict]:
-    """Check both files for KILT and return the guess records in gold order."""
+def check_gold(gold: list[dict], gold_path: str | Path = "gold") -> dict[str, int]:
+    """Refuse a labelled gold file KILT's scripts would crash on or mis-score (file, line and id); returns
+    :func:`id_lines` of it."""
     for lineno, g in zip(line_numbers(gold), gold):
         where = f"{gold_path}:{lineno} (id {g['id']!r})"
         outs = g.get("output")
@@ -177,11 +172,25 @@ def align(
             raise KiltFileError(f"{where}: gold 'answer' must be a string")
         if not _gold_answers(g):
             raise KiltFileError(f"{where}: gold has no non-empty 'answer' (KILT cannot score it)")
-        if any(not isinstance(o.get("provenance", []), list) for o in outs):
-            raise KiltFileError(f"{where}: gold 'provenance' must be a list")
+        provs = [o.get("provenance", []) for o in outs]
+        if any(not isinstance(pv, list) or not all(isinstance(x, dict) for x in pv) for pv in provs):
+            raise KiltFileError(f"{where}: gold 'provenance' must be a list of objects")
+        if any(not isinstance(x.get("title", ""), str) for pv in provs for x in pv):
+            raise KiltFileError(f"{where}: gold provenance 'title' must be a string")
         if not isinstance(g.get("input"), str):
             raise KiltFileError(f"{where}: gold needs an 'input' string (KILT's entity_in_input reads it)")
-    gold_line = id_lines(gold, gold_path)
+    return id_lines(gold, gold_path)
+
+
+def align(
+    gold: list[dict],
+    guess: list[dict],
+    gold_path: str = "gold",
+    guess_path: str = "guess",
+    allow_extra_ids: bool = False,
+) -> list[dict]:
+    """Check both files for KILT and return the guess records in gold order."""
+    gold_line = check_gold(gold, gold_path)
     by_id: dict[str, dict] = {}
     guess_line: dict[str, int] = {}
     for lineno, p in zip(line_numbers(guess), guess):
@@ -200,6 +209,8 @@ def align(
         prov = outs[0].get("provenance")
         if not (isinstance(prov, list) and all(isinstance(x, dict) for x in prov)):
             raise KiltFileError(f"{where}: output[0] needs a 'provenance' list of objects (may be empty)")
+        if any(not isinstance(x.get("text", ""), str) for x in prov):
+            raise KiltFileError(f"{where}: provenance 'text' must be a string")
     for lineno, g in zip(line_numbers(gold), gold):
         if _key(g) not in by_id:
             raise KiltFileError(f"{guess_path}: no prediction for id {g['id']!r} ({gold_path}:{lineno})")
@@ -420,8 +431,8 @@ def kilt_scores(
     """Score a guess file as KILT does: {"downstream", "kilt", "retrieval"}.
 
     "downstream" and "kilt" equal ``eval_downstream.py``'s blocks; "retrieval" equals
-    ``eval_retrieval.py --ks <ks>`` (a superset of ``eval_downstream.py``'s Rprec and
-    recall@5, with identical values).
+    ``eval_retrieval.py --ks <ks>`` (with identical values; it holds ``eval_downstream.py``'s Rprec,
+    and its recall@5 where ``ks`` has 5, as the default does).
     """
     gold = read_jsonl(gold_path)
     guess = align(gold, read_jsonl(guess_path), str(gold_path), str(guess_path), allow_extra_ids)

@@ -180,6 +180,10 @@ def test_writer_rejects_bad_rows(tmp_path):
         (lambda g, p: p[1]["output"][0].pop("provenance"), r"guess\.jsonl:2 \(id 'A'\): output\[0\] needs a 'provenance'"),
         (lambda g, p: g[1].pop("input"), r"gold\.jsonl:2 \(id 2\): gold needs an 'input'"),
         (lambda g, p: g[0]["output"][0].update(answer=" "), r"gold\.jsonl:1 \(id 'A'\): gold has no non-empty 'answer'"),
+        (lambda g, p: g[0]["output"][0].update(provenance=["1"]), r"gold\.jsonl:1 \(id 'A'\): gold 'provenance' must be a list of objects"),
+        (lambda g, p: g[0]["output"][0]["provenance"][0].update(title=5), r"gold\.jsonl:1 \(id 'A'\): gold provenance 'title' must be"),
+        (lambda g, p: p[1]["output"][0]["provenance"].append({"wikipedia_id": "1", "text": 5}),
+         r"guess\.jsonl:2 \(id 'A'\): provenance 'text' must be a string"),
     ],
 )
 def test_misaligned_files_are_refused_with_file_line_and_id(tmp_path, mutate, message):

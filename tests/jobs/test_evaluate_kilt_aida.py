@@ -145,6 +145,29 @@ def test_a_repeated_gold_id_is_refused_before_retrieval(setup, tmp_path):
     assert "retrieve" not in r.stdout + r.stderr and not (tmp_path / "o").exists()
 
 
+def test_a_gold_record_kilt_cannot_score_is_refused_before_retrieval(setup, tmp_path, capsys):
+    """A provenance title that is not a string (KILT's scorer crashes on it; ours raised AttributeError
+    after the whole retrieval): one line naming the file, line and id, before any retrieval. In-process:
+    the subprocess path is the test above."""
+    from dist_nce.cli.evaluate_kilt_aida import main
+
+    root, src = setup
+    aida = tmp_path / "aida"
+    shutil.copytree(root / "src", aida)
+    dev = aida / src["dev"].name
+    lines = dev.read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["output"][0]["provenance"][0]["title"] = 5
+    lines[3] = json.dumps(rec)
+    dev.write_text("\n".join(lines) + "\n")
+    code = main(["--model", str(root / "model"), "--store", str(root / "kb"), "--out", str(tmp_path / "o"),
+                 "--aida-dir", str(aida), "--searcher", "local", "--splits", "dev", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.endswith(f"\nerror: {dev}:4 (id {rec['id']!r}): gold provenance 'title' must be a "
+                                      "string\n") and "Traceback" not in err, err
+    assert "retrieve" not in out and not (tmp_path / "o").exists()
+
+
 def test_a_blink_biencoder_file_evaluates_like_its_imported_retriever(setup):
     """--model takes BLINK's released biencoder layout (tiny here); local searcher: no Ray."""
     from dist_nce.modeling.resolve import load_retriever
