@@ -23,11 +23,13 @@ holds weights only, so the pair layout the weights were trained on goes beside i
 ``<name>.layout.json`` (:func:`write_layout_file`): a dist-nce reranker of the packed layout
 exported there is scored by BLINK in BLINK's layout, which differs on short contexts; the
 file (and :func:`blink_layout_note`) says so, and reading the ``.bin`` back here restores
-the packed layout from it. A ``.bin`` without the file (BLINK's own) is read as ``blink``.
+the packed layout from it. A ``.bin`` without the file (BLINK's own) is read as ``blink``, with the
+lengths of BLINK's params file beside it (``crossencoder_wiki_large.json``) where there is one.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -141,15 +143,71 @@ def load_blink_reranker(
 
     With ``config.layout`` None the layout is the file's own: its ``.layout.json`` when there
     is one (our export's record of what the weights were trained on: layout, max_len,
-    context_len, cand_len), else BLINK's; the architecture is the ``.architecture.json``'s
+    context_len, cand_len), else BLINK's with the lengths of BLINK's params file beside it
+    (:func:`read_blink_params`), else BLINK's with ``config``'s lengths; the architecture is the ``.architecture.json``'s
     when there is one (our export's), else as :func:`blink_reranker_from_state` says."""
     config = config or RerankerConfig()
-    recorded = read_layout_file(path)
-    if config.layout is None and recorded is not None:
-        config = dataclasses.replace(config, **recorded)
+    if config.layout is None:
+        recorded = read_layout_file(path)
+        if recorded is None:
+            recorded = read_blink_params(path, config.max_len)
+        if recorded is not None:
+            config = dataclasses.replace(config, **recorded)
     return blink_reranker_from_state(load_state_file(path), config, tokenizer_dir=tokenizer_dir,
                                      num_attention_heads=num_attention_heads, source=os.fspath(path),
                                      architecture=read_architecture_file(path).get(ENCODER_ATTR))
+
+
+def blink_params_file(path: str | os.PathLike) -> Path:
+    """BLINK's training params beside its checkpoint: ``crossencoder_wiki_large.json`` beside
+    ``crossencoder_wiki_large.bin`` (what BLINK's ``main_dense.py --crossencoder_config`` reads)."""
+    return Path(path).with_suffix(".json")
+
+
+# BLINK's params key -> ours. BLINK's cross-encoder is trained on max_context_length mention tokens
+# then the candidate's max_cand_length, each pair cut at max_seq_length (train_cross.py's modify).
+BLINK_PARAM_FIELDS = {"max_context_length": "context_len", "max_cand_length": "cand_len"}
+
+
+def read_blink_params(path: str | os.PathLike, max_len: int) -> dict[str, Any] | None:
+    """The BLINK layout of the lengths in BLINK's params file beside ``path`` (:func:`blink_params_file`), or
+    None without one: a cross-encoder trained with other lengths than ``crossencoder_wiki_large.bin`` (a
+    Zeshel one: 128 context tokens) has its entity at another position, and read with the defaults it would
+    score every pair wrongly without an error. The pair length is ``max_len`` or, if that cuts the candidate,
+    ``max_context_length + max_cand_length``. A file that is not such params, a head other than BLINK's
+    linear one, or pairs BLINK cuts inside the candidate (max_seq_length) are errors naming the file."""
+    file = blink_params_file(path)
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BlinkCheckpointError(f"{file}: unreadable BLINK params ({e})") from None
+    if not isinstance(data, dict):
+        raise BlinkCheckpointError(f"{file}: BLINK params must be a JSON object")
+    missing = [k for k in BLINK_PARAM_FIELDS if k not in data]
+    if missing:
+        raise BlinkCheckpointError(f"{file}: BLINK params without {', '.join(missing)} (the lengths the "
+                                   f"cross-encoder beside it was trained with)")
+    bad = [k for k in (*BLINK_PARAM_FIELDS, "max_seq_length") if k in data
+           and (not isinstance(data[k], int) or isinstance(data[k], bool) or data[k] < 2)]
+    if bad:
+        raise BlinkCheckpointError(f"{file}: {', '.join(f'{k} {data[k]!r}' for k in bad)}: expected an integer >= 2")
+    if data.get("add_linear") is False:
+        raise BlinkCheckpointError(f"{file}: add_linear false: only BLINK's cross-encoder with its linear score "
+                                   "head (add_linear true, out_dim 1) is read")
+    context, cand = data["max_context_length"], data["max_cand_length"]
+    if "max_seq_length" in data and data["max_seq_length"] < context + cand - 1:
+        raise BlinkCheckpointError(f"{file}: max_seq_length {data['max_seq_length']} < max_context_length "
+                                   f"{context} + max_cand_length {cand} - 1: BLINK cut its pairs inside the "
+                                   "candidate, which is not supported")
+    fields = {"layout": "blink", "max_len": max(int(max_len), context + cand), "context_len": context,
+              "cand_len": cand}
+    try:
+        from_dict(RerankerConfig, fields, str(file))  # the ranges and the layout's own check
+    except ConfigError as e:
+        raise BlinkCheckpointError(str(e)) from None
+    return fields
 
 
 def layout_file(path: str | os.PathLike) -> Path:

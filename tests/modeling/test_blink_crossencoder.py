@@ -1,4 +1,6 @@
 """BLINK cross-encoder import/export against a tiny checkpoint with BLINK's exact key layout."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -9,11 +11,12 @@ from dist_nce.core.text import load_tokenizer, special_ids
 from dist_nce.modeling.blink import BlinkCheckpointError, architecture_file
 from dist_nce.modeling.blink_crossencoder import (
     blink_crossencoder_state,
+    blink_params_file,
     export_blink_crossencoder,
     load_blink_reranker,
 )
 from dist_nce.modeling.encoder import load_transformer
-from dist_nce.modeling.reranker import Pairs, Reranker, RerankerConfig, build_pairs
+from dist_nce.modeling.reranker import Pairs, Reranker, RerankerConfig, build_pairs, layout_pairs
 from dist_nce.modeling.resolve import load_reranker
 
 
@@ -100,6 +103,41 @@ def test_scores_equal_blinks_forward(blink, tiny_model_dir, tmp_path):
     torch.testing.assert_close(got, by_hand, rtol=0, atol=1e-5)
     torch.testing.assert_close(got, theirs, rtol=0, atol=1e-5)
     assert float(got.std()) > 1e-3  # a non-trivial comparison
+
+
+def test_blinks_params_beside_the_file_set_where_the_entity_starts(blink, tiny_model_dir, tmp_path):
+    """A cross-encoder BLINK trained with other lengths (a Zeshel one: 128 context tokens) is read with
+    them from its params file (crossencoder_x.json beside crossencoder_x.bin), not with the 32 of
+    crossencoder_wiki_large: the entity starts at max_context_length, where BLINK put it in training."""
+    state, _ = blink
+    path = save(state, tmp_path, "crossencoder_x.bin")
+    blink_params_file(path).write_text(json.dumps({"max_context_length": 12, "max_cand_length": 20,
+                                                   "max_seq_length": 256, "add_linear": True, "out_dim": 1}))
+    reranker = load_blink_reranker(path, RerankerConfig(model=tiny_model_dir, max_len=24))
+    c = reranker.config
+    assert (c.layout, c.context_len, c.cand_len, c.max_len) == ("blink", 12, 20, 32)  # 24 would cut the candidate
+    sp = special_ids(reranker.tokenizer)
+    m = torch.tensor([[sp.cls, 2001, sp.mention_start, 2002, sp.mention_end, sp.sep]])
+    e = torch.tensor([[[sp.cls, 2003, sp.title_sep, 2004, 2005, sp.sep]]])
+    types = layout_pairs(c, m, e, sp).token_type_ids[0, 0]
+    assert int(types.nonzero()[0]) == 12  # BLINK's to_bert_input: segment 1 from max_context_length on
+    # an explicit layout is the user's choice: the params file does not override it
+    kept = load_blink_reranker(path, RerankerConfig(model=tiny_model_dir, max_len=40, layout="blink"))
+    assert (kept.config.context_len, kept.config.cand_len) == (32, 128)
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"max_cand_length": 128}, r"crossencoder_x\.json: BLINK params without max_context_length"),
+    ({"max_context_length": "32", "max_cand_length": 128}, r"max_context_length '32': expected an integer"),
+    ({"max_context_length": 32, "max_cand_length": 128, "add_linear": False}, r"add_linear false"),
+    ({"max_context_length": 128, "max_cand_length": 128, "max_seq_length": 200}, r"max_seq_length 200 < "),
+    ([32, 128], r"must be a JSON object"),
+])
+def test_bad_blink_params_are_named(blink, tiny_model_dir, tmp_path, params, message):
+    path = save(blink[0], tmp_path, "crossencoder_x.bin")
+    blink_params_file(path).write_text(json.dumps(params))
+    with pytest.raises(BlinkCheckpointError, match=message):
+        load_blink_reranker(path, RerankerConfig(model=tiny_model_dir))
 
 
 def test_round_trip_is_byte_equal(blink, tiny_model_dir, tmp_path):
