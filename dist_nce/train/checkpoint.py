@@ -36,15 +36,19 @@ class TrainState(base.WorkerState):
 
     book: RefreshBook = field(default_factory=RefreshBook)
     kb_version: int = 0  # the KB version the last step trained against (docs/design.md section 6)
+    # The newest index version a shard served when the checkpoint was written, after its negatives (the
+    # prefetched ones too) were in: above book.version only for a KB delta's version, whose rows those
+    # negatives may hold. -1: not recorded (a checkpoint written before this field: book.version stands).
+    index_version: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "book": self.book.to_json(), "dev_before": self.dev_before,
-                "kb_version": self.kb_version}
+                "kb_version": self.kb_version, "index_version": self.index_version}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TrainState":
         return cls(step=int(d["step"]), book=RefreshBook.from_json(d["book"]), dev_before=d.get("dev_before"),
-                   kb_version=int(d.get("kb_version", 0)))
+                   kb_version=int(d.get("kb_version", 0)), index_version=int(d.get("index_version", -1)))
 
 
 def extra_tensors(rank: int, epoch_negatives: EpochNegatives | None = None,

@@ -53,6 +53,20 @@ class KbFollower:
         self.kb_version = kb_version
         return True
 
+    def follow_served(self) -> bool:
+        """At a worker's start: follow the KB version the shards serve, and count their index version as seen
+        (an answer from it or an older one, a checkpoint's restored negatives too, asks nothing new; a
+        delta served later is followed from its first answer, as in the uninterrupted run)."""
+        self._seen = max(self._seen, int(self.service.version()))
+        return self.follow(None)
+
+    def store_kb_version(self) -> int:
+        """The KB version the store is at on disk now (``jobs/update_kb.py`` may have moved it past the one
+        followed)."""
+        from kb.store import EntityStore
+
+        return int(EntityStore(self.prepared_dir).kb_version)
+
     def _set_gold(self, gold: np.ndarray) -> None:
         """``gold``: [N] the golds at the KB version followed (-1: removed); ``mining_gold``: [N] the rows a
         request excludes, the gold or, where a delta removed it, the prepared row (removed rows are excluded

@@ -139,6 +139,10 @@ class Worker(WorkerScaffold):
         # shards still hold it, so the replayed steps see the index they saw the first time;
         # otherwise rebuild the index from the current weights so negatives and bookkeeping agree.
         want = self.state.book.version
+        # A KB delta served after the checkpoint's last refresh has a version of its own, above the book's; the
+        # checkpoint's negatives may name rows only its KB holds (and the run trained on that KB): serve it
+        # again, not the refresh below it.
+        want = max(want, self.state.index_version)
         served = self.comm.broadcast(self.service.version() if self.rank == 0 else None)
         if served != want and self.state.step == 0:
             # A fresh run on a store changed by KB deltas: the driver served version `want` from the initial
@@ -159,10 +163,16 @@ class Worker(WorkerScaffold):
                                "re-encoding the KB with the current weights")
                 self.state.book.skip_past(newest)
                 self.publisher.publish(self.state.step, wait=True)
-        self._follow_kb(None)  # the KB version of the index version served (rank 0 may have changed it)
+        self._follow_kb(None, start=True)  # the KB version of the index version served (rank 0 may have changed it)
         if self.state.kb_version != self.kb.kb_version and self.state.step:
             self.log.write(f"KB version {self.kb.kb_version} served; the checkpoint trained with "
                            f"{self.state.kb_version}")
+        stored = self.kb.store_kb_version()
+        if self.state.step and stored > self.kb.kb_version:
+            # A delta taken after this checkpoint: the shards went back to the checkpoint's KB with its index.
+            self.log.write(f"the store is at KB version {stored}, this run serves {self.kb.kb_version} (its "
+                           f"checkpoint's): to serve it again, python -m dist_nce.train.kb_control "
+                           f"{self.cfg.run.output_dir} --kb-version {stored}")
         self.monitor = BiasMonitor(self.service, self.sampling, self.encode, self.probe,
                                    torch.from_numpy(self.train_gold[self.probe]), cfg.bias.draws,
                                    self.plan.seed) if cfg.bias.every_steps else None
@@ -210,9 +220,10 @@ class Worker(WorkerScaffold):
         gold = getattr(self, "epoch_gold", self.train_gold)  # restored mid-epoch: the golds served now
         return idx, torch.from_numpy(gold[idx]), self.epoch_neg.step(step % self.plan.steps_per_epoch), wait
 
-    def _follow_kb(self, version: int | None) -> None:
-        """Follow the KB version behind index ``version`` (None: ask the shards now; train.kb_follow)."""
-        if self.kb.follow(version):
+    def _follow_kb(self, version: int | None, start: bool = False) -> None:
+        """Follow the KB version behind index ``version`` (None: ask the shards now; ``start``: the version
+        they serve at the worker's start; train.kb_follow)."""
+        if self.kb.follow_served() if start else self.kb.follow(version):
             self.store, self.train_gold = self.kb.store, self.kb.mining_gold
             self.log.write(f"following KB version {self.kb.kb_version}")
         self.state.kb_version = self.kb.kb_version
@@ -329,9 +340,16 @@ class Worker(WorkerScaffold):
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         mid_epoch = self.state.step % self.plan.steps_per_epoch != 0
-        return checkpoint.extra_tensors(
+        tensors = checkpoint.extra_tensors(
             self.rank, self.epoch_neg if mid_epoch else None,  # a new epoch mines afresh
             self.prefetcher.in_flight_negatives() if self.prefetcher is not None else None)
+        # Asked once the negatives saved with it are in (in_flight_negatives waits for them), by every rank (rank
+        # 0 writes the state all ranks restore): no shard served a newer version when they were mined, so a
+        # resume that serves this one (setup_negatives) holds every row they name, a KB delta's added rows too.
+        # A collective, as the save is. The state is written after this returns.
+        served = max(int(s["served"]) for s in self.service.status())
+        self.state.index_version = max(self.comm.all_gather(served))
+        return tensors
 
     def finish(self) -> dict[str, Any]:
         cfg, state = self.cfg, self.state
