@@ -144,8 +144,8 @@ def load_blink_reranker(
     With ``config.layout`` None the layout is the file's own: its ``.layout.json`` when there
     is one (our export's record of what the weights were trained on: layout, max_len,
     context_len, cand_len), else BLINK's with the lengths of BLINK's params file beside it
-    (:func:`read_blink_params`), else BLINK's with ``config``'s lengths; the architecture is the ``.architecture.json``'s
-    when there is one (our export's), else as :func:`blink_reranker_from_state` says."""
+    (:func:`read_blink_params`), else BLINK's with ``config``'s lengths; the architecture is the
+    ``.architecture.json``'s when there is one (our export's), else as :func:`blink_reranker_from_state` says."""
     config = config or RerankerConfig()
     if config.layout is None:
         recorded = read_layout_file(path)

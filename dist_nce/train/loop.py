@@ -163,7 +163,7 @@ class Worker(WorkerScaffold):
                                "re-encoding the KB with the current weights")
                 self.state.book.skip_past(newest)
                 self.publisher.publish(self.state.step, wait=True)
-        self._follow_kb(None, start=True)  # the KB version of the index version served (rank 0 may have changed it)
+        self._follow_kb(None, start=True)  # the KB of the index version served (rank 0 may have changed it)
         if self.state.kb_version != self.kb.kb_version and self.state.step:
             self.log.write(f"KB version {self.kb.kb_version} served; the checkpoint trained with "
                            f"{self.state.kb_version}")
