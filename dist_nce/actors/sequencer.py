@@ -144,13 +144,14 @@ class IndexSequencer:
     def _execute(self, call: _Call) -> tuple[bool, Any]:
         # Encodes may take hours on a large KB: no per-call timeout, only the retries on failure.
         policy = RetryPolicy(self._policy.retries, None, self._policy.wait_version_s)
+        before: list[int] = []  # apply_delta: the version each shard served before it (check_delta's answer)
         if call.method == "apply_delta":
             # Every shard is asked first whether it can (EntityShard.check_delta): a delta one shard refuses
             # (a restarted shard holds no encoder with the served weights) is applied on none, rather than on
             # some, which left the shards serving two KB versions and a later refresh mixing them.
             checks = [ShardCall(h, i, "check_delta", (state, kb, rows), {}, policy)
                       for i, (h, (state, _, kb, rows)) in enumerate(zip(self._handles, call.args))]
-            refused = self._failures(checks)[1]
+            before, refused = self._failures(checks)
             if refused:
                 shard, first = refused[0]
                 return False, SequencedCallFailed(
@@ -165,10 +166,28 @@ class IndexSequencer:
         done = sorted(set(range(len(calls))) - {s for s, _ in failed})
         # a version no shard could find stays that for the caller (NegativeService.use_version tells it apart)
         kind = VersionUnavailable if all(isinstance(c, VersionUnavailable) for _, c in failed) else SequencedCallFailed
+        undone = self._roll_back(before, policy) if before else ""
         error = kind(f"index version {call.version} ({call.method}): failed on shard(s) {[s for s, _ in failed]}"
-                     + (f", done on {done}" if done else "") + f"; shard {shard}: {type(first).__name__}: {first}")
+                     + (f", done on {done}" if done else "") + undone
+                     + f"; shard {shard}: {type(first).__name__}: {first}")
         error.__cause__ = first
         return False, error
+
+    def _roll_back(self, before: list[int], policy: RetryPolicy) -> str:
+        """A delta that passed every check and then failed on some shards (a shard's death, memory, disk):
+        every shard serves the version it served before it again, so a delta is applied on all shards or none
+        and the next refresh re-encodes one KB version under its number (it used to re-encode each shard's
+        own, two KB versions under one number). Every shard, the failed ones too: a shard that died after
+        persisting the delta reloads it when Ray restarts it. Returns what to add to the error."""
+        calls = [ShardCall(h, i, "use_version", (v,), {}, policy) for i, (h, v) in enumerate(zip(self._handles,
+                                                                                                 before))]
+        stuck = self._failures(calls)[1]
+        back = sorted(set(before))
+        if not stuck:
+            return f", rolled back to version {back[0] if len(back) == 1 else back} on every shard"
+        return (f", rolled back on all but shard(s) {[s for s, _ in stuck]} (shard {stuck[0][0]}: "
+                f"{type(stuck[0][1]).__name__}: {stuck[0][1]}): the shards may serve two KB versions; restart the "
+                "run's service")
 
     @staticmethod
     def _failures(calls: list[ShardCall]) -> tuple[list[int], list[tuple[int, BaseException]]]:

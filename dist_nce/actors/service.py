@@ -293,8 +293,8 @@ class NegativeService:
         # Boxed: a shard already holding the served weights never fetches them (EntityShard._fetch).
         boxed = None if state is None else [state]
         # Numbered and run in order with the trainer's refreshes (actors.sequencer): a delta never takes a
-        # refresh's number. Checked on every shard first, it is applied on all or none; one a crash cut short
-        # may be asked for again: the shards that applied it serve it again under the new number.
+        # refresh's number. Checked on every shard first, it is applied on all or none; one that failed on some
+        # shards after the checks was rolled back on every shard (the sequencer), and may be asked for again.
         ticket = ray.get(self._sequencer.submit_delta.remote(boxed, store.kb_version, placed))
         served = int(ray.get(self._sequencer.wait.remote(ticket["ticket"])))
         self.pieces = [rs + new for rs, new in zip(self.pieces, placed)]

@@ -146,8 +146,13 @@ class EntityShard:
                         manifest)
 
     def _reload_latest(self) -> None:
-        """Serve the newest persisted version that matches this shard; refuse the others loudly."""
+        """Serve the newest persisted version that matches this shard, up to the ceiling a rerun that went
+        back left (``PersistedVersions.ceiling``: above it, a killed run's versions that the rerun makes
+        again); refuse the others loudly."""
+        ceiling = self.versions.ceiling()
         for version in reversed(self.versions.versions()):
+            if ceiling is not None and version > ceiling:
+                continue
             try:
                 loaded = self._load(version)
             except ArtifactMismatch as e:
@@ -155,10 +160,10 @@ class EntityShard:
                 self._refused.append(msg)
                 log.warning(msg)
                 continue
-            self._install(version, loaded)
+            self._install(version, loaded, mark=False)  # a ceiling stays until a version is made or gone back to
             return
 
-    def _install(self, version: int, held: _Version, serve: bool = True) -> None:
+    def _install(self, version: int, held: _Version, serve: bool = True, mark: bool = True) -> None:
         with self._cond:
             self._held[version] = held
             if serve:
@@ -168,6 +173,8 @@ class EntityShard:
                 if old not in (self._served, version):
                     del self._held[old]
             self._cond.notify_all()
+        if serve and mark:
+            self.versions.mark_served(version)  # the sequencer runs version-making calls one at a time
 
     def _index(self, version: int | None, wait_s: float = 0.0, ahead: bool = False) -> LiveIndex:
         """The index to answer from: the served one, or exactly ``version``.
@@ -382,18 +389,19 @@ class EntityShard:
                     self._cond.notify_all()
 
     @ray.method(concurrency_group=REFRESH_GROUP)
-    def check_delta(self, state: Any, kb_version: int, new_ranges: list[tuple[int, int]]) -> bool:
+    def check_delta(self, state: Any, kb_version: int, new_ranges: list[tuple[int, int]]) -> int:
         """Raise what :meth:`apply_delta` would refuse with (no index, an older KB version, rows it owns, no
         encoder with the served weights), changing nothing: the sequencer asks every shard before any applies
         a delta, so a delta is applied on all shards or none (actors.sequencer). An encoder built from
-        ``state`` for the check is kept (the delta needs it next). True otherwise."""
+        ``state`` for the check is kept (the delta needs it next). Returns the version served (the one a delta
+        that then fails on another shard goes back to)."""
         with self._refresh_lock:
             with self._cond:
                 if self._served < 0:
                     raise NoIndexError(f"shard {self.shard}: no version to apply a KB delta to; encode first")
-                held = self._held[self._served]
+                served, held = self._served, self._held[self._served]
             self._delta_work(state, int(kb_version), [(int(a), int(b)) for a, b in new_ranges], held)
-            return True
+            return served
 
     def _delta_work(self, state: Any, kb_version: int, new_ranges: list[tuple[int, int]], held: _Version
                     ) -> tuple[EntityEncoder | None, list[tuple[int, int]]]:
@@ -409,8 +417,9 @@ class EntityShard:
             raise ValueError(f"shard {self.shard}: serving KB version {held.index.kb_version}, asked for {kb_version}")
         owned = held.index.ranges
         if held.index.kb_version == kb_version and new_ranges and all(tuple(r) in owned for r in new_ranges):
-            # Applied already, under an earlier number, by a call that failed on another shard: asked again,
-            # serve it under this number (nothing to encode) so that every shard serves the same one.
+            # Applied already, under an earlier number, by a call that failed on another shard and could not be
+            # rolled back here (IndexSequencer._roll_back): asked again, serve it under this number (nothing to
+            # encode) so that every shard serves the same one.
             new_ranges = []
         for a, b in new_ranges:
             if a >= b or any(a < y and x < b for x, y in owned):
@@ -458,6 +467,7 @@ class EntityShard:
             for newer in [v for v in self._held if v > version]:  # made again from here on (_index)
                 del self._held[newer]
             self._cond.notify_all()
+        self.versions.mark_served(version)  # and a restart serves this one, not those (_reload_latest)
         return version
 
     def lineage(self) -> dict[int, dict[str, str | None]]:

@@ -27,6 +27,11 @@ NFS is emulated with POSIX locks, which hold across clients).
 A reader states the identity it expects (rows, store, spec, storage dtype) and a
 version whose manifest disagrees is refused with the field that differs: embeddings of
 another row range, store or score function must never be served.
+
+``serving.json`` (``{"ceiling": v}``), present only while versions above ``v`` are on disk that the
+shard went back below (a rerun serving its checkpoint's version again): they are a killed run's, kept
+for a replay to reuse (same weights) or to be written over, and a restarted shard must not serve one
+(:meth:`PersistedVersions.ceiling`).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dist_nce.core.artifacts import ArtifactMismatch, atomic_path, read_manifest, write_manifest
+from dist_nce.core.artifacts import ArtifactMismatch, atomic_path, atomic_write_json, read_manifest, write_manifest
 from dist_nce.modeling.scoring import Reps
 
 KIND = "shard_embeddings"
@@ -54,6 +59,7 @@ _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 # atomic_path's temporary for a version directory: "." + version_dir_name + "." + mkstemp's random + ".tmp"
 _VERSION_TEMP = re.compile(r"^\.v\d{8,}\.[^/]+\.tmp$")
 WRITERS_LOCK = ".writers.lock"
+SERVING_FILE = "serving.json"
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
@@ -305,6 +311,33 @@ class PersistedVersions:
         except (OSError, KeyError, TypeError, ValueError) as e:  # missing file, bad header
             raise ArtifactMismatch(f"{file}: unreadable: {e}") from None
         return manifest
+
+    def ceiling(self) -> int | None:
+        """The newest version a restarted shard may serve, when versions above it on disk are a killed
+        run's (module docstring); None: any."""
+        file = self.directory / SERVING_FILE
+        try:
+            value = json.loads(file.read_text(encoding="utf-8"))["ceiling"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ArtifactMismatch(f"{file}: unreadable ({e}); remove it to serve the newest version") from None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ArtifactMismatch(f"{file}: 'ceiling' must be an integer, got {value!r}")
+        return value
+
+    def mark_served(self, version: int) -> None:
+        """Record that ``version`` is served: the ceiling while any version above it is on disk, else
+        none."""
+        above = any(v > version for v in self.versions())
+        try:
+            current = self.ceiling()
+        except ArtifactMismatch:
+            current = None  # written over below: this call knows what is served
+        if above and current != version:
+            atomic_write_json(self.directory / SERVING_FILE, {"ceiling": int(version)})
+        elif not above and (self.directory / SERVING_FILE).exists():
+            (self.directory / SERVING_FILE).unlink(missing_ok=True)
 
     def valid_versions(self) -> list[int]:
         """Versions whose manifest matches this shard's identity, ascending."""

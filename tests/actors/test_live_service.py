@@ -22,7 +22,7 @@ from dist_nce.index.config import IndexConfig
 from dist_nce.index.encode import encode_rows
 from dist_nce.index.live import LiveIndex
 from dist_nce.index.search import ShardIndex
-from dist_nce.index.versions import PersistedVersions, shard_dir_name
+from dist_nce.index.versions import PersistedVersions, shard_dir_name, version_dir_name
 from dist_nce.modeling.retriever import EntityEncoder, RetrieverConfig
 from dist_nce.modeling.scoring import Reps, ScoreSpec
 from dist_nce.sampling.negatives import hard_negatives
@@ -310,6 +310,37 @@ def test_a_delta_one_shard_cannot_take_is_applied_on_none_then_on_all_when_it_ca
     assert d > v and {s["served"] for s in status} == {d} and {s["kb_version"] for s in status} == {service.kb_version}
     one_encoding_per_version(service)
     check_against_flat(service, flat(service, run_dir, kb, d), queries(9), torch.tensor([0, 1, 2, 3, 4, 5]))
+    check_against_scratch(service, kb, states[1])
+
+
+def test_a_delta_that_fails_on_one_shard_after_its_checks_is_rolled_back_on_every_shard(run, kb, states):
+    """A delta every shard accepted, then one could not persist (a broken or full disk: here a file where its
+    version directory goes): every shard serves the version before it again, and a restart reloads that one.
+    It used to stay applied on the others, the shards on two KB versions, and the next refresh re-encoded
+    each shard's own KB under one number (outside review). Asked again once the disk is fixed, it is served
+    everywhere under one new number."""
+    service, run_dir = run
+    v, kb_version = service.version(), service.kb_version
+    kb.change(add=kilt_lines(range(8400, 8406), seed=14))
+    blockers = [run_dir / "shards" / shard_dir_name(1, S) / version_dir_name(n) for n in range(v + 1, v + 9)]
+    for b in blockers:
+        b.write_text("not a version directory")
+    with pytest.raises(Exception, match=r"failed on shard\(s\) \[1\], done on \[0\], rolled back to version "
+                                        rf"{v} on every shard"):
+        service.apply_delta(entity_state=states[1])
+    status = service.status()
+    assert [s["served"] for s in status] == [v, v] and {s["kb_version"] for s in status} == {kb_version}
+    assert service.kb_version == kb_version
+    st = restarted(service, 0, status[0]["pid"])  # shard 0 persisted the delta's version: not served again
+    assert (st["served"], st["kb_version"]) == (v, kb_version)
+    for b in blockers:
+        b.unlink()
+    d = service.apply_delta(entity_state=states[1])
+    status = service.status()
+    assert d > v + 1 and {s["served"] for s in status} == {d}
+    assert {s["kb_version"] for s in status} == {service.kb_version} == {EntityStore(kb.store).kb_version}
+    one_encoding_per_version(service)
+    check_against_flat(service, flat(service, run_dir, kb, d), queries(11), torch.tensor([0, 1, 2, 3, 4, 5]))
     check_against_scratch(service, kb, states[1])
 
 

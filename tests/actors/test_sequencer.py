@@ -58,7 +58,12 @@ def stand_in_shards(highest: list[int], fail: tuple[int, int] | None = None,
         def check_delta(self, state, kb_version, placed):
             if refuse == (self.index, kb_version):
                 raise ValueError(f"stand-in shard {self.index} cannot take KB version {kb_version}")
-            return True
+            return self.served
+
+        def use_version(self, version):
+            self.events.append(("use", "use_version", version, None, 0.0))
+            self.served = version
+            return version
 
         def status(self):
             return {"served": self.served, "refreshing": None, "persisted": [self.served - 1]}
@@ -122,9 +127,13 @@ def test_a_call_that_fails_on_one_shard_says_where_and_the_queue_goes_on(ray_loc
     second = ray.get(sequencer.submit_delta.remote(None, 1, [[(10, 12)], [(12, 14)]]))
     assert (first["version"], second["version"]) == (1, 2)
     assert ray.get(sequencer.wait.remote(first["ticket"])) == 1
-    with pytest.raises(Exception, match=r"index version 2 \(apply_delta\): failed on shard\(s\) \[1\], done on \[0\]; "
+    with pytest.raises(Exception, match=r"index version 2 \(apply_delta\): failed on shard\(s\) \[1\], done on \[0\], "
+                                        r"rolled back to version 1 on every shard; "
                                         r"shard 1: ValueError: stand-in shard 1 refuses version 2"):
         ray.get(sequencer.wait.remote(second["ticket"]))
+    # applied on all or none: every shard serves version 1 again (the failed one too: it may have persisted it)
+    assert [ray.get(s.status.remote())["served"] for s in shards] == [1, 1]
+    assert [[e[2] for e in ray.get(s.recorded.remote()) if e[0] == "use"] for s in shards] == [[1], [1]]
     third = ray.get(sequencer.submit_refresh.remote([None], None))
     assert third["version"] == 3 and ray.get(sequencer.wait.remote(third["ticket"])) == 3
     # refused by one shard's check: applied on none (shard 0 never gets the call), the queue goes on

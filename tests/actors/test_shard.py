@@ -229,7 +229,8 @@ def test_versions_only_increase_and_the_previous_one_stays_available(store_dir, 
 def test_going_back_to_a_version_leaves_the_newer_ones_to_be_made_again(store_dir, states, tmp_path):
     """A rerun goes back to its checkpoint's version (use_version) and replays the steps that made the newer
     ones, numbered as before (actors.sequencer): one made from the same weights is reused, one made otherwise
-    is encoded over, and until then no query is answered from the one on disk (it may be replaced)."""
+    is encoded over, and until then no query is answered from the one on disk (it may be replaced), nor
+    does a restarted shard serve it (PersistedVersions.ceiling)."""
     shard = make_shard(store_dir, tmp_path, keep_versions=3)
     for v in range(3):
         shard.refresh(states[v], v)
@@ -237,9 +238,12 @@ def test_going_back_to_a_version_leaves_the_newer_ones_to_be_made_again(store_di
     assert shard.use_version(0) == 0 and shard.status()["held"] == [0]  # the newer ones left memory
     with pytest.raises(VersionUnavailable, match="does not hold version 2"):  # on disk, newer than served
         shard.topk(QUERIES, 4, GOLD, version=2)
+    # Nor does the shard restarted (by Ray, mid-rerun): it used to serve the killed run's version 2 again.
+    assert make_shard(store_dir, tmp_path, keep_versions=3).status()["served"] == 0
     encodes = shard.status()["encodes"]
     assert shard.refresh(states[1], 1) == 1 and shard.status()["encodes"] == encodes  # the replay: reused
     assert shard.topk(QUERIES, 4, GOLD).scores.tolist() == answers[1].scores.tolist()
+    assert make_shard(store_dir, tmp_path, keep_versions=3).status()["served"] == 1
     assert shard.refresh(states[0], 2) == 2 and shard.status()["encodes"] == encodes + 1  # other weights
     again = shard.topk(QUERIES, 4, GOLD, version=2)
     assert again.scores.tolist() == answers[0].scores.tolist() != answers[2].scores.tolist()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dist_nce.actors.config import ServiceConfig
 from dist_nce.actors.shard import EntityShard
+from dist_nce.core.artifacts import ArtifactMismatch
 from dist_nce.index.config import IndexConfig
 from dist_nce.index.encode import encode_rows, state_fingerprint, store_fingerprint
 from dist_nce.index.import_encodings import AlignmentError, ImportTarget, align_rows, import_matrix, read_row_ids
@@ -231,3 +232,24 @@ def test_sweep_removes_only_dead_version_temporaries(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == [".manifest.json.q.tmp", ".v00000001.old", ".writers.lock",
                                                    "notes.tmp", "v00000000", "v00000009"]
     assert versions.valid_versions() == [0]
+
+
+def test_the_ceiling_holds_while_newer_versions_are_on_disk(tmp_path):
+    """PersistedVersions.mark_served: a ceiling only while a version above the one served is on disk; an
+    unreadable one names its file."""
+    versions = PersistedVersions(tmp_path / "shard", {"rows": [0, 3]})
+    for v in range(3):
+        versions.save(v, Reps(torch.zeros(3, 2), None))
+    assert versions.ceiling() is None
+    versions.mark_served(0)  # gone back below 1 and 2
+    assert versions.ceiling() == 0 and json.loads((tmp_path / "shard" / "serving.json").read_text()) == {"ceiling": 0}
+    versions.mark_served(1)
+    assert versions.ceiling() == 1
+    versions.mark_served(2)  # nothing above: no ceiling
+    assert versions.ceiling() is None and not (tmp_path / "shard" / "serving.json").exists()
+    (tmp_path / "shard" / "serving.json").write_text('{"ceiling": "1"}')
+    with pytest.raises(ArtifactMismatch, match=r"serving\.json: 'ceiling' must be an integer"):
+        versions.ceiling()
+    (tmp_path / "shard" / "serving.json").write_text("{")
+    with pytest.raises(ArtifactMismatch, match=r"serving\.json: unreadable .*remove it"):
+        versions.ceiling()
