@@ -373,7 +373,10 @@ def check_link(root: Path, cmd: Command) -> None:
         assert callable(getattr(importlib.import_module(module), attr)), cmd
         return
     args = job_module(root, words[1]).parse_args([w.replace("$RUN", "runs/demo/T/") for w in words[2:]])
-    if args.input:  # a file `make demo` writes (the demo's synthetic KILT AIDA dev split)
+    if args.blink_scores:  # one of BLINK's benchmark files, under the names its scripts give them (run on tiny
+        # ones by tests/link/test_link_job.py)
+        assert args.input.startswith("BLINK_benchmark/") and args.input.endswith(".jsonl"), cmd
+    elif args.input:  # a file `make demo` writes (the demo's synthetic KILT AIDA dev split)
         assert args.input.startswith("data/demo/synthetic/") and args.input.endswith("-kilt.jsonl"), cmd
 
 

@@ -17,12 +17,20 @@ KB's embeddings from ``jobs/encode_kb.py --out`` (``--snapshot``; or ``--kb enco
 BLINK files are read with ``--tokenizer`` (default: the default model's, bert-uncased's vocabulary);
 an index encoded by other weights than the model's is refused, never searched.
 
-Input lines (JSONL) are ``{"text": ..., "mentions": [[start, end], ...]}`` (character spans)
-or KILT inputs ``{"id": ..., "input": "left [START_ENT] mention [END_ENT] right"}``; output
+Input lines (JSONL) are ``{"text": ..., "mentions": [[start, end], ...]}`` (character spans),
+KILT inputs ``{"id": ..., "input": "left [START_ENT] mention [END_ENT] right"}`` or BLINK's mention
+lines ``{"context_left": ..., "mention": ..., "context_right": ...}``; output
 lines are the same documents, every field kept, with ``mentions`` holding per mention its span,
 its text and the top-k entities (id, title, store row, retriever score, reranker score when
 ``--reranker`` is given). ``--output`` is written whole or not at all. ``--format kilt`` writes KILT guess
-lines instead (one per input id: answer = top-1 title, provenance = ranked ids).
+lines instead (one per input id: answer = top-1 title, provenance = ranked ids). ``--blink-scores
+scores.json`` scores a BLINK benchmark file (its ``label_id`` the gold page) as BLINK's run_benchmark.py
+does (dist_nce.eval.blink says how it counts), e.g. with BLINK's released files, k = 100::
+
+    python jobs/link.py --model models/biencoder_wiki_large.bin --store data/prepared/blink \
+        --snapshot data/embeddings/blink --reranker models/crossencoder_wiki_large.bin --k 100 \
+        --input data/BLINK_benchmark/AIDA-YAGO2_testb.jsonl --output testb_linked.jsonl \
+        --blink-scores testb_scores.json
 
 The KB is searched in this process (``--searcher local``: the run's exported KB snapshot,
 or ``--kb encode``) or through the trainer's sharded NegativeService on Ray
@@ -77,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--interactive", action="store_true", help="read sentences from stdin, one per line")
     ap.add_argument("--output", help="output JSONL (batch mode; default: stdout)")
     ap.add_argument("--format", choices=["jsonl", "kilt"], default="jsonl", help="batch output format")
+    ap.add_argument("--blink-scores", metavar="JSON", help="--input is a BLINK benchmark file (context_left, "
+                    "mention, context_right, label_id): write BLINK's table for it, counted as BLINK counts")
     ap.add_argument("--config", help="YAML of LinkConfig fields")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="LinkConfig override")
     for name, kind, what in LINK_OPTIONS:
@@ -110,10 +120,11 @@ def print_answer(doc: dict, out: TextIO = sys.stdout) -> None:
             print(f"  {rank:>3}. {e['title']:<40} id {e['id']:<12} score {e['score']:9.4f}{rerank}", file=out)
 
 
-def read_docs(path: str, kilt: bool = False) -> list[tuple[int, dict]]:
+def read_docs(path: str, kilt: bool = False, blink: bool = False) -> list[tuple[int, dict]]:
     """(line number, document) of every non-empty line; each checked, errors as file:line.
-    ``kilt``: each line must also make one KILT guess line (an 'id', exactly one mention)."""
-    from dist_nce.link.inputs import parse_docs
+    ``kilt``: each line must also make one KILT guess line (an 'id', exactly one mention); ``blink``: each
+    line must be a BLINK mention line with its ``label_id``."""
+    from dist_nce.link.inputs import BLINK_FIELDS, parse_docs
 
     docs = []
     with open(path, encoding="utf-8") as f:
@@ -127,6 +138,9 @@ def read_docs(path: str, kilt: bool = False) -> list[tuple[int, dict]]:
                 raise ValueError(f"{path}:{lineno}: {str(e).removeprefix('doc 0: ')}") from None
             if kilt and ("id" not in doc or len(mentions) != 1):
                 raise ValueError(f"{path}:{lineno}: --format kilt needs an 'id' and exactly one mention per line")
+            if blink and not ("mention" in doc and "label_id" in doc):
+                raise ValueError(f"{path}:{lineno}: --blink-scores needs BLINK mention lines "
+                                 f"({', '.join(BLINK_FIELDS)}) with a 'label_id'")
             docs.append((lineno, doc))
     return docs
 
@@ -151,6 +165,7 @@ def batch(linker: Linker, args: argparse.Namespace, docs: list[tuple[int, dict]]
     from dist_nce.core.artifacts import atomic_path
 
     mentions = 0
+    scored: list[tuple[str | None, list[int], int | None]] = []  # --blink-scores: (page id, rows, reranked top)
     with contextlib.ExitStack() as stack:
         if args.output:
             sink = stack.enter_context(open(stack.enter_context(atomic_path(args.output)), "w", encoding="utf-8"))
@@ -166,9 +181,36 @@ def batch(linker: Linker, args: argparse.Namespace, docs: list[tuple[int, dict]]
                 [{**doc, **ans} for (_, doc), ans in zip(chunk, linked)]
             sink.write("".join(json.dumps(x, ensure_ascii=args.format == "kilt") + "\n" for x in lines))
             mentions += sum(len(x["mentions"]) for x in linked)
+            if getattr(args, "blink_scores", None):
+                from dist_nce.eval.blink import linked_rows, page_id
+
+                scored += [(page_id(doc["label_id"]), *linked_rows(ans["mentions"][0]["entities"]))
+                           for (_, doc), ans in zip(chunk, linked)]
             bar.update(len(chunk))
     print(f"linked {mentions} mentions in {len(docs)} documents" + (f" -> {args.output}" if args.output else ""),
           file=sys.stderr)
+    if scored:
+        write_blink_scores(linker, args, scored)
+
+
+def write_blink_scores(linker: Linker, args: argparse.Namespace,
+                       scored: list[tuple[str | None, list[int], int | None]]) -> None:
+    """BLINK's table for the linked file (dist_nce.eval.blink) to ``args.blink_scores``, and its row to stderr."""
+    import numpy as np
+
+    from dist_nce.core.artifacts import atomic_write_json
+    from dist_nce.eval.blink import blink_scores, format_table
+
+    ids = [p for p, _, _ in scored]
+    known = [i for i, p in enumerate(ids) if p is not None]
+    gold = np.full(len(ids), -1, dtype=np.int64)
+    gold[known] = linker.store.rows_for_source_ids([ids[i] for i in known])
+    reranked = [top for _, _, top in scored]
+    scores = blink_scores(np.array([rows for _, rows, _ in scored], dtype=np.int64).reshape(len(scored), -1), gold,
+                          None if reranked[0] is None else np.array(reranked, dtype=np.int64))
+    atomic_write_json(args.blink_scores, {"input": str(Path(args.input).resolve()),
+                                          "reranker": linker.config.reranker, **scores})
+    print(format_table(Path(args.input).name, scores) + f" -> {args.blink_scores}", file=sys.stderr)
 
 
 def interactive(linker: Linker) -> None:
@@ -202,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if args.format == "kilt" and not args.input:
         return refuse("--format", "kilt", "writes one guess line per line of --input; give --input")
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        return refuse("--output", args.output, f"directory {Path(args.output).resolve().parent} not found")
+    if args.blink_scores and not args.input:
+        return refuse("--blink-scores", args.blink_scores, "scores the lines of --input; give --input")
+    for flag, out in (("--output", args.output), ("--blink-scores", args.blink_scores)):
+        if out and not Path(out).resolve().parent.is_dir():
+            return refuse(flag, out, f"directory {Path(out).resolve().parent} not found")
     if not args.run and not args.model:
         return error("give --run (a run directory) or --model (a retriever directory or BLINK biencoder file) "
                      "with --store")
@@ -217,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             parse_docs([doc])  # a bad sentence fails before the model loads
         # Every input line is read and checked before the model loads: a bad line (or one --format kilt
         # cannot write) is refused before any output file is opened.
-        docs = read_docs(args.input, kilt=args.format == "kilt") if args.input else None
+        docs = read_docs(args.input, kilt=args.format == "kilt", blink=bool(args.blink_scores)) if args.input \
+            else None
     except (ConfigError, ValueError, FileNotFoundError) as e:
         return error(e)
 

@@ -1,11 +1,16 @@
 """What a user gives the linker, checked and cut into (left, mention, right) records.
 
-Three input forms, all turned into :class:`dist_nce.core.records.MentionRecord` so tokenization is
+Four input forms, all turned into :class:`dist_nce.core.records.MentionRecord` so tokenization is
 the training path's own (``dist_nce.core.text.encode_mentions``):
 
 * character spans: ``{"text": "Paris is in France .", "mentions": [[12, 18]]}``;
 * KILT entity-linking inputs: ``{"id": ..., "input": "left [START_ENT] m [END_ENT] right"}``,
   cut by the KILT reader's own :func:`kb.kilt.split_marked_input` (one mention per input);
+* BLINK's mention lines (its benchmark files, ``AIDA-YAGO2_testb.jsonl`` and the others
+  ``scripts/create_BLINK_benchmark_data.py`` writes; its ``--test_mentions``):
+  ``{"context_left": ..., "mention": ..., "context_right": ..., "query_id"?: ..., "label_id"?: ...}``,
+  one mention per line, id ``query_id`` (else ``id``); BLINK lowercases these texts, which the uncased
+  BERT tokenizers do anyway;
 * a sentence with the mentions in square brackets (command line, interactive mode):
   ``"Paris is in [France] ."`` -> :func:`parse_brackets` -> the span form.
 
@@ -35,19 +40,23 @@ class Mention:
     """One mention to link: where it came from and its record for tokenization.
 
     doc: index of the document in the request; span: [start, end) characters of the
-    document's ``text`` (None for KILT inputs, whose text is the marked ``input``); mention:
-    the mention's text, stripped; source: the document's ``text`` or KILT ``input`` itself.
+    document's ``text`` (None for KILT and BLINK inputs); mention: the mention's text, stripped;
+    source: the document's ``text`` or KILT ``input`` itself, or BLINK's (context_left, context_right).
     """
 
     doc: int
     span: tuple[int, int] | None
     mention: str
     mention_id: str
-    source: str = field(repr=False, compare=False)
+    source: str | tuple[str, str] = field(repr=False, compare=False)
 
     @property
     def record(self) -> MentionRecord:
         """(left, mention, right) for tokenization; the contexts are copied on each call."""
+        if isinstance(self.source, tuple):
+            left, right = self.source
+            return MentionRecord(mention_id=self.mention_id, left=left.strip(), mention=self.mention,
+                                 right=right.strip())
         if self.span is None:
             left, mention, right = split_marked_input(self.source, f"doc {self.doc}", 0)
         else:
@@ -60,6 +69,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+BLINK_FIELDS = ("context_left", "mention", "context_right")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -120,6 +130,22 @@ def _kilt_mention(i: int, doc: Mapping[str, Any]) -> Mention:
     return Mention(i, None, mention, str(doc.get("id", i)), text)
 
 
+def _blink_mention(i: int, doc: Mapping[str, Any]) -> Mention:
+    texts = []
+    for key in BLINK_FIELDS:
+        if key not in doc:
+            raise ValueError(f"doc {i}: field '{key}': missing (a BLINK mention line has "
+                             f"{', '.join(BLINK_FIELDS)})")
+        if not isinstance(doc[key], str):
+            raise ValueError(f"doc {i}: field '{key}': expected a string, got {type(doc[key]).__name__}")
+        _check_text(f"doc {i}: field '{key}'", doc[key])
+        texts.append(doc[key])
+    left, mention, right = texts
+    if not mention.strip():
+        raise ValueError(f"doc {i}: field 'mention': empty mention")
+    return Mention(i, None, mention.strip(), str(doc.get("query_id", doc.get("id", i))), (left, right))
+
+
 def parse_docs(docs: Sequence[Mapping[str, Any]]) -> list[Mention]:
     """Every mention of ``docs`` in order (doc by doc, span by span); ValueError on the first bad one."""
     if isinstance(docs, (str, bytes)) or not isinstance(docs, Sequence):
@@ -129,18 +155,21 @@ def parse_docs(docs: Sequence[Mapping[str, Any]]) -> list[Mention]:
     mentions: list[Mention] = []
     for i, doc in enumerate(docs):
         if not isinstance(doc, Mapping):
-            raise ValueError(f"doc {i}: expected an object with 'text' and 'mentions' (or a KILT 'input'), "
-                             f"got {type(doc).__name__}")
-        has_text, has_input = "text" in doc, "input" in doc
-        if has_text and has_input:
-            raise ValueError(f"doc {i}: give either 'text' + 'mentions' or a KILT 'input', not both")
-        if has_text:
+            raise ValueError(f"doc {i}: expected an object with 'text' and 'mentions' (or a KILT 'input', or "
+                             f"BLINK's 'mention' with its contexts), got {type(doc).__name__}")
+        forms = [name for name, key in (("'text' + 'mentions'", "text"), ("a KILT 'input'", "input"),
+                                        ("BLINK's 'mention'", "mention")) if key in doc]
+        if len(forms) > 1:
+            raise ValueError(f"doc {i}: give one of {', '.join(forms)}, not several")
+        if "text" in doc:
             mentions.extend(_span_mentions(i, doc))
-        elif has_input:
+        elif "input" in doc:
             mentions.append(_kilt_mention(i, doc))
+        elif "mention" in doc:
+            mentions.append(_blink_mention(i, doc))
         else:
-            raise ValueError(f"doc {i}: field 'text': missing (give 'text' + 'mentions', or a KILT 'input' "
-                             f"with {START_ENT} ... {END_ENT})")
+            raise ValueError(f"doc {i}: field 'text': missing (give 'text' + 'mentions', a KILT 'input' "
+                             f"with {START_ENT} ... {END_ENT}, or BLINK's {', '.join(BLINK_FIELDS)})")
     return mentions
 
 

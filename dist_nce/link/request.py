@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from dist_nce.link.inputs import BLINK_FIELDS
 from kb.kilt import START_ENT
 
 
@@ -224,9 +225,19 @@ def _doc_spans(i: int, doc: Any, limits: Limits) -> int:
     """The number of spans ``doc`` asks to link, after checking the types and sizes that bound
     the work on it (422 for a type, 413 for a size)."""
     if not isinstance(doc, dict):
-        raise BadRequest(422, f"doc {i}: expected an object with 'text' and 'mentions' (or a KILT 'input'), "
-                              f"got {type(doc).__name__}")
+        raise BadRequest(422, f"doc {i}: expected an object with 'text' and 'mentions' (or a KILT 'input', or "
+                              f"BLINK's 'mention' with its contexts), got {type(doc).__name__}")
     field = "text" if "text" in doc else "input" if "input" in doc else None
+    if field is None and "mention" in doc:  # BLINK's mention line: one mention, its three texts bounded together
+        texts = [doc.get(key, "") for key in BLINK_FIELDS]
+        for key, text in zip(BLINK_FIELDS, texts):
+            if not isinstance(text, str):
+                raise BadRequest(422, f"doc {i}: field '{key}': expected a string, got {type(text).__name__}")
+        size = sum(map(len, texts))
+        if size > limits.max_text_chars:
+            raise BadRequest(413, f"doc {i}: fields {', '.join(BLINK_FIELDS)}: {size} characters; the limit is "
+                                  f"{limits.max_text_chars}")
+        return 1
     if field is None:
         return 1  # no text: inputs.py names the missing field; nothing here to bound
     text = doc[field]

@@ -28,6 +28,22 @@ def test_kilt_input_uses_the_kilt_reader_cut():
         None, "q1", "left side", "Big Apple", "right side")
 
 
+def test_blink_mention_lines_are_cut_from_their_own_fields():
+    # a line of BLINK's AIDA-YAGO2_testb.jsonl (scripts/create_BLINK_benchmark_data.py's fields)
+    line = {"context_left": "SOCCER - JAPAN GET LUCKY WIN , ", "mention": "CHINA ",
+            "context_right": " IN SURPRISE DEFEAT .", "query_id": "1163testb:3", "label_id": "887850", "Wikipedia_ID": "887850",
+            "Wikipedia_URL": "http://en.wikipedia.org/wiki/China", "Wikipedia_title": "China"}
+    (m,) = parse_docs([line])
+    assert (m.doc, m.span, m.mention, m.mention_id) == (0, None, "CHINA", "1163testb:3")
+    r = m.record
+    assert (r.mention_id, r.left, r.mention, r.right) == ("1163testb:3", "SOCCER - JAPAN GET LUCKY WIN ,", "CHINA",
+                                                          "IN SURPRISE DEFEAT .")
+    # without query_id: the line's id, else its position; empty contexts are allowed (a mention at the start)
+    (a, b) = parse_docs([{"id": 7, "mention": "x", "context_left": "", "context_right": ""},
+                         {"mention": "y", "context_left": "", "context_right": "z"}])
+    assert (a.mention_id, a.record.left, b.mention_id, b.record.right) == ("7", "", "1", "z")
+
+
 @pytest.mark.parametrize("docs, needle", [
     ([{"text": "Paris"}], "doc 0: field 'mentions': missing"),
     ([{"text": "ok", "mentions": [[0, 1]]}, {"text": "Paris", "mentions": [[2, 9]]}],
@@ -40,7 +56,11 @@ def test_kilt_input_uses_the_kilt_reader_cut():
     ([{"text": 3, "mentions": [[0, 1]]}], "doc 0: field 'text': expected a string"),
     ([{"text": "Paris", "mentions": []}], "doc 0: field 'mentions': expected a non-empty list"),
     ([{"mentions": [[0, 1]]}], "doc 0: field 'text': missing"),
-    ([{"text": "a", "mentions": [[0, 1]], "input": "x"}], "not both"),
+    ([{"text": "a", "mentions": [[0, 1]], "input": "x"}], "give one of 'text' + 'mentions', a KILT 'input', not"),
+    ([{"input": "a [START_ENT] b [END_ENT]", "mention": "b"}], "a KILT 'input', BLINK's 'mention', not several"),
+    ([{"mention": "Paris", "context_left": "a"}], "doc 0: field 'context_right': missing (a BLINK mention line"),
+    ([{"mention": "Paris", "context_left": 3, "context_right": ""}], "field 'context_left': expected a string"),
+    ([{"mention": " ", "context_left": "a", "context_right": "b"}], "doc 0: field 'mention': empty mention"),
     ([{"input": "no markers"}], "doc 0: field 'input': expected exactly one [START_ENT]"),
     ([{"input": "a [END_ENT] b [START_ENT] c"}], "doc 0: field 'input': [END_ENT] comes before"),
     (["Paris"], "doc 0: expected an object"),
@@ -86,6 +106,7 @@ def test_the_serve_config_is_loopback_and_its_args_are_a_serve_config():
 @pytest.mark.parametrize("doc, needle", [
     ({"text": "Par\ud800is", "mentions": [[0, 3]]}, "doc 0: field 'text': lone UTF-16 surrogate \\ud800 at character 3"),
     ({"input": "a [START_ENT] P\udc00 [END_ENT] b"}, "doc 0: field 'input': lone UTF-16 surrogate \\udc00"),
+    ({"mention": "P", "context_left": "\udc00", "context_right": ""}, "field 'context_left': lone UTF-16 surrogate"),
 ])
 def test_a_lone_surrogate_is_refused_before_the_tokenizer(doc, needle):
     # the Python API's own check (the tokenizer would raise a TypeError on it)

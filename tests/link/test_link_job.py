@@ -112,3 +112,53 @@ def test_interactive_reads_stdin_and_survives_a_bad_line(tiny_run, api):
     assert heads == ["'France' [12, 18)", "'Alps' [4, 8)"]
     top = api.link([{"text": "the Alps are high", "mentions": [[4, 8]]}], k=2)[0]["mentions"][0]["entities"][0]
     assert f" {top['title']} " in r.stdout.splitlines()[-2]
+
+
+def test_a_blink_benchmark_file_is_linked_and_scored_as_blink_counts(tiny_run, tiny_reranker, dev_file, tmp_path):
+    from dist_nce.eval.blink import blink_scores
+    from dist_nce.link import Linker
+    from kb.kilt import split_marked_input
+    from kb.store import EntityStore
+
+    # the tiny run's dev mentions in BLINK's benchmark layout (create_BLINK_benchmark_data.py's fields), with one
+    # gold that is no page of the KB and one that is no integer: BLINK drops both
+    lines = []
+    for d in (json.loads(x) for x in open(dev_file, encoding="utf-8")):
+        left, mention, right = split_marked_input(d["input"], str(dev_file), 0)
+        gold = d["output"][0]["provenance"][0]["wikipedia_id"]
+        lines.append({"context_left": left, "mention": mention, "context_right": right, "query_id": d["id"],
+                      "label_id": gold, "Wikipedia_ID": gold, "Wikipedia_title": d["output"][0]["answer"]})
+    lines += [{**lines[0], "query_id": "absent", "label_id": "999999999"},
+              {**lines[1], "query_id": "x", "label_id": "x"}]
+    src, out, scores = tmp_path / "AIDA-YAGO2_testb.jsonl", tmp_path / "linked.jsonl", tmp_path / "scores.json"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # k = 20 of the 60 entities: the tiny random model's golds are in some lists, not all
+    r = run_job("--run", str(tiny_run), "--k", "20", "--reranker", str(tiny_reranker), "--input", str(src),
+                "--output", str(out), "--blink-scores", str(scores), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(scores.read_text())
+    # the same table from the Python API's answers: the retriever's rows and the reranker's top row per mention
+    linker = Linker.from_pretrained(tiny_run, k=20, progress=False, reranker=str(tiny_reranker))
+    plain = Linker.from_pretrained(tiny_run, k=20, progress=False)
+    store = EntityStore(tiny_run.parent / "data" / "prepared")
+    gold = list(store.rows_for_source_ids([x["label_id"] for x in lines[:-1]])) + [-1]
+    assert gold[-2] == -1 and min(gold[:-2]) >= 0
+    ranked = [[e["row"] for e in d["mentions"][0]["entities"]] for d in plain.link(lines)]
+    top1 = [d["mentions"][0]["entities"][0]["row"] for d in linker.link(lines)]
+    want = blink_scores(ranked, gold, top1)
+    assert {k: v for k, v in got.items() if k not in ("input", "reranker")} == json.loads(json.dumps(want))
+    assert got["support"] == len(lines) - 2 and 0 < got["recall@20"] < 1
+    assert got["table"]["overall unormalized accuracy"] is not None and got["reranker"] == str(tiny_reranker)
+    assert f"AIDA-YAGO2_testb.jsonl: biencoder accuracy: {want['table']['biencoder accuracy']:.4f}" in r.stderr
+    # every line linked, its BLINK fields kept
+    linked = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [d["query_id"] for d in linked] == [x["query_id"] for x in lines]
+    assert all(d["mentions"][0]["span"] is None and len(d["mentions"][0]["entities"]) == 20 for d in linked)
+    # lines that are not BLINK's, or without a gold, are refused before the model loads
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(lines[0]) + "\n" + json.dumps({k: v for k, v in lines[1].items() if k != "label_id"})
+                   + "\n")
+    r = run_job("--run", str(tiny_run), "--input", str(bad), "--blink-scores", str(scores))
+    assert r.returncode == 2 and f"{bad}:2: --blink-scores needs BLINK mention lines" in r.stderr
+    r = run_job("--run", str(tiny_run), "--text", "[a]", "--blink-scores", str(scores))
+    assert r.returncode == 2 and "--blink-scores" in r.stderr and "give --input" in r.stderr

@@ -98,12 +98,19 @@ def test_a_request_within_the_limits_passes():
     assert (docs, k) == ([{"input": "a [START_ENT] b [END_ENT] c"}], 10)
     docs, k = check_request([{"text": "Paris", "mentions": [[0, 5]]}], 7, LIMITS)
     assert k == 7
+    blink = {"context_left": "x" * 30, "mention": "m", "context_right": "y" * 19}  # 50 characters in all
+    assert check_request([blink], 7, LIMITS) == ([blink], 7)
 
 
 @pytest.mark.parametrize("payload, status, needle", [
     (good(4), 413, "4 docs in one request; the limit is 3"),
     (good(text="x" * 51), 413, "doc 0: field 'text': 51 characters; the limit is 50"),
     ({"docs": [{"input": "x" * 60}]}, 413, "doc 0: field 'input': 60 characters"),
+    # BLINK's mention line: its three texts count together against the text limit
+    ({"docs": [{"context_left": "x" * 30, "mention": "m", "context_right": "y" * 20}]}, 413,
+     "doc 0: fields context_left, mention, context_right: 51 characters; the limit is 50"),
+    ({"docs": [{"context_left": 3, "mention": "m", "context_right": ""}]}, 422,
+     "doc 0: field 'context_left': expected a string, got int"),
     (good(spans=[(0, 1)] * 5), 413, "doc 0: 5 mentions; the limit per doc is 4"),
     ({"docs": [{"input": "[START_ENT] a [END_ENT] " * 2}] * 3}, 413, "6 mentions in one request; the limit is 5"),
     (good(3, spans=[(0, 1)] * 3), 413, "at least 6 mentions in one request; the limit is 5"),

@@ -102,12 +102,18 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
 
 def test_http_answers_equal_the_python_api(server, tiny_run, tiny_reranker, dev_file):
     from dist_nce.link import Linker
+    from kb.kilt import split_marked_input
 
-    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:6]
+    docs = [json.loads(line) for line in open(dev_file, encoding="utf-8")][:5]
     docs.append({"text": "Tulsa lies in Oklahoma near Arkansas .", "mentions": [[14, 22], [28, 36]]})
+    # the first KILT input again as BLINK's mention line: the same mention, so the same entities
+    left, mention, right = split_marked_input(docs[0]["input"], "dev", 0)
+    docs.append({"context_left": left + " ", "mention": mention, "context_right": right, "query_id": "q0"})
     status, got = post(f"{server}/link", {"docs": docs})
     assert status == 200, got
     assert_same(got["docs"], Linker.from_pretrained(tiny_run, k=3, progress=False).link(docs))
+    assert [e["row"] for e in got["docs"][-1]["mentions"][0]["entities"]] == \
+        [e["row"] for e in got["docs"][0]["mentions"][0]["entities"]]
     status, got = post(f"{server}/rerank", {"docs": docs[:3], "k": 3})
     assert status == 200, got
     want = Linker.from_pretrained(tiny_run, k=3, progress=False, reranker=str(tiny_reranker)).link(docs[:3])
