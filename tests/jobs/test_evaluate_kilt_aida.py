@@ -125,18 +125,25 @@ def test_job_refuses_a_store_of_another_tokenizer(setup, tmp_path):
     assert "tokenizer_sha256" in r.stderr and "re-run jobs/prepare_kb.py" in r.stderr
 
 
-def test_a_repeated_gold_id_is_refused_before_retrieval(setup, tmp_path):
-    """A gold file changed after prepare (or another --aida-dir) with an id twice: the error names the gold
-    file and both lines, before any retrieval, and writes nothing (it used to name a guess file never written)."""
-    root, src = setup
+def edited_dev(root, src, tmp_path, line: int, edit) -> tuple:
+    """(AIDA dir, dev file, record): a copy of the job's AIDA files whose dev line ``line`` (0-based) is
+    ``edit(record, lines)``-ed in place."""
     aida = tmp_path / "aida"
     shutil.copytree(root / "src", aida)
     dev = aida / src["dev"].name
     lines = dev.read_text().splitlines()
-    rec = json.loads(lines[6])
-    rec["id"] = json.loads(lines[1])["id"]
-    lines[6] = json.dumps(rec)
+    rec = json.loads(lines[line])
+    edit(rec, lines)
+    lines[line] = json.dumps(rec)
     dev.write_text("\n".join(lines) + "\n")
+    return aida, dev, rec
+
+
+def test_a_repeated_gold_id_is_refused_before_retrieval(setup, tmp_path):
+    """A gold file changed after prepare (or another --aida-dir) with an id twice: the error names the gold
+    file and both lines, before any retrieval, and writes nothing (it used to name a guess file never written)."""
+    root, src = setup
+    aida, dev, rec = edited_dev(root, src, tmp_path, 6, lambda rec, lines: rec.update(id=json.loads(lines[1])["id"]))
     cmd = [sys.executable, str(JOB), "--model", str(root / "model"), "--store", str(root / "kb"), "--out",
            str(tmp_path / "o"), "--aida-dir", str(aida), "--searcher", "local", "--splits", "dev", "--no-progress"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -152,14 +159,8 @@ def test_a_gold_record_kilt_cannot_score_is_refused_before_retrieval(setup, tmp_
     from dist_nce.cli.evaluate_kilt_aida import main
 
     root, src = setup
-    aida = tmp_path / "aida"
-    shutil.copytree(root / "src", aida)
-    dev = aida / src["dev"].name
-    lines = dev.read_text().splitlines()
-    rec = json.loads(lines[3])
-    rec["output"][0]["provenance"][0]["title"] = 5
-    lines[3] = json.dumps(rec)
-    dev.write_text("\n".join(lines) + "\n")
+    aida, dev, rec = edited_dev(root, src, tmp_path, 3,
+                                lambda rec, lines: rec["output"][0]["provenance"][0].update(title=5))
     code = main(["--model", str(root / "model"), "--store", str(root / "kb"), "--out", str(tmp_path / "o"),
                  "--aida-dir", str(aida), "--searcher", "local", "--splits", "dev", "--no-progress"])
     out, err = capsys.readouterr()
