@@ -301,20 +301,24 @@ class NegativeService:
         self.num_entities, self.live, self.kb_version = count, live, store.kb_version
         return served
 
-    def sync_kb(self) -> int:
+    def sync_kb(self, kb_version: int | None = None) -> int:
         """Follow the KB version the shards serve (a copy of the service in another process, after
-        the driver's :meth:`apply_delta`); returns it."""
+        the driver's :meth:`apply_delta`); returns it. ``kb_version``: follow that one instead, where it is
+        not above the one served (a resumed worker that had not yet used a delta's negatives at its
+        checkpoint: its random negatives stay on the live rows it drew them from, train.kb_follow)."""
         from kb.store import EntityStore
 
         status = self.status()
         if any(s["kb_version"] is None for s in status):  # nothing served yet: the store's version stands
             return self.kb_version
-        kb_version = min(s["kb_version"] for s in status)
-        if kb_version != self.kb_version and self.store_dir is not None:
-            store = EntityStore(self.store_dir, kb_version=kb_version)
+        served = min(s["kb_version"] for s in status)
+        want = served if kb_version is None else min(int(kb_version), served)
+        if want != self.kb_version and self.store_dir is not None:
+            store = EntityStore(self.store_dir, kb_version=want)
             self.live = LiveRows(store.num_entities, torch.as_tensor(store.tombstones, dtype=torch.int64))
-            self.num_entities, self.kb_version = store.num_entities, kb_version
-            self.pieces = [[tuple(r) for r in s["pieces"]] for s in status]
+            self.num_entities, self.kb_version = store.num_entities, want
+            if want == served:  # the driver's placement of the rows (apply_delta); a follower's copy needs none
+                self.pieces = [[tuple(r) for r in s["pieces"]] for s in status]
         return self.kb_version
 
     def _check_state(self, state: dict) -> None:

@@ -40,15 +40,19 @@ class TrainState(base.WorkerState):
     # prefetched ones too) were in: above book.version only for a KB delta's version, whose rows those
     # negatives may hold. -1: not recorded (a checkpoint written before this field: book.version stands).
     index_version: int = -1
+    # Per rank, [the KB version it followed, the newest index version its negatives came from] when the
+    # checkpoint was written (train.kb_follow.KbFollower.resume); empty: not recorded (an older checkpoint).
+    followed: list[list[int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "book": self.book.to_json(), "dev_before": self.dev_before,
-                "kb_version": self.kb_version, "index_version": self.index_version}
+                "kb_version": self.kb_version, "index_version": self.index_version, "followed": self.followed}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TrainState":
         return cls(step=int(d["step"]), book=RefreshBook.from_json(d["book"]), dev_before=d.get("dev_before"),
-                   kb_version=int(d.get("kb_version", 0)), index_version=int(d.get("index_version", -1)))
+                   kb_version=int(d.get("kb_version", 0)), index_version=int(d.get("index_version", -1)),
+                   followed=[[int(k), int(v)] for k, v in d.get("followed", [])])
 
 
 def extra_tensors(rank: int, epoch_negatives: EpochNegatives | None = None,

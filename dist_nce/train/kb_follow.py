@@ -43,7 +43,11 @@ class KbFollower:
             return False
         if version is not None:
             self._seen = int(version)
-        kb_version = int(self.service.sync_kb())
+        return self._open(int(self.service.sync_kb()))
+
+    def _open(self, kb_version: int) -> bool:
+        """Read the store and the golds at ``kb_version`` (the one the service copy now follows); True when it
+        changed."""
         if kb_version == self.kb_version:
             return False
         from kb.store import EntityStore, MentionTable
@@ -53,12 +57,29 @@ class KbFollower:
         self.kb_version = kb_version
         return True
 
+    @property
+    def seen(self) -> int:
+        """The newest index version an answer came from (-1: none yet); with :attr:`kb_version`, what a
+        checkpoint records for :meth:`resume`."""
+        return self._seen
+
     def follow_served(self) -> bool:
-        """At a worker's start: follow the KB version the shards serve, and count their index version as seen
-        (an answer from it or an older one, a checkpoint's restored negatives too, asks nothing new; a
-        delta served later is followed from its first answer, as in the uninterrupted run)."""
+        """At a fresh worker's start: follow the KB version the shards serve, and count their index version as
+        seen (an answer from it or an older one asks nothing new; a delta served later is followed from its
+        first answer). A resumed worker whose checkpoint recorded what it followed uses :meth:`resume`."""
         self._seen = max(self._seen, int(self.service.version()))
         return self.follow(None)
+
+    def resume(self, kb_version: int, seen: int) -> bool:
+        """At a resumed worker's start: follow the KB version this rank followed at its checkpoint, and the
+        index version it had seen. A delta the shards served before the checkpoint but whose negatives no step
+        had used yet is then followed at the step that first uses them, as the uninterrupted run did (its
+        random negatives drawn over the older KB's live rows until then, its golds read at that KB), where
+        :meth:`follow_served` followed it from the rerun's first step. True when the KB version changed."""
+        self._seen = int(seen)
+        if not hasattr(self.service, "sync_kb"):
+            return False
+        return self._open(int(self.service.sync_kb(int(kb_version))))
 
     def store_kb_version(self) -> int:
         """The KB version the store is at on disk now (``jobs/update_kb.py`` may have moved it past the one

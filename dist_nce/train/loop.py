@@ -163,14 +163,20 @@ class Worker(WorkerScaffold):
                                "re-encoding the KB with the current weights")
                 self.state.book.skip_past(newest)
                 self.publisher.publish(self.state.step, wait=True)
-        self._follow_kb(None, start=True)  # the KB of the index version served (rank 0 may have changed it)
+        # The KB of the index version served (rank 0 may have changed it); a resumed rank, the one it followed at
+        # its checkpoint, up to that (a delta served before the checkpoint is followed when a step first uses
+        # its negatives, as in the run this one replays).
+        followed = self.state.followed if self.state.step and len(self.state.followed) == self.world else None
+        self._follow_kb(None, start=True, resume=None if followed is None else followed[self.rank])
         if self.state.kb_version != self.kb.kb_version and self.state.step:
             self.log.write(f"KB version {self.kb.kb_version} served; the checkpoint trained with "
                            f"{self.state.kb_version}")
         stored = self.kb.store_kb_version()
-        if self.state.step and stored > self.kb.kb_version:
+        served_kb = min([int(s["kb_version"]) for s in self.service.status() if s.get("kb_version") is not None],
+                        default=self.kb.kb_version)
+        if self.state.step and stored > served_kb:
             # A delta taken after this checkpoint: the shards went back to the checkpoint's KB with its index.
-            self.log.write(f"the store is at KB version {stored}, this run serves {self.kb.kb_version} (its "
+            self.log.write(f"the store is at KB version {stored}, this run serves {served_kb} (its "
                            f"checkpoint's): to serve it again, python -m dist_nce.train.kb_control "
                            f"{self.cfg.run.output_dir} --kb-version {stored}")
         self.monitor = BiasMonitor(self.service, self.sampling, self.encode, self.probe,
@@ -220,10 +226,15 @@ class Worker(WorkerScaffold):
         gold = getattr(self, "epoch_gold", self.train_gold)  # restored mid-epoch: the golds served now
         return idx, torch.from_numpy(gold[idx]), self.epoch_neg.step(step % self.plan.steps_per_epoch), wait
 
-    def _follow_kb(self, version: int | None, start: bool = False) -> None:
+    def _follow_kb(self, version: int | None, start: bool = False, resume: list[int] | None = None) -> None:
         """Follow the KB version behind index ``version`` (None: ask the shards now; ``start``: the version
-        they serve at the worker's start; train.kb_follow)."""
-        if self.kb.follow_served() if start else self.kb.follow(version):
+        they serve at the worker's start, or with ``resume`` [KB version, index version seen] the checkpoint's;
+        train.kb_follow)."""
+        if not start:
+            changed = self.kb.follow(version)
+        else:
+            changed = self.kb.follow_served() if resume is None else self.kb.resume(*resume)
+        if changed:
             self.store, self.train_gold = self.kb.store, self.kb.mining_gold
             self.log.write(f"following KB version {self.kb.kb_version}")
         self.state.kb_version = self.kb.kb_version
@@ -349,6 +360,7 @@ class Worker(WorkerScaffold):
         # A collective, as the save is. The state is written after this returns.
         served = max(int(s["served"]) for s in self.service.status())
         self.state.index_version = max(self.comm.all_gather(served))
+        self.state.followed = [list(f) for f in self.comm.all_gather([self.kb.kb_version, self.kb.seen])]
         return tensors
 
     def finish(self) -> dict[str, Any]:

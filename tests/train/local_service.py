@@ -64,13 +64,15 @@ class LocalService:
     def status(self) -> list[dict]:
         return [self.shard.status()]
 
-    def sync_kb(self) -> int:
-        """As NegativeService.sync_kb: follow the KB version the shard serves (its live rows)."""
+    def sync_kb(self, kb_version: int | None = None) -> int:
+        """As NegativeService.sync_kb: follow the KB version the shard serves (its live rows), or ``kb_version``
+        where it is not above it."""
         import torch
 
         from kb.store import EntityStore
 
-        kb_version = self.shard.status()["kb_version"]
+        served = self.shard.status()["kb_version"]
+        kb_version = served if kb_version is None or served is None else min(int(kb_version), served)
         if kb_version is not None and kb_version != self.kb_version:
             store = EntityStore(self.store_dir, kb_version=kb_version)
             self.live = LiveRows(store.num_entities, torch.as_tensor(store.tombstones, dtype=torch.int64))

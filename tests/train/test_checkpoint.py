@@ -1,6 +1,7 @@
 """Exact save/restore: DeepSpeed engine (weights_only loads), RNG, loop state."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -33,8 +34,12 @@ def test_rng_round_trip():
 def test_train_state_json_round_trip():
     book = RefreshBook()
     book.record(3, 40)
-    s = checkpoint.TrainState(step=41, book=book, dev_before={"accuracy": 0.5})
-    assert checkpoint.TrainState.from_json(s.to_json()) == s
+    s = checkpoint.TrainState(step=41, book=book, dev_before={"accuracy": 0.5}, kb_version=1, index_version=4,
+                              followed=[[1, 4], [0, 3]])
+    assert checkpoint.TrainState.from_json(json.loads(json.dumps(s.to_json()))) == s
+    # a checkpoint written before the per-rank record: none (its rerun follows the served KB, as it did)
+    old = {k: v for k, v in s.to_json().items() if k != "followed"}
+    assert checkpoint.TrainState.from_json(old).followed == []
 
 
 def engine(cfg_name):

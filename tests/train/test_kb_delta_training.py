@@ -32,7 +32,7 @@ class FakeService:
         self.kb_version = EntityStore(self.store).kb_version if self.store else (kb_version or 1)
         return 7
 
-    def sync_kb(self):
+    def sync_kb(self, kb_version=None):
         return self.kb_version
 
 

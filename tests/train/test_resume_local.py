@@ -117,14 +117,14 @@ def test_a_stopped_and_resumed_run_takes_the_uninterrupted_runs_steps(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delta_at", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-    "known: a rerun follows the served delta's KB from its first step; the uninterrupted run followed it when it "
-    "first used negatives mined from it, up to negatives.prefetch steps later (docs/design.md section 6)"))), 3])
+@pytest.mark.parametrize("delta_at", [1, 2, 3])
 def test_a_run_resumed_around_a_kb_delta_serves_its_checkpoints_kb(tmp_path, process_group, capsys,  # noqa: F811
                                                                     delta_at):
-    """Stopped at step 3, after (``delta_at`` 1) or before (3) a mid-run KB delta, the rerun serves the
-    checkpoint's index version and KB again and takes the uninterrupted run's steps. (2: the delta served, but
-    the steps up to 3 trained on negatives mined before it: a known difference, marked.)
+    """Stopped at step 3, after (``delta_at`` 1) or before (3) a mid-run KB delta, or with the delta served and
+    no step yet on its negatives (2: the prefetched ones of steps 3 and 4 were mined before it and after it), the
+    rerun serves the checkpoint's index version and KB again and takes the uninterrupted run's steps: with 2 it
+    follows the delta at step 4, where that run did (it used to follow it from step 3, and step 5's random
+    negatives came from the new KB's rows: kb/version and loss differed).
 
     After: the checkpoint was written before the next refresh, so the delta's index version is above the
     book's. The rerun used to serve the book's version, the KB before the delta: it crashed on a restored
@@ -172,6 +172,10 @@ def test_a_run_resumed_around_a_kb_delta_serves_its_checkpoints_kb(tmp_path, pro
     saved = checkpoint.TrainState.from_json(json.loads((end / "train_state.json").read_text()))
     after = int(delta_at < 3)
     assert (saved.index_version, saved.book.version) == (after, 0)  # after: the delta's, above the last refresh's
+    # what the one rank had followed: the delta's KB and index version only once a step used its negatives
+    # (here, with 2 steps prefetched, none before step 3 did: KB 0, index version 0 in every case)
+    used = straight["kb_versions"][2]
+    assert saved.followed == [[used, used]]
     # The rerun's shard serves its newest version on disk (after: the delta's), as a restarted shard does; the
     # rerun used to go back to the book's version 0 (KB 0) from there.
     rerun = service(data, "shards")
