@@ -33,8 +33,8 @@ With a ``cuda`` ``link.device`` the encoder, reranker and local-index searcher r
 Requests: POST ``route`` (Content-Type ``application/json``), body ``{"docs": [doc, ...], "k": 5}``,
 a list of docs, or one doc; a doc is ``{"text", "mentions": [[start, end], ...]}``, a KILT
 ``{"input": "... [START_ENT] m [END_ENT] ..."}`` or BLINK's ``{"context_left", "mention", "context_right"}``.
-Every limit is checked before any tokenizing (``ServeConfig``'s ``max_*`` fields). Refusals, each with ``{"error": message}`` naming the field
-(and doc) at fault, at most 400 characters (values it quotes are cut):
+Every limit is checked before any tokenizing (``ServeConfig``'s ``max_*`` fields). Refusals, each with
+``{"error": message}`` naming the field (and doc) at fault, at most 400 characters (values it quotes are cut):
 
 * 400: not UTF-8 (the byte offset), nested deeper than ``max_json_depth``, not JSON, wrong shape,
   a lone UTF-16 surrogate (``"\\ud800"``) outside the docs;

@@ -31,8 +31,8 @@ def test_kilt_input_uses_the_kilt_reader_cut():
 def test_blink_mention_lines_are_cut_from_their_own_fields():
     # a line of BLINK's AIDA-YAGO2_testb.jsonl (scripts/create_BLINK_benchmark_data.py's fields)
     line = {"context_left": "SOCCER - JAPAN GET LUCKY WIN , ", "mention": "CHINA ",
-            "context_right": " IN SURPRISE DEFEAT .", "query_id": "1163testb:3", "label_id": "887850", "Wikipedia_ID": "887850",
-            "Wikipedia_URL": "http://en.wikipedia.org/wiki/China", "Wikipedia_title": "China"}
+            "context_right": " IN SURPRISE DEFEAT .", "query_id": "1163testb:3", "label_id": "887850",
+            "Wikipedia_ID": "887850", "Wikipedia_URL": "http://en.wikipedia.org/wiki/China", "Wikipedia_title": "China"}
     (m,) = parse_docs([line])
     assert (m.doc, m.span, m.mention, m.mention_id) == (0, None, "CHINA", "1163testb:3")
     r = m.record
