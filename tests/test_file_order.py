@@ -63,3 +63,12 @@ def test_the_readme_states_the_suites_minutes_from_the_durations_file():
     minutes = seconds / workers / 60
     assert abs(int(said.group(1)) - minutes) <= 1, \
         f"README.md says about {said.group(1)} minutes; tests/durations.json sums to {minutes:.1f} per process"
+
+
+def test_test_file_names_are_unique():
+    """pytest imports test files by their base name (no __init__.py under tests/): a second file of the same name
+    in another folder is a collection error of the whole suite ("import file mismatch"), seen once."""
+    names: dict[str, list[str]] = {}
+    for f in sorted((REPO / "tests").rglob("test_*.py")):
+        names.setdefault(f.name, []).append(str(f.relative_to(REPO)))
+    assert not {n: fs for n, fs in names.items() if len(fs) > 1}
