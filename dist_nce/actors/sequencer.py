@@ -10,7 +10,8 @@ threaded actor, even from one caller, so no numbering rule alone can fix this.
 
 Here every version-making call goes through one queue: :meth:`IndexSequencer.submit_refresh` (and
 ``submit_delta``) numbers the call past every version a shard serves or builds and every one it
-numbered before (:meth:`IndexSequencer._current`), and a single thread runs the calls in
+numbered before (:meth:`IndexSequencer._current`; a ``submit_use`` going back restarts that count at
+the version gone back to, never below a delta's number), and a single thread runs the calls in
 that order, each on every shard, the next only after the last shard has finished the previous
 one. So every shard sees the same versions in the same order, and a version number names one
 encoding. A ``submit_*`` call returns at once (the number is known before the work is done; a
@@ -52,7 +53,8 @@ class IndexSequencer:
         self._cond = threading.Condition()
         self._queue: collections.deque[_Call] = collections.deque()
         self._outcomes: dict[str, tuple[bool, Any]] = {}
-        self._made = -1  # the highest version this actor numbered for a refresh or a delta (queued ones too)
+        self._made = -1  # the highest version numbered for a refresh or a delta (queued ones too), or gone back to
+        self._delta_made = -1  # the highest version numbered for a delta
         threading.Thread(target=self._run, name="index-sequencer", daemon=True).start()
 
     # ------------------------------------------------------------------ submitting
@@ -83,8 +85,18 @@ class IndexSequencer:
         with self._cond:
             if version is None:
                 version = max(self._made, current, int(after)) + 1
-            if method != "use_version":  # going back to a version makes none
+            if method != "use_version":
                 self._made = max(self._made, int(version))
+                if method == "apply_delta":
+                    self._delta_made = max(self._delta_made, int(version))
+            else:
+                # Going back makes none, and the refreshes above it are made again from here on, numbered as
+                # before (_current): a trainer restarted inside the job replays the refresh that made the next
+                # version and the shards reuse it (same weights), as after a rerun in a new cluster. Numbered
+                # past it, the replay encoded the whole KB again under a new number (the chaos test's rerun
+                # ended an index version above the undisturbed run's). Never below a delta's number: a delta
+                # asked again after the go-back takes a new one (KB content is not replayed by a trainer).
+                self._made = max(int(version), self._delta_made)
             # a ticket is unique across restarts: a waiter never gets another call's outcome
             call = _Call(uuid.uuid4().hex, int(version), method, args(int(version)))
             self._queue.append(call)
