@@ -63,7 +63,8 @@ def blink_scores(ranked: Any, gold: Any, reranked_top1: Any | None = None) -> di
     out: dict[str, Any] = {"lines": int(len(kept)), "support": n, "k": k, f"recall@{k}": None, "table": table}
     if n == 0 or k == 0:
         return out
-    out[f"recall@{k}"] = mean(hits_at_k(r, g, k))
+    inside = hits_at_k(r, g, k)  # gold among all k candidates
+    out[f"recall@{k}"] = mean(inside)
     table["biencoder accuracy"] = mean(hits_at_k(r, g, 1))
     if k >= 2:
         table["recall at 100"] = mean(hits_at_k(r, g, k - 1))
@@ -71,7 +72,6 @@ def blink_scores(ranked: Any, gold: Any, reranked_top1: Any | None = None) -> di
         p = np.asarray(reranked_top1, dtype=np.int64)
         if p.shape != kept.shape:
             raise ValueError(f"reranked_top1 [N]: got shape {p.shape}, expected {kept.shape}")
-        inside = hits_at_k(r, g, k)
         normalized = mean(correct(p[kept], g), mask=inside)
         table["crossencoder normalized accuracy"] = normalized
         if normalized is not None:
